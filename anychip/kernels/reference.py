@@ -1,0 +1,80 @@
+"""Pure-torch oracles for the W4A8 ops. Every implementation is tested against these.
+
+W4A8: symmetric INT4 weights with one scale per group of G input channels, dynamic symmetric per-token INT8
+activations:  y[m, n] = sx[m] * sum_g sw[n, g] * sum_{k in g} xq[m, k] * wq[n, k]  (+ bias[n]),
+with the inner sum exact in INT32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+INT8_MAX = 127
+
+
+def quantize_activations_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token symmetric INT8.  x: (M, K) bf16/fp16/fp32 -> xq (M, K) int8, sx (M, 1) fp32.
+
+    scale = amax / 127 (computed in fp32), q = round_half_even(x / scale) clamped to [-127, 127]; an all-zero
+    row gets scale 0 and q = 0.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"quantize_activations_ref wants (M, K), got {tuple(x.shape)}")
+    xf = x.float()
+    amax = xf.abs().amax(dim=1, keepdim=True)
+    sx = amax / INT8_MAX
+    safe = torch.where(sx > 0, sx, torch.ones_like(sx))
+    xq = torch.round(xf / safe).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return xq, sx
+
+
+def group_dot_ref(xq: torch.Tensor, wq: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The exact integer part: (M, K) int8 x (N, K) int8 -> (M, N, K // G) int32 per-group dot products."""
+    m, k = xq.shape
+    n, k2 = wq.shape
+    if k != k2:
+        raise ValueError(f"K mismatch: activations have {k}, weights {k2}")
+    if k % group_size:
+        raise ValueError(f"K={k} is not a multiple of group size {group_size}")
+    g = k // group_size
+    xg = xq.to(torch.int64).view(m, 1, g, group_size)
+    wg = wq.to(torch.int64).view(1, n, g, group_size)
+    return (xg * wg).sum(dim=3).to(torch.int32)
+
+
+def w4a8_linear_ref(
+    xq: torch.Tensor,
+    sx: torch.Tensor,
+    wq: torch.Tensor,
+    sw: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """xq (M, K) int8, sx (M, 1) fp32, wq (N, K) int8 in [-8, 7], sw (N, K // G) -> (M, N) out_dtype."""
+    n, groups = sw.shape
+    group_size = wq.shape[1] // groups
+    acc = group_dot_ref(xq, wq, group_size).to(torch.float64)  # (M, N, G)
+    y = (acc * sw.double().unsqueeze(0)).sum(dim=2) * sx.double()
+    if bias is not None:
+        y = y + bias.double()
+    return y.to(out_dtype)
+
+
+def w4a8_linear_dynamic_ref(
+    x: torch.Tensor,
+    wq: torch.Tensor,
+    sw: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Quantize x per token, then the W4A8 linear; output in x's dtype. x may have leading batch dims."""
+    lead = x.shape[:-1]
+    xq, sx = quantize_activations_ref(x.reshape(-1, x.shape[-1]))
+    y = w4a8_linear_ref(xq, sx, wq, sw, bias, out_dtype=x.dtype)
+    return y.reshape(*lead, wq.shape[0])
+
+
+def dequantize_weight_ref(wq: torch.Tensor, sw: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(N, K) int8, (N, K // G) -> (N, K) dense weights."""
+    n, groups = sw.shape
+    g = wq.shape[1] // groups
+    return (wq.float().view(n, groups, g) * sw.float().unsqueeze(2)).reshape(n, -1).to(dtype)
