@@ -1,0 +1,219 @@
+"""The coverage report: proof of which route served every quantized linear, in prefill and in decode.
+
+This module owns the schema, the atomic writer and `anychip coverage check`; it imports no vLLM. The vLLM plugin
+fills a `Coverage` while the engine runs (anychip/vllm_plugin/coverage_recorder.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import tempfile
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from anychip import __version__
+
+SCHEMA_VERSION = 1
+PHASES = ("prefill", "decode")
+REFERENCE_KERNEL = "reference"
+
+
+@dataclass
+class LayerRoute:
+    """How one vLLM linear (dotted prefix, e.g. model.layers.3.self_attn.qkv_proj) is served."""
+
+    name: str
+    route: str  # e.g. "anychip.cpu.w4a8.avx512_vnni" or "anychip.reference"
+    kernel: str
+    isa: str
+    group_size: int
+    n: int
+    k: int
+    checkpoint_format: str
+    fallback: bool = False
+    reason: str | None = None  # why a fallback was taken
+    calls: Counter = field(default_factory=Counter)  # phase -> calls
+    tokens: Counter = field(default_factory=Counter)  # phase -> tokens
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "route": self.route,
+            "kernel": self.kernel,
+            "isa": self.isa,
+            "group_size": self.group_size,
+            "n": self.n,
+            "k": self.k,
+            "checkpoint_format": self.checkpoint_format,
+            "fallback": self.fallback,
+            "reason": self.reason,
+            "calls": dict(self.calls),
+            "tokens": dict(self.tokens),
+        }
+
+
+class Coverage:
+    """Thread-safe accumulator; `snapshot()` is the JSON document."""
+
+    def __init__(self, strict: bool, fallback_allowed: bool, platform_info: dict[str, Any]) -> None:
+        self.strict = strict
+        self.fallback_allowed = fallback_allowed
+        self.platform = platform_info
+        self.vllm_version: str | None = None
+        self.model: str | None = None
+        self.attention_backend: str | None = None
+        self.head_route: dict[str, Any] | None = None
+        self.layers: list[LayerRoute] = []
+        self.phases: dict[str, Counter] = {}
+        self._lock = threading.Lock()
+        self.dirty = True
+
+    def add_layer(self, route: LayerRoute) -> int:
+        with self._lock:
+            self.layers.append(route)
+            self.dirty = True
+            return len(self.layers) - 1
+
+    def record(self, layer_id: int, phase: str, tokens: int, forward_tokens: int | None) -> None:
+        """One linear call. `forward_tokens` is set on the first linear of a forward pass, to count passes."""
+        with self._lock:
+            layer = self.layers[layer_id]
+            layer.calls[phase] += 1
+            layer.tokens[phase] += tokens
+            if forward_tokens is not None:
+                counts = self.phases.setdefault(phase, Counter())
+                counts["forward_passes"] += 1
+                counts["tokens"] += forward_tokens
+            self.dirty = True
+
+    def route_stats(self) -> dict[str, Any]:
+        by_group = Counter(layer.group_size for layer in self.layers if not layer.fallback)
+        stats: dict[str, Any] = {f"prepared_g{g}_linears": by_group.get(g, 0) for g in (32, 64, 128)}
+        for g, count in by_group.items():
+            stats[f"prepared_g{g}_linears"] = count
+        stats["prepared_linears"] = sum(by_group.values())
+        stats["fallback_linears"] = sum(1 for layer in self.layers if layer.fallback)
+        stats["by_route"] = dict(Counter(layer.route for layer in self.layers))
+        return stats
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            self.dirty = False
+            return {
+                "schema_version": SCHEMA_VERSION,
+                "anychip_version": __version__,
+                "vllm_version": self.vllm_version,
+                "model": self.model,
+                "platform": self.platform,
+                "strict": self.strict,
+                "fallback_allowed": self.fallback_allowed,
+                "phases": {p: {"forward_passes": c["forward_passes"], "tokens": c["tokens"]}
+                           for p, c in self.phases.items()},
+                "attention_backend": self.attention_backend,
+                "route_stats": self.route_stats(),
+                "head_route": self.head_route,
+                "layers": {layer.name: layer.to_json() for layer in self.layers},
+            }
+
+
+def write_atomic(path: Path, document: dict[str, Any]) -> None:
+    """Write JSON so that a reader never sees a half-written file (temp file + rename in the same folder)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(document, f, indent=1, sort_keys=False)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def platform_summary() -> dict[str, Any]:
+    from anychip.profile import detect_cpu
+
+    cpu = detect_cpu()
+    return {"machine": platform.machine(), "system": platform.system(), "cpu": cpu.model,
+            "cpu_features": list(cpu.features), "physical_cores": cpu.physical_cores, "profile": cpu.profile_name}
+
+
+def check(document: dict[str, Any], expect_linears: int | None = None, group_size: int | None = None,
+          allow_fallback: bool = False) -> list[str]:
+    """Reasons the report does not prove strict W4A8 coverage; empty when it does."""
+    problems: list[str] = []
+    required = ("schema_version", "anychip_version", "vllm_version", "platform", "strict", "fallback_allowed",
+                "phases", "attention_backend", "route_stats", "head_route", "layers")
+    for key in required:
+        if key not in document:
+            problems.append(f"missing field {key!r}")
+    if problems:
+        return problems
+    if document["schema_version"] != SCHEMA_VERSION:
+        problems.append(f"schema_version {document['schema_version']} != {SCHEMA_VERSION}")
+    if not allow_fallback:
+        if document["strict"] is not True:
+            problems.append("strict is not true (the engine ran with fallback permitted)")
+        if document["fallback_allowed"] is not False:
+            problems.append("fallback_allowed is not false")
+    for phase in PHASES:
+        if not document["phases"].get(phase, {}).get("forward_passes"):
+            problems.append(f"phase {phase!r} was never observed (send at least one request that generates "
+                            "two or more tokens before checking)")
+    stats = document["route_stats"]
+    layers: dict[str, dict[str, Any]] = document["layers"]
+    if not layers:
+        problems.append("no quantized linear was prepared: is this a W4A8 checkpoint served with anychip?")
+    fallback = [name for name, layer in layers.items() if layer.get("fallback")]
+    if stats.get("fallback_linears", 0) != len(fallback):
+        problems.append(f"route_stats.fallback_linears={stats.get('fallback_linears')} but {len(fallback)} layers "
+                        "are marked fallback")
+    if fallback and not allow_fallback:
+        problems.append(f"{len(fallback)} linears ran on the reference route, e.g. {fallback[0]} "
+                        f"({layers[fallback[0]].get('reason')})")
+    if expect_linears is not None and stats.get("prepared_linears") != expect_linears:
+        problems.append(f"prepared_linears={stats.get('prepared_linears')}, expected {expect_linears}")
+    if group_size is not None:
+        wrong = [name for name, layer in layers.items() if layer.get("group_size") != group_size]
+        if wrong:
+            problems.append(f"{len(wrong)} linears are not G{group_size}, e.g. {wrong[0]} is "
+                            f"G{layers[wrong[0]].get('group_size')}")
+        for g in (32, 64, 128):
+            if g != group_size and stats.get(f"prepared_g{g}_linears", 0):
+                problems.append(f"prepared_g{g}_linears={stats[f'prepared_g{g}_linears']}, expected 0")
+    for name, layer in layers.items():
+        if str(layer.get("route", "")).startswith("vllm."):
+            continue  # served by vLLM's own scheme (fallback allowed): its calls are not observed
+        for phase in PHASES:
+            if document["phases"].get(phase) and not layer.get("calls", {}).get(phase):
+                problems.append(f"{name} was not called in {phase}")
+                break
+    head = document.get("head_route") or {}
+    if not head.get("route"):
+        problems.append("head_route names no route for the output head")
+    return problems
+
+
+def cmd_check(args) -> int:
+    path = Path(args.path)
+    if not path.exists():
+        print(f"anychip coverage check: {path} does not exist (serve with `anychip serve --coverage {path}` "
+              "or set ANYCHIP_COVERAGE for a plain vllm serve)")
+        return 2
+    document = json.loads(path.read_text())
+    problems = check(document, args.expect_linears, args.group_size, args.allow_fallback)
+    stats = document.get("route_stats", {})
+    if problems:
+        print(f"coverage check FAILED for {path}:")
+        for p in problems:
+            print(f"  - {p}")
+        return 1
+    print(f"coverage check PASSED for {path}: {stats.get('prepared_linears')} linears on "
+          f"{', '.join(sorted(stats.get('by_route', {})))}; phases {', '.join(sorted(document['phases']))}; "
+          f"head {document['head_route'].get('route')}")
+    return 0

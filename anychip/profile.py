@@ -1,0 +1,201 @@
+"""Hardware profile: detect the CPU and derive the vLLM settings that serve best on it, with a reason for each.
+
+Imports no vLLM: `anychip serve` turns the settings into flags and environment for vLLM's OpenAI server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+# Features that matter to our kernels, by architecture (names as /proc/cpuinfo spells them).
+_X86_FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8", "avx2", "fma")
+_ARM_FEATURES = ("asimd", "asimddp", "i8mm", "bf16", "sve", "sve2")
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    arch: str
+    model: str
+    features: tuple[str, ...]
+    logical_cpus: int
+    physical_cores: int
+    serving_cpus: tuple[int, ...]  # the CPUs to bind OpenMP threads to (big cores on big.LITTLE)
+    memory_gib: float
+    why_cpus: str
+
+    @property
+    def profile_name(self) -> str:
+        isa = "generic"
+        if self.arch == "x86_64":
+            isa = "avx512_vnni" if "avx512_vnni" in self.features else ("avx2" if "avx2" in self.features else "x86")
+        elif self.arch == "aarch64":
+            isa = "i8mm" if "i8mm" in self.features else ("dotprod" if "asimddp" in self.features else "neon")
+        return f"{self.arch}-{isa}-{len(self.serving_cpus)}c"
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str  # a vLLM flag (--x) or an environment variable
+    value: str
+    reason: str
+    kind: str = "flag"  # "flag" or "env"
+
+
+@dataclass
+class Profile:
+    cpu: CpuInfo
+    settings: list[Setting] = field(default_factory=list)
+
+    def flags(self) -> list[str]:
+        out: list[str] = []
+        for s in self.settings:
+            if s.kind == "flag":
+                out += [s.name] if s.value == "" else [s.name, s.value]
+        return out
+
+    def env(self) -> dict[str, str]:
+        return {s.name: s.value for s in self.settings if s.kind == "env"}
+
+
+def _online_cpus() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return list(range(os.cpu_count() or 1))
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def _cpuinfo_blocks(text: str) -> list[dict[str, str]]:
+    blocks = []
+    for chunk in text.split("\n\n"):
+        entry = {}
+        for line in chunk.splitlines():
+            if ":" in line:
+                k, v = line.split(":", 1)
+                entry[k.strip()] = v.strip()
+        if entry:
+            blocks.append(entry)
+    return blocks
+
+
+def _physical_cores(cpus: list[int]) -> tuple[int, dict[int, tuple[str, str]]]:
+    """Distinct (package, core) pairs among `cpus`; SMT siblings count once."""
+    core_of: dict[int, tuple[str, str]] = {}
+    for cpu in cpus:
+        base = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        core_of[cpu] = (_read(base / "physical_package_id") or "0", _read(base / "core_id") or str(cpu))
+    return len(set(core_of.values())), core_of
+
+
+def _big_cores(cpus: list[int], blocks: list[dict[str, str]]) -> tuple[list[int], str]:
+    """On Arm big.LITTLE parts keep the highest-capacity cores (cpu_capacity), else group by MIDR part number."""
+    capacity = {c: _read(Path(f"/sys/devices/system/cpu/cpu{c}/cpu_capacity")) for c in cpus}
+    if all(v and v.isdigit() for v in capacity.values()) and len(set(capacity.values())) > 1:
+        top = max(int(v) for v in capacity.values())
+        big = [c for c in cpus if int(capacity[c]) >= 0.8 * top]
+        return big, f"big cores by cpu_capacity (>= 80% of {top})"
+    parts = {}
+    for c in cpus:
+        midr = _read(Path(f"/sys/devices/system/cpu/cpu{c}/regs/identification/midr_el1"))
+        if midr:
+            parts[c] = (int(midr, 16) >> 4) & 0xFFF  # MIDR PartNum
+    if len(parts) == len(cpus) and len(set(parts.values())) > 1:
+        # Higher part numbers are the newer, bigger cores within a generation (e.g. A720 0xd81 > A520 0xd80).
+        top = max(parts.values())
+        big = [c for c in cpus if parts[c] == top]
+        return big, f"big cores by MIDR part number 0x{top:x}"
+    return cpus, "all online CPUs (no big.LITTLE topology found)"
+
+
+def detect_cpu() -> CpuInfo:
+    arch = platform.machine()
+    cpus = _online_cpus()
+    text = _read(Path("/proc/cpuinfo")) or ""
+    blocks = _cpuinfo_blocks(text)
+    first = blocks[0] if blocks else {}
+    flags = set((first.get("flags") or first.get("Features") or "").split())
+    wanted = _ARM_FEATURES if arch in ("aarch64", "arm64") else _X86_FEATURES
+    features = tuple(f for f in wanted if f in flags)
+    model = first.get("model name") or first.get("CPU part") or platform.processor() or arch
+    serving, why = (_big_cores(cpus, blocks) if arch in ("aarch64", "arm64")
+                    else (cpus, "all online CPUs"))
+    physical, core_of = _physical_cores(serving)
+    if physical < len(serving):  # one thread per physical core: SMT siblings share the vector units
+        seen, one_per_core = set(), []
+        for c in serving:
+            if core_of[c] not in seen:
+                seen.add(core_of[c])
+                one_per_core.append(c)
+        serving, why = one_per_core, why + ", one logical CPU per physical core"
+    mem_kib = next((int(line.split()[1]) for line in (_read(Path("/proc/meminfo")) or "").splitlines()
+                    if line.startswith("MemTotal:")), 0)
+    return CpuInfo(arch=arch, model=model, features=features, logical_cpus=len(cpus), physical_cores=physical,
+                   serving_cpus=tuple(serving), memory_gib=round(mem_kib / 2**20, 1), why_cpus=why)
+
+
+def _cpu_list(cpus: tuple[int, ...]) -> str:
+    """(0,1,2,5) -> '0-2,5' (the syntax VLLM_CPU_OMP_THREADS_BIND takes)."""
+    ranges, start, prev = [], None, None
+    for c in cpus:
+        if start is None:
+            start = prev = c
+        elif c == prev + 1:
+            prev = c
+        else:
+            ranges.append((start, prev))
+            start = prev = c
+    if start is not None:
+        ranges.append((start, prev))
+    return ",".join(f"{a}-{b}" if a != b else f"{a}" for a, b in ranges)
+
+
+def build_profile(cpu: CpuInfo | None = None) -> Profile:
+    cpu = cpu or detect_cpu()
+    n = len(cpu.serving_cpus)
+    kv_gib = max(1, min(16, int(cpu.memory_gib * 0.25)))
+    settings = [
+        Setting("OMP_NUM_THREADS", str(n), f"one OpenMP thread per serving core ({cpu.why_cpus})", "env"),
+        Setting("VLLM_CPU_OMP_THREADS_BIND", _cpu_list(cpu.serving_cpus),
+                "pin the threads to those cores so decode steps do not migrate", "env"),
+        Setting("VLLM_CPU_KVCACHE_SPACE", str(kv_gib),
+                f"KV cache of {kv_gib} GiB (a quarter of {cpu.memory_gib} GiB RAM, at most 16): vLLM otherwise "
+                "sizes it from NUMA node memory", "env"),
+        Setting("VLLM_ENABLE_V1_MULTIPROCESSING", "0",
+                "engine core in the server process: no IPC hop per step (doubled decode speed on 2 cores)", "env"),
+        Setting("--distributed-executor-backend", "uni", "single process executor: one CPU socket, no tensor "
+                "parallel workers"),
+        Setting("--max-num-batched-tokens", "2048" if n <= 8 else "4096",
+                "prefill chunk that keeps the W4A8 GEMM in its tiled path without starving decode"),
+        Setting("--dtype", "bfloat16", "activations in BF16 (the W4A8 kernels take BF16 in and out)"
+                if "avx512_bf16" in cpu.features or "bf16" in cpu.features else
+                "BF16 storage halves activation traffic even without native BF16 arithmetic"),
+    ]
+    return Profile(cpu=cpu, settings=settings)
+
+
+def cmd_profile(args) -> int:
+    profile = build_profile()
+    if args.json:
+        print(json.dumps({"cpu": asdict(profile.cpu), "profile": profile.cpu.profile_name,
+                          "settings": [asdict(s) for s in profile.settings]}, indent=1))
+        return 0
+    cpu = profile.cpu
+    print(f"CPU      {cpu.model} ({cpu.arch}), {cpu.logical_cpus} logical CPUs, {cpu.physical_cores} physical cores")
+    print(f"features {' '.join(cpu.features) or '(none of interest)'}")
+    print(f"serving  CPUs {_cpu_list(cpu.serving_cpus)}: {cpu.why_cpus}")
+    print(f"profile  {cpu.profile_name}")
+    print("vLLM settings:")
+    for s in profile.settings:
+        shown = f"{s.name}={s.value}" if s.kind == "env" else f"{s.name} {s.value}".strip()
+        print(f"  {shown:<42} {s.reason}")
+    return 0

@@ -1,0 +1,19 @@
+"""anychip's vLLM plugin: the only room that imports vLLM.
+
+Registered as a `vllm.general_plugins` entry point, so a plain `vllm serve DIR` or `LLM(DIR)` loads it in every
+vLLM process; `VLLM_PLUGINS` set to a list without "anychip" leaves it out.
+"""
+
+from __future__ import annotations
+
+_registered = False
+
+
+def register() -> None:
+    """Entry point: register the W4A8 quantization config (idempotent; vLLM calls it once per process)."""
+    global _registered
+    if _registered:
+        return
+    from anychip.vllm_plugin.config import AnychipW4A8Config  # noqa: F401  (registers on import)
+
+    _registered = True

@@ -1,0 +1,150 @@
+"""The anychip linear scheme: vLLM's parameters and weight loaders in, anychip's kernel layout out.
+
+create_weights declares the checkpoint's tensors with vLLM's parameter classes (so merged qkv/gate_up layers
+and tensor-parallel shards load through vLLM's own loaders); process_weights_after_loading prepares them once for
+the kernel that serves this CPU and records the route; apply_weights calls the opaque anychip op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from fractions import Fraction
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+import anychip.kernels.ops  # noqa: F401  (registers torch.ops.anychip.*)
+from anychip import envs
+from anychip.coverage import LayerRoute
+from anychip.errors import AnychipError
+from anychip.kernels.prepare import prepare_w4a8
+from anychip.vllm_plugin import compat
+
+if TYPE_CHECKING:
+    from anychip.vllm_plugin.recorder import Recorder
+
+SUPPORTED_GROUPS = (128, 64, 32)
+
+
+class LayerPrepareError(AnychipError, RuntimeError):
+    pass
+
+
+def _channel_group(k: int) -> int | None:
+    """Per-channel scales are per-group scales repeated: serve them with the largest kernel group dividing K."""
+    return next((g for g in SUPPORTED_GROUPS if k % g == 0), None)
+
+
+class AnychipW4A8Scheme(compat.CompressedTensorsScheme):
+    def __init__(self, weight_quant: Any, checkpoint_format: str, layer_name: str, recorder: "Recorder") -> None:
+        strategy = getattr(weight_quant.strategy, "value", weight_quant.strategy)
+        self.channelwise = strategy == "channel"
+        self.group_size = -1 if self.channelwise else int(weight_quant.group_size)
+        self.format = checkpoint_format
+        self.layer_name = layer_name
+        self.recorder = recorder
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 0  # CPUs report no capability; GPU routes check their own needs when preparing
+
+    def create_weights(self, layer: torch.nn.Module, output_size: int, input_size: int,
+                       output_partition_sizes: list[int], input_size_per_partition: int,
+                       params_dtype: torch.dtype, weight_loader: Callable, **kwargs: Any) -> None:
+        n = sum(output_partition_sizes)
+        k = input_size_per_partition
+        row_parallel = input_size != input_size_per_partition
+        if not self.channelwise and k % self.group_size:
+            raise LayerPrepareError(
+                f"layer {self.layer_name}: its input shard has K={k} columns (of {input_size}), not a multiple of "
+                f"group size {self.group_size}: a row-parallel split must fall on a group boundary. Use a tensor "
+                f"parallel size that divides {input_size // self.group_size} groups, or re-quantize with a smaller "
+                "--group-size.")
+        groups = 1 if self.channelwise else k // self.group_size
+        scale_data = torch.empty(n, groups, dtype=params_dtype)
+        if self.channelwise:
+            # one scale per output row, repeated on every rank of a row-parallel split
+            scale = compat.ChannelQuantScaleParameter(output_dim=0, weight_loader=weight_loader, data=scale_data)
+        else:
+            scale = compat.GroupQuantScaleParameter(output_dim=0, input_dim=1, weight_loader=weight_loader,
+                                                    data=scale_data)
+        if self.format == "pack-quantized":
+            if k % 8:
+                raise LayerPrepareError(f"layer {self.layer_name}: K={k} is not a multiple of 8 int4 values per "
+                                        "int32 word; pack-quantized needs whole words")
+            weight = compat.PackedvLLMParameter(
+                input_dim=1, output_dim=0, packed_dim=1, packed_factor=Fraction(8), weight_loader=weight_loader,
+                data=torch.empty(n, k // 8, dtype=torch.int32))  # (N, K // 8) int32, 8 nibbles per word
+            layer.register_parameter("weight_packed", weight)
+            layer.register_parameter("weight_shape", compat.BasevLLMParameter(
+                data=torch.empty(2, dtype=torch.int64), weight_loader=weight_loader))
+        else:
+            weight = compat.ModelWeightParameter(input_dim=1, output_dim=0, weight_loader=weight_loader,
+                                                 data=torch.empty(n, k, dtype=torch.int8))  # (N, K) int8
+            layer.register_parameter("weight", weight)
+        layer.register_parameter("weight_scale", scale)
+        self.n, self.k, self.row_parallel = n, k, row_parallel
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        packed = self.format == "pack-quantized"
+        wq = (layer.weight_packed if packed else layer.weight).data
+        scales = layer.weight_scale.data
+        group = self.group_size
+        if self.channelwise:
+            group = _channel_group(self.k) or self.k
+            scales = scales.expand(self.n, self.k // group).contiguous() if group != self.k else scales
+        fallback_reason = None
+        try:
+            prepared = prepare_w4a8(wq, scales, group, packed=packed, isa=envs.forced_isa())
+        except AnychipError as exc:
+            if self.recorder.coverage.strict:
+                raise LayerPrepareError(
+                    f"layer {self.layer_name} (N={self.n}, K={self.k}, G{group}): no fast anychip kernel can serve "
+                    f"it on this machine: {exc}. Strict mode refuses to start. To proceed, fix the cause above, or "
+                    "allow the torch reference route (anychip serve --allow-fallback, or ANYCHIP_ALLOW_FALLBACK=1): "
+                    "slow, and counted as fallback in the coverage report.") from exc
+            fallback_reason = str(exc)
+            prepared = prepare_w4a8(wq, scales, group, packed=packed, isa="reference")
+        for name in ("weight_packed", "weight_shape", "weight", "weight_scale"):
+            if hasattr(layer, name):
+                delattr(layer, name)
+        layer.anychip_weight = torch.nn.Parameter(prepared.weight, requires_grad=False)
+        layer.anychip_scales = torch.nn.Parameter(prepared.scales, requires_grad=False)
+        route = prepared.route
+        self.isa, self.group = route.isa, prepared.group_size
+        self.layer_id = self.recorder.add_layer(LayerRoute(
+            name=self.layer_name, route=route.name, kernel=route.kernel, isa=route.isa,
+            group_size=-1 if self.channelwise else prepared.group_size,
+            n=self.n, k=self.k, checkpoint_format=self.format, fallback=fallback_reason is not None,
+            reason=fallback_reason))
+
+    def apply_weights(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+                      ) -> torch.Tensor:
+        return torch.ops.anychip.w4a8_linear(x, layer.anychip_weight, layer.anychip_scales, bias, self.n, self.k,
+                                             self.group, self.isa, self.layer_id)
+
+
+class ForeignScheme(compat.CompressedTensorsScheme):
+    """A layer vLLM's own scheme serves (only when fallback is allowed); recorded as fallback in coverage."""
+
+    def __init__(self, inner: Any, layer_name: str, reason: str, recorder: "Recorder") -> None:
+        self.inner, self.layer_name, self.reason, self.recorder = inner, layer_name, reason, recorder
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 0
+
+    def create_weights(self, layer: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        self.inner.create_weights(layer, *args, **kwargs)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        self.inner.process_weights_after_loading(layer)
+        self.recorder.add_layer(LayerRoute(
+            name=self.layer_name, route=f"vllm.{type(self.inner).__name__}", kernel=type(self.inner).__name__,
+            isa="vllm", group_size=0, n=getattr(layer, "output_size_per_partition", 0),
+            k=getattr(layer, "input_size_per_partition", 0), checkpoint_format="?", fallback=True,
+            reason=self.reason))
+
+    def apply_weights(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+                      ) -> torch.Tensor:
+        return self.inner.apply_weights(layer, x, bias)
