@@ -1,0 +1,63 @@
+"""Builds and loads the C++ W4A8 extension (csrc/w4a8_cpu.cpp) on first use.
+
+One binary serves every CPU of an architecture (the SIMD paths carry function-level target attributes and are
+chosen at run time), but the build is still cached per CPU-feature set, torch version and source hash under
+anychip.envs.build_dir(), so a cache shared between machines (NFS home, container image) never hands one CPU a
+binary compiled and tested on another.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import platform
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from anychip import envs
+from anychip.errors import AnychipError
+
+SOURCE = Path(__file__).parent / "csrc" / "w4a8_cpu.cpp"
+#: The ISA names the extension accepts and their codes in the C++ `Isa` enum.
+ISA_CODES: dict[str, int] = {"portable": 0, "avx2": 1, "avx512_vnni": 2}
+
+
+class ExtensionBuildError(AnychipError, RuntimeError):
+    """The C++ kernels failed to compile or load."""
+
+
+def feature_tag() -> str:
+    """`x86_64-<hash of the CPU flags>`: the key the build cache is split by."""
+    from anychip.kernels.dispatch import cpu_flags
+
+    flags = " ".join(sorted(cpu_flags()))
+    return f"{platform.machine()}-{hashlib.sha1(flags.encode()).hexdigest()[:10]}"
+
+
+@functools.cache
+def load() -> ModuleType:
+    """The compiled extension (compiled on the first call in a fresh cache; about a minute)."""
+    from torch.utils import cpp_extension
+
+    src_hash = hashlib.sha1(SOURCE.read_bytes()).hexdigest()[:10]
+    torch_tag = torch.__version__.split("+")[0].replace(".", "_")
+    build = envs.build_dir() / f"w4a8_cpu-{feature_tag()}-torch{torch_tag}-{src_hash}"
+    build.mkdir(parents=True, exist_ok=True)
+    try:
+        return cpp_extension.load(
+            name="anychip_w4a8_cpu",
+            sources=[str(SOURCE)],
+            build_directory=str(build),
+            extra_cflags=["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as e:  # compiler missing, headers missing, ...
+        raise ExtensionBuildError(
+            f"could not build the anychip CPU kernels from {SOURCE} in {build}: {e}\n"
+            f"Check that a C++17 compiler (g++) and ninja are installed, or set {envs.ANYCHIP_BUILD_DIR} to a "
+            f"writable directory; {envs.ANYCHIP_KERNEL_ISA}=reference with {envs.ANYCHIP_ALLOW_FALLBACK}=1 runs "
+            "the (slow) torch reference instead."
+        ) from e

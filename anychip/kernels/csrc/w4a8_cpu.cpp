@@ -1,0 +1,570 @@
+// W4A8 linear for CPUs: INT4 weights (one fp32 scale per group of G input channels), dynamic per-token INT8
+// activations, INT32 accumulation per group.  One translation unit serves every x86 CPU: the SIMD paths are
+// compiled with function-level target attributes and chosen at run time; on other CPUs only the portable
+// path exists.  The torch oracle is anychip/kernels/reference.py.
+//
+// Prepared weight layout (anychip/kernels/prepare.py writes it):
+//   weight (NB, K/8, 64) uint8, NB = ceil(N/16) blocks of 16 output rows (padded with zero-scale rows);
+//          byte r*4+j of chunk c: low nibble w[r, 8c+j] + 8, high nibble w[r, 8c+4+j] + 8.
+//   scales (NB, K/G, 16) fp32.
+// The u8 nibbles (w+8) meet the s8 activations in vpdpbusd / vpmaddubsw; each group's INT32 sum is corrected by
+// -8 * sum_{k in g} xq[m, k] (precomputed per token) before it is scaled.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define ANYCHIP_X86 1
+#include <immintrin.h>
+#define ANYCHIP_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+#define ANYCHIP_AVX2 __attribute__((target("avx2,fma")))
+#endif
+
+namespace {
+
+constexpr int64_t kRows = 16;       // output rows per weight block
+constexpr int64_t kChunkBytes = 64;  // one vector: 16 rows x 8 k
+constexpr int64_t kPrefetch = 1024;  // bytes ahead in the weight stream (GEMV)
+
+enum Isa : int64_t { kPortable = 0, kAvx2 = 1, kAvx512Vnni = 2 };
+
+struct Problem {
+  const int8_t* xq;     // (M, K)
+  const float* sx;      // (M)
+  const int32_t* xsum;  // (M, groups): sum of xq over each group
+  const uint8_t* w;     // (NB, K/8, 64)
+  const float* sw;      // (NB, groups, 16)
+  const float* bias;    // (N) or nullptr
+  void* out;            // (M, N) out_type, or (M, N, groups) int32 for the debug dots
+  at::ScalarType out_type;
+  int64_t m, n, k, groups, group_size;
+};
+
+// ---------------------------------------------------------------- epilogues (shared by every ISA)
+
+inline void store_rows(const Problem& p, int64_t m, int64_t nb, const float* y) {
+  const int64_t n0 = nb * kRows;
+  const int64_t cnt = std::min<int64_t>(kRows, p.n - n0);
+  const float s = p.sx[m];
+  float v[kRows];
+  for (int64_t r = 0; r < cnt; ++r) v[r] = y[r] * s + (p.bias ? p.bias[n0 + r] : 0.f);
+  const int64_t off = m * p.n + n0;
+  switch (p.out_type) {
+    case at::kFloat:
+      std::memcpy(static_cast<float*>(p.out) + off, v, cnt * sizeof(float));
+      break;
+    case at::kBFloat16: {
+      auto* o = static_cast<c10::BFloat16*>(p.out) + off;
+      for (int64_t r = 0; r < cnt; ++r) o[r] = c10::BFloat16(v[r]);
+      break;
+    }
+    default: {
+      auto* o = static_cast<c10::Half*>(p.out) + off;
+      for (int64_t r = 0; r < cnt; ++r) o[r] = c10::Half(v[r]);
+    }
+  }
+}
+
+inline void store_dots(const Problem& p, int64_t m, int64_t nb, int64_t g, const int32_t* acc) {
+  const int64_t n0 = nb * kRows;
+  const int64_t cnt = std::min<int64_t>(kRows, p.n - n0);
+  auto* o = static_cast<int32_t*>(p.out);
+  for (int64_t r = 0; r < cnt; ++r) o[(m * p.n + n0 + r) * p.groups + g] = acc[r];
+}
+
+inline int32_t load4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// ---------------------------------------------------------------- portable path
+
+template <int MT, bool DOTS>
+void tile_portable(const Problem& p, int64_t m0, int64_t nb) {
+  const uint8_t* w = p.w + nb * (p.k / 8) * kChunkBytes;
+  const float* sw = p.sw + nb * p.groups * kRows;
+  const int64_t cpg = p.group_size / 8;
+  float y[MT][kRows] = {};
+  for (int64_t g = 0; g < p.groups; ++g) {
+    int32_t acc[MT][kRows];
+    for (int i = 0; i < MT; ++i) {
+      const int32_t corr = -8 * p.xsum[(m0 + i) * p.groups + g];
+      for (int r = 0; r < kRows; ++r) acc[i][r] = corr;
+    }
+    for (int64_t c = 0; c < cpg; ++c) {
+      const uint8_t* wp = w + (g * cpg + c) * kChunkBytes;
+      const int64_t kk = (g * cpg + c) * 8;
+      for (int i = 0; i < MT; ++i) {
+        const int8_t* x = p.xq + (m0 + i) * p.k + kk;
+        for (int r = 0; r < kRows; ++r) {
+          int32_t s = 0;
+          for (int j = 0; j < 4; ++j) {
+            const uint8_t b = wp[r * 4 + j];
+            s += int32_t(b & 0x0F) * x[j] + int32_t(b >> 4) * x[4 + j];
+          }
+          acc[i][r] += s;
+        }
+      }
+    }
+    for (int i = 0; i < MT; ++i) {
+      if constexpr (DOTS) {
+        store_dots(p, m0 + i, nb, g, acc[i]);
+      } else {
+        for (int r = 0; r < kRows; ++r) y[i][r] += float(acc[i][r]) * sw[g * kRows + r];
+      }
+    }
+  }
+  if constexpr (!DOTS) {
+    for (int i = 0; i < MT; ++i) store_rows(p, m0 + i, nb, y[i]);
+  }
+}
+
+#ifdef ANYCHIP_X86
+
+// ---------------------------------------------------------------- AVX512-VNNI path
+// U independent accumulator pairs per token: with one token the vpdpbusd latency chain, not memory, would bound
+// the GEMV, so small tiles spread a group over several accumulators.
+
+template <int MT, int U, bool DOTS>
+ANYCHIP_AVX512 void tile_avx512(const Problem& p, int64_t m0, int64_t nb) {
+  const uint8_t* w = p.w + nb * (p.k / 8) * kChunkBytes;
+  const float* sw = p.sw + nb * p.groups * kRows;
+  const int64_t cpg = p.group_size / 8;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const int8_t* x[MT];
+  for (int i = 0; i < MT; ++i) x[i] = p.xq + (m0 + i) * p.k;
+  __m512 y[MT];
+  for (int i = 0; i < MT; ++i) y[i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < p.groups; ++g) {
+    __m512i acc[MT][2 * U];
+    for (int i = 0; i < MT; ++i) {
+      acc[i][0] = _mm512_set1_epi32(-8 * p.xsum[(m0 + i) * p.groups + g]);
+      for (int u = 1; u < 2 * U; ++u) acc[i][u] = _mm512_setzero_si512();
+    }
+    const uint8_t* wg = w + g * cpg * kChunkBytes;
+    const int64_t kg = g * p.group_size;
+    for (int64_t c = 0; c < cpg; c += U) {
+      for (int u = 0; u < U; ++u) {
+        const uint8_t* wp = wg + (c + u) * kChunkBytes;
+        if constexpr (MT <= 4) _mm_prefetch(reinterpret_cast<const char*>(wp + kPrefetch), _MM_HINT_T0);
+        const __m512i v = _mm512_loadu_si512(wp);
+        const __m512i lo = _mm512_and_si512(v, low4);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        const int64_t kk = kg + (c + u) * 8;
+        for (int i = 0; i < MT; ++i) {
+          acc[i][2 * u] = _mm512_dpbusd_epi32(acc[i][2 * u], lo, _mm512_set1_epi32(load4(x[i] + kk)));
+          acc[i][2 * u + 1] = _mm512_dpbusd_epi32(acc[i][2 * u + 1], hi, _mm512_set1_epi32(load4(x[i] + kk + 4)));
+        }
+      }
+    }
+    const __m512 s = _mm512_loadu_ps(sw + g * kRows);
+    for (int i = 0; i < MT; ++i) {
+      __m512i a = acc[i][0];
+      for (int u = 1; u < 2 * U; ++u) a = _mm512_add_epi32(a, acc[i][u]);
+      if constexpr (DOTS) {
+        alignas(64) int32_t t[kRows];
+        _mm512_store_si512(t, a);
+        store_dots(p, m0 + i, nb, g, t);
+      } else {
+        y[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), s, y[i]);
+      }
+    }
+  }
+  if constexpr (!DOTS) {
+    for (int i = 0; i < MT; ++i) {
+      alignas(64) float t[kRows];
+      _mm512_store_ps(t, y[i]);
+      store_rows(p, m0 + i, nb, t);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- AVX2 path
+// The 64-byte chunk as two 32-byte halves (rows 0-7, rows 8-15).  vpmaddubsw(u4, s8) pair sums are at most
+// 2 * 15 * 127 = 3810, so adding the low- and high-nibble products in int16 cannot saturate either.
+
+template <int MT, bool DOTS>
+ANYCHIP_AVX2 void tile_avx2(const Problem& p, int64_t m0, int64_t nb) {
+  const uint8_t* w = p.w + nb * (p.k / 8) * kChunkBytes;
+  const float* sw = p.sw + nb * p.groups * kRows;
+  const int64_t cpg = p.group_size / 8;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int8_t* x[MT];
+  for (int i = 0; i < MT; ++i) x[i] = p.xq + (m0 + i) * p.k;
+  __m256 y[MT][2];
+  for (int i = 0; i < MT; ++i) y[i][0] = y[i][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < p.groups; ++g) {
+    __m256i acc[MT][2];
+    for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = _mm256_set1_epi32(-8 * p.xsum[(m0 + i) * p.groups + g]);
+    const uint8_t* wg = w + g * cpg * kChunkBytes;
+    const int64_t kg = g * p.group_size;
+    for (int64_t c = 0; c < cpg; ++c) {
+      const uint8_t* wp = wg + c * kChunkBytes;
+      if constexpr (MT <= 2) _mm_prefetch(reinterpret_cast<const char*>(wp + kPrefetch), _MM_HINT_T0);
+      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
+      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 32));
+      const __m256i lo0 = _mm256_and_si256(v0, low4);
+      const __m256i hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4);
+      const __m256i lo1 = _mm256_and_si256(v1, low4);
+      const __m256i hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
+      const int64_t kk = kg + c * 8;
+      for (int i = 0; i < MT; ++i) {
+        const __m256i xa = _mm256_set1_epi32(load4(x[i] + kk));
+        const __m256i xb = _mm256_set1_epi32(load4(x[i] + kk + 4));
+        const __m256i s0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, xa), _mm256_maddubs_epi16(hi0, xb));
+        const __m256i s1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, xa), _mm256_maddubs_epi16(hi1, xb));
+        acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(s0, ones));
+        acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(s1, ones));
+      }
+    }
+    const __m256 s0 = _mm256_loadu_ps(sw + g * kRows);
+    const __m256 s1 = _mm256_loadu_ps(sw + g * kRows + 8);
+    for (int i = 0; i < MT; ++i) {
+      if constexpr (DOTS) {
+        alignas(32) int32_t t[kRows];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(t), acc[i][0]);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(t + 8), acc[i][1]);
+        store_dots(p, m0 + i, nb, g, t);
+      } else {
+        y[i][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][0]), s0, y[i][0]);
+        y[i][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][1]), s1, y[i][1]);
+      }
+    }
+  }
+  if constexpr (!DOTS) {
+    for (int i = 0; i < MT; ++i) {
+      alignas(32) float t[kRows];
+      _mm256_store_ps(t, y[i][0]);
+      _mm256_store_ps(t + 8, y[i][1]);
+      store_rows(p, m0 + i, nb, t);
+    }
+  }
+}
+
+#endif  // ANYCHIP_X86
+
+// ---------------------------------------------------------------- dispatch
+
+using TileFn = void (*)(const Problem&, int64_t, int64_t);
+
+constexpr int kTileM = 4;  // tokens sharing each unpacked weight vector in the GEMM path
+
+template <int MT, bool DOTS>
+TileFn tile_for(int64_t isa) {
+  switch (isa) {
+#ifdef ANYCHIP_X86
+    case kAvx512Vnni:
+      return &tile_avx512<MT, (MT == 1 ? 2 : 1), DOTS>;
+    case kAvx2:
+      return &tile_avx2<MT, DOTS>;
+#endif
+    default:
+      return &tile_portable<MT, DOTS>;
+  }
+}
+
+template <bool DOTS>
+TileFn tile_fn(int64_t isa, int64_t mt) {
+  switch (mt) {
+    case 1: return tile_for<1, DOTS>(isa);
+    case 2: return tile_for<2, DOTS>(isa);
+    case 3: return tile_for<3, DOTS>(isa);
+    default: return tile_for<4, DOTS>(isa);
+  }
+}
+
+bool isa_supported(int64_t isa) {
+#ifdef ANYCHIP_X86
+  __builtin_cpu_init();
+  if (isa == kAvx512Vnni)
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  if (isa == kAvx2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+  return isa == kPortable;
+}
+
+void check_isa(int64_t isa) {
+  TORCH_CHECK(isa == kPortable || isa == kAvx2 || isa == kAvx512Vnni, "anychip: unknown ISA code ", isa);
+  TORCH_CHECK(isa_supported(isa), "anychip: this CPU (or this build) lacks ISA code ", isa,
+              "; unset ANYCHIP_KERNEL_ISA or pick one from anychip.kernels.dispatch.available_isas()");
+}
+
+template <bool DOTS>
+void run(const Problem& p, int64_t isa) {
+  const int64_t nblocks = (p.n + kRows - 1) / kRows;
+  const int64_t mt = p.m <= kTileM ? p.m : kTileM;
+  const int64_t full = p.m / mt;
+  const int64_t rem = p.m - full * mt;
+  const TileFn tile = tile_fn<DOTS>(isa, mt);
+  const TileFn tail = rem ? tile_fn<DOTS>(isa, rem) : nullptr;
+  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t nb = b0; nb < b1; ++nb) {
+      for (int64_t t = 0; t < full; ++t) tile(p, t * mt, nb);
+      if (tail) tail(p, full * mt, nb);
+    }
+  });
+}
+
+// ---------------------------------------------------------------- activation quantization
+// Bit-exact with quantize_activations_ref: scale = amax / 127 in fp32, q = round_half_even(x / scale) (a true
+// division, not a multiply by the reciprocal), clamped to [-127, 127]; an all-zero row gets scale 0 and q 0.
+
+template <typename T>
+inline float to_f(T v) {
+  return static_cast<float>(v);
+}
+
+template <typename T>
+void quantize_row_scalar(const T* x, int64_t k, int8_t* q, float* sx) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(to_f(x[i])));
+  const float s = amax / 127.f;
+  *sx = s;
+  if (!(s > 0.f)) {
+    std::memset(q, 0, k);
+    return;
+  }
+  for (int64_t i = 0; i < k; ++i) {
+    const float v = std::nearbyint(to_f(x[i]) / s);
+    q[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
+  }
+}
+
+#ifdef ANYCHIP_X86
+template <typename T>
+ANYCHIP_AVX512 inline __m512 load16(const T* x, __mmask16 mask) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_maskz_loadu_ps(mask, x);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m256i h = _mm256_maskz_loadu_epi16(mask, x);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  } else {
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, x));
+  }
+}
+
+template <typename T>
+ANYCHIP_AVX512 void quantize_row_avx512(const T* x, int64_t k, int8_t* q, float* sx) {
+  __m512 vmax = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k; i += 16) {
+    const __mmask16 mask = k - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (k - i)) - 1);
+    vmax = _mm512_max_ps(vmax, _mm512_abs_ps(load16(x + i, mask)));
+  }
+  const float amax = _mm512_reduce_max_ps(vmax);
+  const float s = amax / 127.f;
+  *sx = s;
+  if (!(s > 0.f)) {
+    std::memset(q, 0, k);
+    return;
+  }
+  const __m512 vs = _mm512_set1_ps(s);
+  const __m512 lim = _mm512_set1_ps(127.f);
+  const __m512 nlim = _mm512_set1_ps(-127.f);
+  for (int64_t i = 0; i < k; i += 16) {
+    const __mmask16 mask = k - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (k - i)) - 1);
+    __m512 v = _mm512_div_ps(load16(x + i, mask), vs);
+    v = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm512_min_ps(_mm512_max_ps(v, nlim), lim);
+    _mm512_mask_cvtsepi32_storeu_epi8(q + i, mask, _mm512_cvtps_epi32(v));
+  }
+}
+#endif
+
+template <typename T>
+void quantize_rows(const T* x, int64_t m, int64_t k, int8_t* q, float* sx, bool simd) {
+  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+#ifdef ANYCHIP_X86
+      if (simd) {
+        quantize_row_avx512<T>(x + r * k, k, q + r * k, sx + r);
+        continue;
+      }
+#endif
+      quantize_row_scalar<T>(x + r * k, k, q + r * k, sx + r);
+    }
+  });
+}
+
+bool quant_simd() {
+#ifdef ANYCHIP_X86
+  static const bool ok = isa_supported(kAvx512Vnni);
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// (M, K) int8 -> (M, K / G) int32 group sums
+at::Tensor group_sums(const at::Tensor& xq, int64_t group_size) {
+  const int64_t m = xq.size(0), k = xq.size(1), groups = k / group_size;
+  at::Tensor out = at::empty({m, groups}, xq.options().dtype(at::kInt));
+  const int8_t* q = xq.data_ptr<int8_t>();
+  int32_t* o = out.data_ptr<int32_t>();
+  at::parallel_for(0, m, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const int8_t* p = q + r * k + g * group_size;
+        int32_t s = 0;
+        for (int64_t i = 0; i < group_size; ++i) s += p[i];
+        o[r * groups + g] = s;
+      }
+    }
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------- torch-facing functions
+
+std::tuple<at::Tensor, at::Tensor> quantize_act(const at::Tensor& x_in) {
+  TORCH_CHECK(x_in.dim() == 2, "anychip quantize_act wants (M, K), got ", x_in.sizes());
+  const at::Tensor x = x_in.contiguous();
+  const int64_t m = x.size(0), k = x.size(1);
+  at::Tensor xq = at::empty({m, k}, x.options().dtype(at::kChar));
+  at::Tensor sx = at::empty({m, 1}, x.options().dtype(at::kFloat));
+  const bool simd = quant_simd();
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      quantize_rows(x.data_ptr<float>(), m, k, xq.data_ptr<int8_t>(), sx.data_ptr<float>(), simd);
+      break;
+    case at::kBFloat16:
+      quantize_rows(x.data_ptr<c10::BFloat16>(), m, k, xq.data_ptr<int8_t>(), sx.data_ptr<float>(), simd);
+      break;
+    case at::kHalf:
+      quantize_rows(x.data_ptr<c10::Half>(), m, k, xq.data_ptr<int8_t>(), sx.data_ptr<float>(), simd);
+      break;
+    default:
+      TORCH_CHECK(false, "anychip quantize_act: activations must be fp32, bf16 or fp16, got ", x.scalar_type());
+  }
+  return {xq, sx};
+}
+
+Problem make_problem(const at::Tensor& xq, const at::Tensor& sx, const at::Tensor& xsum, const at::Tensor& weight,
+                     const at::Tensor& scales, const c10::optional<at::Tensor>& bias, int64_t n, int64_t group_size) {
+  TORCH_CHECK(xq.dim() == 2 && xq.scalar_type() == at::kChar && xq.is_contiguous(), "anychip: xq must be (M, K) int8");
+  const int64_t m = xq.size(0), k = xq.size(1);
+  TORCH_CHECK(group_size > 0 && group_size % 32 == 0 && k % group_size == 0, "anychip: K=", k,
+              " must be a multiple of the group size ", group_size, ", itself a multiple of 32");
+  const int64_t nblocks = (n + kRows - 1) / kRows, groups = k / group_size;
+  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.is_contiguous() && weight.numel() == nblocks * k * 8,
+              "anychip: weight must be the prepared (N/16, K/8, 64) uint8 layout for N=", n, " K=", k,
+              "; build it with anychip.kernels.prepare.prepare_w4a8");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == nblocks * groups * kRows,
+              "anychip: scales must be the prepared (N/16, K/G, 16) fp32 layout");
+  TORCH_CHECK(sx.scalar_type() == at::kFloat && sx.numel() == m && sx.is_contiguous(), "anychip: sx must be (M, 1) fp32");
+  TORCH_CHECK(xsum.scalar_type() == at::kInt && xsum.numel() == m * groups, "anychip: bad group sums");
+  Problem p{};
+  p.xq = xq.data_ptr<int8_t>();
+  p.sx = sx.data_ptr<float>();
+  p.xsum = xsum.data_ptr<int32_t>();
+  p.w = weight.data_ptr<uint8_t>();
+  p.sw = scales.data_ptr<float>();
+  p.bias = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
+                "anychip: bias must be (N,) fp32 contiguous");
+    p.bias = bias->data_ptr<float>();
+  }
+  p.m = m;
+  p.n = n;
+  p.k = k;
+  p.groups = groups;
+  p.group_size = group_size;
+  return p;
+}
+
+// Pre-quantized activations -> (M, N) in out_dtype.
+at::Tensor linear_q(const at::Tensor& xq_in, const at::Tensor& sx_in, const at::Tensor& weight, const at::Tensor& scales,
+                    const c10::optional<at::Tensor>& bias_in, int64_t n, int64_t group_size, int64_t isa,
+                    at::ScalarType out_dtype) {
+  check_isa(isa);
+  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16 || out_dtype == at::kHalf,
+              "anychip: output dtype must be fp32, bf16 or fp16");
+  const at::Tensor xq = xq_in.contiguous();
+  const at::Tensor sx = sx_in.to(at::kFloat).contiguous();
+  c10::optional<at::Tensor> bias;
+  if (bias_in.has_value()) bias = bias_in->to(at::kFloat).contiguous();
+  const at::Tensor xsum = group_sums(xq, group_size);
+  Problem p = make_problem(xq, sx, xsum, weight, scales, bias, n, group_size);
+  at::Tensor out = at::empty({p.m, n}, xq.options().dtype(out_dtype));
+  p.out = out.data_ptr();
+  p.out_type = out_dtype;
+  if (p.m) run<false>(p, isa);
+  return out;
+}
+
+// x (M, K) float -> quantize once -> (M, N) in x's dtype.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                  const c10::optional<at::Tensor>& bias, int64_t n, int64_t group_size, int64_t isa) {
+  auto [xq, sx] = quantize_act(x);
+  return linear_q(xq, sx, weight, scales, bias, n, group_size, isa, x.scalar_type());
+}
+
+// Debug: the exact (M, N, K/G) int32 group dot products, through the same tile kernels.
+at::Tensor group_dots(const at::Tensor& xq_in, const at::Tensor& weight, const at::Tensor& scales, int64_t n,
+                      int64_t group_size, int64_t isa) {
+  check_isa(isa);
+  const at::Tensor xq = xq_in.contiguous();
+  const at::Tensor sx = at::ones({xq.size(0), 1}, xq.options().dtype(at::kFloat));
+  const at::Tensor xsum = group_sums(xq, group_size);
+  Problem p = make_problem(xq, sx, xsum, weight, scales, c10::nullopt, n, group_size);
+  at::Tensor out = at::empty({p.m, n, p.groups}, xq.options().dtype(at::kInt));
+  p.out = out.data_ptr();
+  p.out_type = at::kInt;
+  if (p.m) run<true>(p, isa);
+  return out;
+}
+
+// Streaming read of a large buffer (the benchmark's memory bandwidth probe); returns a checksum.
+int64_t read_bytes(const at::Tensor& buf) {
+  TORCH_CHECK(buf.is_contiguous() && buf.scalar_type() == at::kByte, "read_bytes wants contiguous uint8");
+  const uint64_t* p = reinterpret_cast<const uint64_t*>(buf.data_ptr<uint8_t>());
+  const int64_t words = buf.numel() / 8;
+  std::atomic<uint64_t> total{0};
+  at::parallel_for(0, words, 1 << 16, [&](int64_t w0, int64_t w1) {
+    uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0, a4 = 0, a5 = 0, a6 = 0, a7 = 0;
+    int64_t i = w0;
+    for (; i + 8 <= w1; i += 8) {
+      a0 ^= p[i], a1 ^= p[i + 1], a2 ^= p[i + 2], a3 ^= p[i + 3];
+      a4 ^= p[i + 4], a5 ^= p[i + 5], a6 ^= p[i + 6], a7 ^= p[i + 7];
+    }
+    for (; i < w1; ++i) a0 ^= p[i];
+    total ^= a0 ^ a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7;
+  });
+  return static_cast<int64_t>(total.load() & 0x7FFFFFFF);
+}
+
+std::vector<std::string> cpu_isas() {
+  std::vector<std::string> out;
+  if (isa_supported(kAvx512Vnni)) out.push_back("avx512_vnni");
+  if (isa_supported(kAvx2)) out.push_back("avx2");
+  out.push_back("portable");
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "anychip W4A8 CPU kernels";
+  m.def("quantize_act", &quantize_act, "per-token symmetric INT8: x (M, K) -> (xq int8, sx (M, 1) fp32)");
+  m.def("linear", &linear, "W4A8 linear, quantizing x inside");
+  m.def("linear_q", &linear_q, "W4A8 linear on pre-quantized activations");
+  m.def("group_dots", &group_dots, "debug: exact (M, N, K/G) int32 group dot products");
+  m.def("read_bytes", &read_bytes, "streaming read (bandwidth probe)");
+  m.def("cpu_isas", &cpu_isas, "ISAs this CPU and build support, best first");
+  m.attr("ISA_PORTABLE") = int64_t(kPortable);
+  m.attr("ISA_AVX2") = int64_t(kAvx2);
+  m.attr("ISA_AVX512_VNNI") = int64_t(kAvx512Vnni);
+}
