@@ -1,0 +1,138 @@
+"""Where every tensor of a W4A8 Llama checkpoint lives and what shape it has.
+
+One place for the names and shapes, so that `quantize`, `prepare --synthetic` and `verify` agree by
+construction: the writers emit `linear_tensor_specs(...)` and the verifier expects exactly them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from anychip.checkpoint.pack import PACK_FACTOR
+from anychip.checkpoint.scheme import DECODER_LINEARS, GROUP_SIZES, ContractError, W4A8Scheme
+
+#: "model.layers.3.mlp.down_proj.weight" -> layer 3, linear "mlp.down_proj".
+_LINEAR_WEIGHT = re.compile(r"^model\.layers\.(\d+)\.(" + "|".join(re.escape(n) for n in DECODER_LINEARS) + r")\.weight$")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor a writer promises to emit: name, dtype, shape."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class LlamaDims:
+    """The dimensions of a Llama config.json that fix every tensor shape."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], where: str = "config.json") -> LlamaDims:
+        try:
+            hidden = int(config["hidden_size"])
+            heads = int(config["num_attention_heads"])
+            dims = cls(
+                layers=int(config["num_hidden_layers"]),
+                hidden=hidden,
+                intermediate=int(config["intermediate_size"]),
+                heads=heads,
+                kv_heads=int(config.get("num_key_value_heads") or heads),
+                head_dim=int(config.get("head_dim") or hidden // heads),
+                vocab=int(config["vocab_size"]),
+                tied=bool(config.get("tie_word_embeddings", False)),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ContractError(f"{where}: missing or malformed Llama field {exc}") from exc
+        return dims
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(N, K) = (out_features, in_features) of each decoder linear."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return {
+            "self_attn.q_proj": (q, self.hidden),
+            "self_attn.k_proj": (kv, self.hidden),
+            "self_attn.v_proj": (kv, self.hidden),
+            "self_attn.o_proj": (self.hidden, q),
+            "mlp.gate_proj": (self.intermediate, self.hidden),
+            "mlp.up_proj": (self.intermediate, self.hidden),
+            "mlp.down_proj": (self.hidden, self.intermediate),
+        }
+
+
+def parse_linear_weight(name: str) -> tuple[int, str] | None:
+    """(layer index, linear) for a decoder linear's BF16 weight name, else None."""
+    m = _LINEAR_WEIGHT.match(name)
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
+def linear_prefix(layer: int, linear: str) -> str:
+    return f"model.layers.{layer}.{linear}"
+
+
+def group_size_error(prefix: str, k: int, group_size: int) -> ContractError:
+    """The error for K not divisible by the group size; names the layer and the sizes that would work."""
+    fits = [g for g in GROUP_SIZES if k % g == 0]
+    fix = (f"quantize with --group-size {max(fits)}" + (f" (or {', '.join(map(str, fits[:-1]))})" if len(fits) > 1
+                                                        else "")) if fits else \
+        f"no supported group size ({', '.join(map(str, GROUP_SIZES))}) divides it"
+    return ContractError(f"{prefix}: K={k} is not divisible by group size {group_size}: {fix}")
+
+
+def linear_tensor_specs(prefix: str, n: int, k: int, scheme: W4A8Scheme) -> list[TensorSpec]:
+    """The tensors one quantized linear (N, K) is stored as, in the order they are written."""
+    if k % scheme.group_size:
+        raise group_size_error(prefix, k, scheme.group_size)
+    scale = TensorSpec(f"{prefix}.weight_scale", torch.bfloat16, (n, k // scheme.group_size))
+    if scheme.format == "pack-quantized":
+        return [
+            TensorSpec(f"{prefix}.weight_packed", torch.int32, (n, k // PACK_FACTOR)),  # 8 nibbles per word
+            scale,
+            TensorSpec(f"{prefix}.weight_shape", torch.int64, (2,)),  # [N, K]
+        ]
+    return [TensorSpec(f"{prefix}.weight", torch.int8, (n, k)), scale]
+
+
+def bf16_tensor_specs(dims: LlamaDims) -> list[TensorSpec]:
+    """The BF16 tensors of a Llama checkpoint other than the decoder linears (norms, embedding, lm_head)."""
+    specs = [TensorSpec("model.embed_tokens.weight", torch.bfloat16, (dims.vocab, dims.hidden))]
+    for i in range(dims.layers):
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            specs.append(TensorSpec(f"model.layers.{i}.{norm}.weight", torch.bfloat16, (dims.hidden,)))
+    specs.append(TensorSpec("model.norm.weight", torch.bfloat16, (dims.hidden,)))
+    if not dims.tied:
+        specs.append(TensorSpec("lm_head.weight", torch.bfloat16, (dims.vocab, dims.hidden)))
+    return specs
+
+
+def tensor_order(name: str) -> tuple[int, int, str]:
+    """Sort key: embedding, then layer by layer (linears in DECODER_LINEARS order), then final norm, lm_head."""
+    if name.startswith("model.embed_tokens."):
+        return (0, 0, name)
+    m = re.match(r"^model\.layers\.(\d+)\.(.*)$", name)
+    if m:
+        rest = m.group(2)
+        rank = next((i for i, lin in enumerate(DECODER_LINEARS) if rest.startswith(lin + ".")), len(DECODER_LINEARS))
+        return (1, int(m.group(1)), f"{rank:02d}{rest}")
+    return (2 if name.startswith("model.") else 3, 0, name)

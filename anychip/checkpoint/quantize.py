@@ -1,0 +1,192 @@
+"""`anychip quantize SRC DST`: a BF16 Llama directory -> a W4A8 compressed-tensors directory, tensor by tensor.
+
+The pipeline (read a source tensor, quantize it, write it) is shared by every method: a method only supplies a
+`WeightQuantizer`, called once per decoder linear, in layer order (layer 0's q, k, v, o, gate, up, down first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from anychip import __version__
+from anychip.checkpoint.io import MAX_SHARD_BYTES, ShardedWriter, TensorInfo, atomic_directory, copy_side_files, \
+    read_tensor_infos
+from anychip.checkpoint.layout import TensorSpec, group_size_error, linear_tensor_specs, parse_linear_weight, \
+    tensor_order
+from anychip.checkpoint.manifest import write_manifest
+from anychip.checkpoint.pack import pack_int4
+from anychip.checkpoint.rtn import rtn_quantize
+from anychip.checkpoint.scheme import GROUP_SIZES, ContractError, W4A8Scheme
+from anychip.errors import AnychipError
+
+#: (linear prefix, BF16 weight (N, K)) -> (wq (N, K) int8 in [-8, 7], scales (N, K // G)). Scales are stored
+#: BF16: a quantizer should compute q against BF16-rounded scales so that q * scale is what readers see.
+WeightQuantizer = Callable[[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+METHODS: tuple[str, ...] = ("rtn", "gptq")
+_SKIPPED = (".rotary_emb.inv_freq",)  # recomputed by every runtime; older checkpoints store it
+
+
+def rtn_quantizer(scheme: W4A8Scheme) -> WeightQuantizer:
+    """Round-to-nearest per-group quantization (no calibration)."""
+    return lambda prefix, w: rtn_quantize(w, scheme.group_size, name=prefix)
+
+
+def make_quantizer(method: str, src: Path, scheme: W4A8Scheme, **options: Any) -> WeightQuantizer:
+    """The quantizer for `method`; `options` go to GPTQ (calibration, samples, seq_len, damp)."""
+    if method == "rtn":
+        return rtn_quantizer(scheme)
+    if method == "gptq":
+        try:
+            from anychip.checkpoint.gptq import gptq_quantizer
+        except ModuleNotFoundError as exc:
+            if exc.name != "anychip.checkpoint.gptq":
+                raise
+            raise AnychipError("--method gptq: anychip.checkpoint.gptq is not part of this build; use --method rtn")
+        return gptq_quantizer(src, scheme, **options)
+    raise AnychipError(f"--method {method!r} is not known: use one of {', '.join(METHODS)}")
+
+
+def read_config(directory: Path) -> dict[str, Any]:
+    path = directory / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise AnychipError(f"{path} is missing: {directory} is not a Hugging Face model directory") from None
+    except json.JSONDecodeError as exc:
+        raise AnychipError(f"{path}: not valid JSON ({exc})") from exc
+
+
+def check_source(src: Path, scheme: W4A8Scheme) -> tuple[dict[str, Any], list[tuple[TensorInfo, list[TensorSpec]]]]:
+    """Check that `src` is a BF16 Llama that `scheme` can quantize (headers only, cheap); returns its config and
+    the write plan. Raises ContractError naming the first layer whose K the group size does not divide."""
+    config = read_config(src)
+    archs = config.get("architectures") or []
+    if "LlamaForCausalLM" not in archs:
+        raise ContractError(f"{src}/config.json: architectures {archs} — anychip quantizes LlamaForCausalLM only")
+    if config.get("quantization_config"):
+        method = config["quantization_config"].get("quant_method")
+        raise ContractError(f"{src} is already quantized ({method}): quantize from the BF16 model")
+    return config, _plan(read_tensor_infos(src), scheme)
+
+
+def linear_ks(src: Path) -> dict[str, int]:
+    """{linear prefix: K} for every decoder linear of a BF16 directory (headers only)."""
+    out = {}
+    for name, info in read_tensor_infos(src).items():
+        parsed = parse_linear_weight(name)
+        if parsed:
+            out[name.removesuffix(".weight")] = info.shape[1]
+    return out
+
+
+def choose_group_size(src: Path) -> int:
+    """The largest supported group size that divides K of every decoder linear of `src`."""
+    ks = linear_ks(src)
+    if not ks:
+        raise ContractError(f"{src}: no decoder linears (model.layers.N.*_proj.weight) found")
+    for g in sorted(GROUP_SIZES, reverse=True):
+        if all(k % g == 0 for k in ks.values()):
+            return g
+    prefix, k = next((p, k) for p, k in ks.items() if k % min(GROUP_SIZES))
+    raise group_size_error(prefix, k, min(GROUP_SIZES))
+
+
+def _plan(infos: dict[str, TensorInfo], scheme: W4A8Scheme) -> list[tuple[TensorInfo, list[TensorSpec]]]:
+    """Per source tensor (in write order), the output tensors it becomes. Fails before anything is written."""
+    plan = []
+    for name in sorted(infos, key=tensor_order):
+        info = infos[name]
+        if name.endswith(_SKIPPED):
+            continue
+        if parse_linear_weight(name):
+            if len(info.shape) != 2:
+                raise ContractError(f"{name}: expected a 2-D weight, got shape {list(info.shape)}")
+            n, k = info.shape
+            plan.append((info, linear_tensor_specs(name.removesuffix(".weight"), n, k, scheme)))
+        else:
+            dtype = info.torch_dtype
+            if dtype is None:
+                raise ContractError(f"{info.file}: {name} has unsupported dtype {info.dtype}")
+            out = torch.bfloat16 if dtype.is_floating_point else dtype
+            plan.append((info, [TensorSpec(name, out, info.shape)]))
+    return plan
+
+
+def _quantized_tensors(prefix: str, w: torch.Tensor, quantizer: WeightQuantizer,
+                       scheme: W4A8Scheme) -> list[torch.Tensor]:
+    n, k = w.shape
+    wq, scales = quantizer(prefix, w)
+    groups = k // scheme.group_size
+    if wq.dtype != torch.int8 or tuple(wq.shape) != (n, k):
+        raise AnychipError(f"{prefix}: quantizer returned wq {wq.dtype} {list(wq.shape)}, expected int8 [{n}, {k}]")
+    if tuple(scales.shape) != (n, groups):
+        raise AnychipError(f"{prefix}: quantizer returned scales {list(scales.shape)}, expected [{n}, {groups}]")
+    scales = scales.to(torch.bfloat16)
+    if scheme.format == "pack-quantized":
+        return [pack_int4(wq), scales, torch.tensor([n, k], dtype=torch.int64)]
+    if int(wq.min()) < -8 or int(wq.max()) > 7:
+        raise AnychipError(f"{prefix}: quantizer returned values outside the int4 range [-8, 7]")
+    return [wq, scales]
+
+
+def quantize_checkpoint(src: Path, dst: Path, scheme: W4A8Scheme, quantizer: WeightQuantizer | None = None,
+                        method: str = "rtn", *, overwrite: bool = False,
+                        max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+    """Quantize the BF16 Llama directory `src` into the W4A8 directory `dst` (written atomically, with
+    SHA256SUMS, contract-verified before it appears). `quantizer` defaults to RTN; `method` is recorded as
+    provenance. Returns `dst`."""
+    from anychip.checkpoint.verify import verify_checkpoint
+
+    src, dst = Path(src).resolve(), Path(dst).absolute()
+    config, plan = check_source(src, scheme)
+    quantizer = quantizer or rtn_quantizer(scheme)
+    specs = [spec for _, outs in plan for spec in outs]
+    provenance = {"source": str(src), "method": method, "group_size": scheme.group_size,
+                  "format": scheme.format, "anychip_version": __version__}
+    with atomic_directory(dst, overwrite=overwrite) as tmp, ExitStack() as stack:
+        handles: dict[Path, Any] = {}
+        with ShardedWriter(tmp, specs, max_shard_bytes) as writer:
+            for info, outs in tqdm(plan, desc=f"quantize {method} g{scheme.group_size}", unit="tensor"):
+                if info.file not in handles:
+                    handles[info.file] = stack.enter_context(safe_open(str(info.file), framework="pt"))
+                t = handles[info.file].get_tensor(info.name)
+                if len(outs) == 1 and outs[0].name == info.name:
+                    tensors = [t.to(outs[0].dtype)]
+                else:
+                    tensors = _quantized_tensors(info.name.removesuffix(".weight"), t.to(torch.bfloat16),
+                                                 quantizer, scheme)
+                for spec, tensor in zip(outs, tensors):
+                    writer.write(spec.name, tensor)
+                del t, tensors
+        config = dict(config, quantization_config=scheme.quantization_config(source=provenance))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        copy_side_files(src, tmp)
+        write_manifest(tmp)
+        verify_checkpoint(tmp, checksums=False)
+    return dst
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from anychip.checkpoint.verify import verify_checkpoint
+
+    src, dst = Path(args.src), Path(args.dst)
+    scheme = W4A8Scheme(group_size=args.group_size, format=args.format)
+    check_source(src, scheme)  # fail on a bad group size before GPTQ spends minutes calibrating
+    options = {}
+    if args.method == "gptq":
+        options = dict(calibration=args.calibration, samples=args.samples, seq_len=args.seq_len, damp=args.damp)
+    quantizer = make_quantizer(args.method, src, scheme, **options)
+    out = quantize_checkpoint(src, dst, scheme, quantizer, method=args.method)
+    print(verify_checkpoint(out).summary())
+    print(out)
+    return 0

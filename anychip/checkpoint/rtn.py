@@ -1,0 +1,43 @@
+"""Round-to-nearest symmetric INT4 per-group weight quantization, the default `WeightQuantizer`.
+
+scale = amax / 7 per group of G input channels (stored BF16); q = round(w / scale) clamped to [-8, 7], computed
+with the BF16-rounded scale so that q * scale is exactly what a reader dequantizes. An all-zero group gets
+scale 0 and q = 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from anychip.errors import AnychipError
+
+INT4_MAX = 7
+INT4_MIN = -8
+
+
+def group_scales(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(N, K) float -> (N, K // G) bf16 symmetric scales amax / 7."""
+    n, k = w.shape
+    amax = w.float().view(n, k // group_size, group_size).abs().amax(dim=2)
+    return (amax / INT4_MAX).to(torch.bfloat16)
+
+
+def quantize_with_scales(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """(N, K) float with (N, K // G) scales -> (N, K) int8 in [-8, 7]; a zero scale gives q = 0."""
+    n, k = w.shape
+    groups = scales.shape[1]
+    s = scales.float().unsqueeze(2)  # (N, K // G, 1)
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    q = torch.round(w.float().view(n, groups, k // groups) / safe).clamp_(INT4_MIN, INT4_MAX)
+    q = torch.where(s > 0, q, torch.zeros_like(q))
+    return q.to(torch.int8).view(n, k)
+
+
+def rtn_quantize(w: torch.Tensor, group_size: int, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) weight -> (wq (N, K) int8 in [-8, 7], scales (N, K // G) bf16)."""
+    if w.dim() != 2 or w.shape[1] % group_size:
+        raise ValueError(f"{name}: rtn_quantize wants (N, K) with K divisible by {group_size}, got {tuple(w.shape)}")
+    scales = group_scales(w, group_size)
+    if not torch.isfinite(scales).all():
+        raise AnychipError(f"{name}: weights contain inf or nan; the BF16 source is damaged, re-create it")
+    return quantize_with_scales(w, scales), scales
