@@ -1,0 +1,134 @@
+"""`anychip prepare`: the embedded default model (SmolLM2-135M-Instruct GGUF) -> BF16 -> verified W4A8.
+
+    <cache>/smollm2-135m-instruct/bf16               dequantized from the GGUF, with tokenizer and chat template
+    <cache>/smollm2-135m-instruct/w4a8-g64-rtn       the W4A8 checkpoint `anychip serve` runs
+
+Each step is skipped when its directory was built by the same recipe and still verifies. `--synthetic` builds
+a random-weight checkpoint instead (see synthetic.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from anychip.checkpoint.cache import cache_lock, clear_done, is_done, mark_done
+from anychip.checkpoint.convert import convert_gguf, find_default_gguf, model_slug
+from anychip.checkpoint.manifest import check_manifest, sha256_file
+from anychip.checkpoint.quantize import METHODS, choose_group_size, make_quantizer, quantize_checkpoint
+from anychip.checkpoint.scheme import FORMATS, GROUP_SIZES, ContractError, Format, W4A8Scheme
+from anychip.checkpoint.verify import VerifyReport, verify_checkpoint
+from anychip.envs import cache_dir
+
+
+@dataclass(frozen=True)
+class PrepareRecipe:
+    """How `prepare` quantizes the default model. The one place to change when another method measures better.
+
+    method: a quantize method ("rtn" or "gptq").
+    format: the compressed-tensors format of the INT4 weights.
+    group_size: None picks the largest supported group size that divides K of every decoder linear.
+    """
+
+    method: str = "rtn"
+    format: Format = "pack-quantized"
+    group_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ContractError(f"prepare method {self.method!r}: use one of {METHODS}")
+        if self.format not in FORMATS:
+            raise ContractError(f"prepare format {self.format!r}: use one of {FORMATS}")
+        if self.group_size is not None and self.group_size not in GROUP_SIZES:
+            raise ContractError(f"prepare group size {self.group_size}: use one of {GROUP_SIZES} or None")
+
+
+DEFAULT_RECIPE = PrepareRecipe()
+
+
+@dataclass(frozen=True)
+class PreparedModel:
+    """The prepared default model: its BF16 source, its verified W4A8 checkpoint, and whether both were reused."""
+
+    name: str
+    bf16_dir: Path
+    w4a8_dir: Path
+    report: VerifyReport
+    reused: bool
+
+
+def _log(msg: str) -> None:
+    print(f"anychip prepare: {msg}", file=sys.stderr, flush=True)
+
+
+def _verify_bf16(directory: Path) -> None:
+    check_manifest(directory)
+    if not (directory / "config.json").is_file():
+        raise ContractError(f"{directory}/config.json is missing")
+
+
+def prepare_bf16(cache: Path | None = None, force: bool = False) -> Path:
+    """The default model as a BF16 Hugging Face directory in the cache (converted from the GGUF once)."""
+    gguf = find_default_gguf()
+    root = (cache or cache_dir()).expanduser().absolute() / model_slug(gguf)
+    with cache_lock(root):
+        return _bf16_step(gguf, root, force)[0]
+
+
+def _bf16_step(gguf: Path, root: Path, force: bool) -> tuple[Path, bool]:
+    bf16 = root / "bf16"
+    recipe = {"step": "bf16", "gguf": gguf.name, "gguf_sha256": sha256_file(gguf)}
+    if not force and is_done(bf16, recipe, _verify_bf16):
+        _log(f"reusing {bf16}")
+        return bf16, True
+    _log(f"converting {gguf.name} to BF16 in {bf16} (about half a minute)")
+    clear_done(bf16)
+    convert_gguf(gguf, bf16, overwrite=True)
+    mark_done(bf16, recipe)
+    return bf16, False
+
+
+def prepare_default(cache: Path | None = None, force: bool = False,
+                    recipe: PrepareRecipe = DEFAULT_RECIPE) -> PreparedModel:
+    """GGUF -> BF16 -> W4A8 in `cache` (default: $ANYCHIP_CACHE or ~/.cache/anychip/models), reusing verified work."""
+    gguf = find_default_gguf()
+    root = (cache or cache_dir()).expanduser().absolute() / model_slug(gguf)
+    with cache_lock(root):
+        bf16, bf16_reused = _bf16_step(gguf, root, force)
+        group = recipe.group_size or choose_group_size(bf16)
+        scheme = W4A8Scheme(group_size=group, format=recipe.format)
+        suffix = "" if recipe.format == "pack-quantized" else "-int"
+        w4a8 = root / f"w4a8-g{group}-{recipe.method}{suffix}"
+        step = {"step": "w4a8", **asdict(recipe), "group_size": group,
+                "bf16_manifest_sha256": sha256_file(bf16 / "SHA256SUMS")}
+        reports: list[VerifyReport] = []
+        reused = not force and is_done(w4a8, step, lambda d: reports.append(verify_checkpoint(d)))
+        if reused:
+            _log(f"reusing {w4a8}")
+        else:
+            _log(f"quantizing to W4A8 ({recipe.method}, group size {group}) in {w4a8}")
+            clear_done(w4a8)
+            quantizer = make_quantizer(recipe.method, bf16, scheme)
+            quantize_checkpoint(bf16, w4a8, scheme, quantizer, method=recipe.method, overwrite=True)
+            reports.append(verify_checkpoint(w4a8))
+            mark_done(w4a8, step)
+        report = reports[-1]
+    return PreparedModel(name=root.name, bf16_dir=bf16, w4a8_dir=w4a8, report=report,
+                         reused=bf16_reused and reused)
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    cache = Path(args.cache) if args.cache else None
+    if args.synthetic:
+        from anychip.checkpoint.synthetic import make_synthetic, parse_shape
+
+        report = make_synthetic(parse_shape(args.synthetic), cache=cache, force=args.force)
+        print(report.summary())
+        print(report.path)
+        return 0
+    prepared = prepare_default(cache=cache, force=args.force)
+    print(prepared.report.summary())
+    print(prepared.w4a8_dir)
+    return 0

@@ -1,0 +1,205 @@
+"""`anychip prepare --synthetic SHAPE`: a random-weight W4A8 Llama for throughput-only runs at large shapes.
+
+NOT A MODEL: its output is noise. It is labelled so in config.json (`anychip_synthetic`), in its directory
+name and in a README inside it. The tokenizer, chat template and generation config are the default model's,
+so vLLM loads it like any checkpoint. Tensors are generated and written one at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from anychip import __version__
+from anychip.checkpoint.cache import cache_lock, clear_done, is_done, mark_done
+from anychip.checkpoint.io import ShardedWriter, atomic_directory, copy_side_files
+from anychip.checkpoint.layout import LlamaDims, TensorSpec, bf16_tensor_specs, linear_prefix, \
+    linear_tensor_specs, tensor_order
+from anychip.checkpoint.manifest import sha256_file, write_manifest
+from anychip.checkpoint.scheme import DECODER_LINEARS, FORMATS, GROUP_SIZES, ContractError, Format, W4A8Scheme
+from anychip.checkpoint.verify import VerifyReport, tokenizer_size, verify_checkpoint
+from anychip.envs import cache_dir
+
+_NOTICE = "random weights: NOT A MODEL, its output is noise; for throughput measurements only"
+
+
+@dataclass(frozen=True)
+class SyntheticShape:
+    """A Llama shape. head_dim None means hidden // heads; max_position fits the article's 32k-in, 1k-out run."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    group: int = 128
+    head_dim: int | None = None
+    tied: bool = True
+    format: Format = "pack-quantized"
+    max_position: int = 32768 + 1024
+    name: str | None = None  # the preset's name; None for a custom shape
+
+    def __post_init__(self) -> None:
+        for f in ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab", "max_position"):
+            if getattr(self, f) <= 0:
+                raise ContractError(f"--synthetic: {f}={getattr(self, f)} must be positive")
+        if self.heads % self.kv_heads:
+            raise ContractError(f"--synthetic: heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
+        if self.head_dim is None and self.hidden % self.heads:
+            raise ContractError(f"--synthetic: hidden={self.hidden} is not divisible by heads={self.heads}: "
+                                "give head_dim=")
+        if self.group not in GROUP_SIZES:
+            raise ContractError(f"--synthetic: group={self.group}: use one of {GROUP_SIZES}")
+        if self.format not in FORMATS:
+            raise ContractError(f"--synthetic: format={self.format!r}: use one of {FORMATS}")
+
+    @property
+    def dims(self) -> LlamaDims:
+        return LlamaDims(layers=self.layers, hidden=self.hidden, intermediate=self.intermediate, heads=self.heads,
+                         kv_heads=self.kv_heads, head_dim=self.head_dim or self.hidden // self.heads,
+                         vocab=self.vocab, tied=self.tied)
+
+    @property
+    def dirname(self) -> str:
+        slug = self.name or (f"l{self.layers}-h{self.hidden}-i{self.intermediate}-a{self.heads}-kv{self.kv_heads}"
+                             f"-v{self.vocab}" + (f"-hd{self.head_dim}" if self.head_dim else "")
+                             + ("" if self.tied else "-untied") + ("" if self.format == "pack-quantized" else "-int"))
+        return f"{slug}-w4a8-g{self.group}-random-not-a-model"
+
+
+PRESETS: dict[str, SyntheticShape] = {
+    "llama-2b": SyntheticShape(layers=42, hidden=2048, intermediate=6144, heads=16, kv_heads=8, vocab=73448,
+                               group=128, name="llama-2b"),
+    "llama-1b": SyntheticShape(layers=16, hidden=2048, intermediate=8192, heads=32, kv_heads=8, vocab=128256,
+                               group=128, head_dim=64, tied=True, name="llama-1b"),
+    "tiny": SyntheticShape(layers=2, hidden=256, intermediate=512, heads=4, kv_heads=2, vocab=49152, group=64,
+                           max_position=4096, name="tiny"),
+}
+_INT_KEYS = {"layers", "hidden", "intermediate", "heads", "kv_heads", "vocab", "group", "head_dim", "max_position"}
+
+
+def parse_shape(text: str) -> SyntheticShape:
+    """'llama-2b', 'llama-2b,layers=4' or 'layers=42,hidden=2048,intermediate=6144,heads=16,kv_heads=8,vocab=73448'."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    base: dict[str, object] = {}
+    if parts and "=" not in parts[0]:
+        preset = PRESETS.get(parts[0])
+        if preset is None:
+            raise ContractError(f"--synthetic {parts[0]!r}: unknown preset; use one of {', '.join(PRESETS)} or "
+                                "key=value pairs")
+        base, parts = asdict(preset), parts[1:]
+    fields = {f.name for f in dataclasses.fields(SyntheticShape)} - {"name"}
+    for part in parts:
+        key, sep, value = part.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or key not in fields:
+            raise ContractError(f"--synthetic: {part!r} is not key=value with key one of {', '.join(sorted(fields))}")
+        try:
+            base[key] = int(value) if key in _INT_KEYS else (value.strip() not in ("0", "false", "no")
+                                                             if key == "tied" else value.strip())
+        except ValueError:
+            raise ContractError(f"--synthetic: {key}={value!r} is not an integer") from None
+        base["name"] = None  # an edited preset is a custom shape
+    missing = {"layers", "hidden", "intermediate", "heads", "vocab"} - set(base)
+    if missing:
+        raise ContractError(f"--synthetic {text!r}: missing {', '.join(sorted(missing))}")
+    base.setdefault("kv_heads", base["heads"])
+    return SyntheticShape(**base)  # type: ignore[arg-type]
+
+
+def _random_linear(n: int, k: int, scheme: W4A8Scheme, gen: torch.Generator) -> list[torch.Tensor]:
+    # Scales put the weights' std near 1/sqrt(K) (uniform int4 has std ~4.6), so activations stay finite.
+    base = 1.0 / (math.sqrt(k) * 4.6)
+    scales = (base * (1 + 0.1 * torch.randn(n, k // scheme.group_size, generator=gen)).abs()).to(torch.bfloat16)
+    if scheme.format == "pack-quantized":
+        # Uniform random bytes are uniform int4 nibbles, already packed: (N, K // 8) int32.
+        packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen).view(torch.int32)
+        return [packed, scales, torch.tensor([n, k], dtype=torch.int64)]
+    return [torch.randint(-8, 8, (n, k), dtype=torch.int8, generator=gen), scales]
+
+
+def _random_bf16(spec: TensorSpec, gen: torch.Generator) -> list[torch.Tensor]:
+    if spec.name.endswith("norm.weight"):
+        return [torch.ones(spec.shape, dtype=torch.bfloat16)]
+    return [(torch.randn(spec.shape, generator=gen) * 0.02).to(torch.bfloat16)]
+
+
+def _items(shape: SyntheticShape, scheme: W4A8Scheme,
+           gen: torch.Generator) -> list[tuple[list[TensorSpec], Callable[[], list[torch.Tensor]]]]:
+    dims = shape.dims
+    items = [([spec], partial(_random_bf16, spec, gen)) for spec in bf16_tensor_specs(dims)]
+    for i in range(dims.layers):
+        for linear, (n, k) in dims.linear_shapes().items():
+            specs = linear_tensor_specs(linear_prefix(i, linear), n, k, scheme)
+            items.append((specs, partial(_random_linear, n, k, scheme, gen)))
+    assert len(dims.linear_shapes()) == len(DECODER_LINEARS)
+    return sorted(items, key=lambda item: tensor_order(item[0][0].name))
+
+
+def _config(shape: SyntheticShape, template: dict, scheme: W4A8Scheme, seed: int) -> dict:
+    d = shape.dims
+    config = {k: v for k, v in template.items() if not k.startswith("_") and k != "quantization_config"}
+    config.update(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=d.hidden, intermediate_size=d.intermediate,
+        num_hidden_layers=d.layers, num_attention_heads=d.heads, num_key_value_heads=d.kv_heads, head_dim=d.head_dim,
+        vocab_size=d.vocab, tie_word_embeddings=d.tied, max_position_embeddings=shape.max_position, dtype="bfloat16",
+        anychip_synthetic={"notice": _NOTICE, "shape": asdict(shape), "seed": seed},
+    )
+    provenance = {"source": "synthetic", "method": "random", "group_size": scheme.group_size,
+                  "format": scheme.format, "seed": seed, "anychip_version": __version__}
+    config["quantization_config"] = scheme.quantization_config(source=provenance)
+    return config
+
+
+def _readme(shape: SyntheticShape) -> str:
+    return (f"# {shape.dirname}\n\nTHIS IS NOT A MODEL. Every weight is random ({_NOTICE}).\n\n"
+            "It has the shape of a Llama and the W4A8 compressed-tensors layout, so vLLM and anychip serve it at the "
+            "speed a real model of this shape would run; its text is meaningless. Made by "
+            f"`anychip prepare --synthetic` (anychip {__version__}).\n\n```json\n"
+            f"{json.dumps(asdict(shape), indent=2)}\n```\n")
+
+
+def make_synthetic(shape: SyntheticShape, cache: Path | None = None, force: bool = False,
+                   seed: int = 0) -> VerifyReport:
+    """Build (or reuse) `<cache>/synthetic/<shape.dirname>` and return its verification report."""
+    from anychip.checkpoint.prepare import prepare_bf16
+
+    cache = (cache or cache_dir()).expanduser().absolute()
+    tokenizer_dir = prepare_bf16(cache)
+    tok = tokenizer_size(tokenizer_dir)
+    if tok is not None and shape.vocab < tok:
+        raise ContractError(f"--synthetic: vocab={shape.vocab} is smaller than the tokenizer ({tok} tokens): "
+                            f"use vocab>={tok}")
+    scheme = W4A8Scheme(group_size=shape.group, format=shape.format)
+    root = cache / "synthetic"
+    dst = root / shape.dirname
+    recipe = {"step": "synthetic", **asdict(shape), "seed": seed,
+              "tokenizer_manifest_sha256": sha256_file(tokenizer_dir / "SHA256SUMS")}
+    reports: list[VerifyReport] = []
+    with cache_lock(root):
+        if force or not is_done(dst, recipe, lambda d: reports.append(verify_checkpoint(d))):
+            clear_done(dst)
+            items = _items(shape, scheme, torch.Generator().manual_seed(seed))
+            template = json.loads((tokenizer_dir / "config.json").read_text())
+            with atomic_directory(dst, overwrite=True) as tmp:
+                with ShardedWriter(tmp, [s for specs, _ in items for s in specs]) as writer:
+                    for specs, make in tqdm(items, desc=f"synthetic {shape.dirname}", unit="tensor"):
+                        for spec, tensor in zip(specs, make()):
+                            writer.write(spec.name, tensor)
+                (tmp / "config.json").write_text(json.dumps(_config(shape, template, scheme, seed), indent=2) + "\n")
+                (tmp / "README.md").write_text(_readme(shape))
+                copy_side_files(tokenizer_dir, tmp)
+                write_manifest(tmp)
+                verify_checkpoint(tmp, checksums=False)
+            reports.append(verify_checkpoint(dst))
+            mark_done(dst, recipe)
+    return reports[-1]
