@@ -21,6 +21,8 @@ ANYCHIP_KERNEL_ISA = "ANYCHIP_KERNEL_ISA"
 ANYCHIP_BUILD_DIR = "ANYCHIP_BUILD_DIR"
 #: "0" disables strict mode in the plugin (same as ANYCHIP_ALLOW_FALLBACK=1).
 ANYCHIP_STRICT = "ANYCHIP_STRICT"
+#: Folder of *.jsonl multiple-choice tasks for `anychip eval` when --data is not given.
+ANYCHIP_EVALDATA = "ANYCHIP_EVALDATA"
 
 
 def _flag(name: str, default: bool) -> bool:
