@@ -181,7 +181,10 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
     src, dst = Path(args.src), Path(args.dst)
     scheme = W4A8Scheme(group_size=args.group_size, format=args.format)
-    check_source(src, scheme)  # fail on a bad group size before GPTQ spends minutes calibrating
+    # Fail on a bad destination or group size before GPTQ spends minutes calibrating.
+    if dst.exists():
+        raise AnychipError(f"{dst} already exists: remove it or choose another output directory")
+    check_source(src, scheme)
     options = {}
     if args.method == "gptq":
         options = dict(calibration=args.calibration, samples=args.samples, seq_len=args.seq_len, damp=args.damp)

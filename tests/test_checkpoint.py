@@ -1,0 +1,229 @@
+"""W4A8 checkpoint writing: int4 packing, RTN, `quantize` end to end, read back through compressed-tensors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from anychip.checkpoint.io import INDEX, read_tensor_infos
+from anychip.checkpoint.pack import pack_int4, unpack_int4
+from anychip.checkpoint.quantize import choose_group_size, quantize_checkpoint
+from anychip.checkpoint.rtn import rtn_quantize
+from anychip.checkpoint.scheme import DECODER_LINEARS, ContractError, W4A8Scheme, scheme_from_config
+from anychip.cli import main
+from anychip.errors import AnychipError
+from anychip.kernels.reference import dequantize_weight_ref
+
+LINEAR_NAMES = [f"model.layers.{i}.{lin}" for i in range(2) for lin in DECODER_LINEARS]
+
+
+def int4(n: int, k: int, seed: int) -> torch.Tensor:
+    return torch.randint(-8, 8, (n, k), dtype=torch.int8, generator=torch.Generator().manual_seed(seed))
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 9), words=st.integers(1, 6), seed=st.integers(0, 2**16))
+def test_pack_round_trip_matches_compressed_tensors(n, words, seed):
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+
+    q = int4(n, words * 8, seed)
+    packed = pack_int4(q)
+    assert packed.dtype == torch.int32 and packed.shape == (n, words)
+    assert torch.equal(unpack_int4(packed), q)
+    assert torch.equal(packed, pack_to_int32(q, 4))
+    assert torch.equal(unpack_from_int32(packed, 4, torch.Size([n, words * 8])), q)
+
+
+def test_pack_rejects_out_of_range_and_ragged_k():
+    with pytest.raises(ValueError, match="int4 range"):
+        pack_int4(torch.full((1, 8), 8, dtype=torch.int8))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        pack_int4(torch.zeros((1, 12), dtype=torch.int8))
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 6), groups=st.integers(1, 4), g=st.sampled_from([32, 64, 128]),
+       seed=st.integers(0, 2**16), magnitude=st.sampled_from([1e-6, 0.02, 3.0, 1e4]),
+       zero_group=st.booleans())
+def test_rtn_properties(n, groups, g, seed, magnitude, zero_group):
+    gen = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, groups * g, generator=gen) * magnitude).to(torch.bfloat16)
+    if zero_group:
+        w[0, :g] = 0
+    wq, scales = rtn_quantize(w, g)
+    assert wq.dtype == torch.int8 and wq.shape == w.shape
+    assert scales.dtype == torch.bfloat16 and scales.shape == (n, groups)
+    assert int(wq.min()) >= -8 and int(wq.max()) <= 7
+    amax = w.float().view(n, groups, g).abs().amax(dim=2)
+    assert torch.equal(scales, (amax / 7).to(torch.bfloat16))
+    if zero_group:
+        assert scales[0, 0] == 0 and not wq[0, :g].any()
+    # Round to nearest: every weight is within half a step of its dequantized value (|w| / scale <= 7.03 after
+    # BF16 rounding of the scale, so the clamp never costs more than that).
+    s = scales.float().repeat_interleave(g, dim=1)
+    err = (w.float() - wq.float() * s).abs()
+    assert (err <= s * (0.5 + 1e-6)).all()
+    assert int(wq.min()) >= -7
+
+
+def test_rtn_rejects_nonfinite_weights():
+    w = torch.zeros(2, 64, dtype=torch.bfloat16)
+    w[1, 3] = float("inf")
+    with pytest.raises(AnychipError, match="layer.x: weights contain inf"):
+        rtn_quantize(w, 32, name="layer.x")
+
+
+def ct_decompress(directory: Path) -> dict[str, torch.Tensor]:
+    """Dequantize every quantized linear with compressed-tensors' own compressor for the declared format."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    qc = QuantizationConfig.model_validate(json.loads((directory / "config.json").read_text())["quantization_config"])
+    (scheme,) = qc.config_groups.values()
+    compressor = BaseCompressor.get_value_from_registry(scheme.format)
+    params = compressor.compression_param_names(scheme)
+    tensors = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        tensors |= load_file(path)
+    out = {}
+    for prefix in {n.removesuffix(".weight_scale") for n in tensors if n.endswith(".weight_scale")}:
+        state = {p: tensors[f"{prefix}.{p}"] for p in params}
+        out[prefix] = compressor.decompress(state, scheme)["weight"]
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["pack-quantized", "int-quantized"])
+@pytest.mark.parametrize("group", [32, 64])
+def test_quantize_reads_back_through_compressed_tensors(tiny_llama, tmp_path, fmt, group):
+    src = tiny_llama()
+    dst = quantize_checkpoint(src, tmp_path / "w4a8", W4A8Scheme(group_size=group, format=fmt))
+    source = load_file(src / "model.safetensors")
+    decompressed = ct_decompress(dst)
+    assert sorted(decompressed) == sorted(LINEAR_NAMES)
+    for prefix, weight in decompressed.items():
+        wq, scales = rtn_quantize(source[f"{prefix}.weight"], group)
+        expected = dequantize_weight_ref(wq, scales, torch.bfloat16)
+        assert weight.dtype == torch.bfloat16
+        assert torch.equal(weight, expected), prefix
+
+
+def test_quantize_layout_config_and_side_files(tiny_llama, tmp_path):
+    src = tiny_llama()
+    dst = quantize_checkpoint(src, tmp_path / "w4a8", W4A8Scheme(group_size=32))
+    infos = read_tensor_infos(dst)
+    q = infos["model.layers.1.mlp.down_proj.weight_packed"]
+    assert (q.dtype, q.shape) == ("I32", (64, 128 // 8))
+    assert (infos["model.layers.1.mlp.down_proj.weight_scale"].dtype,
+            infos["model.layers.1.mlp.down_proj.weight_scale"].shape) == ("BF16", (64, 4))
+    with safe_open(str(dst / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("model.layers.1.mlp.down_proj.weight_shape").tolist() == [64, 128]
+        assert f.get_tensor("model.layers.0.self_attn.k_proj.weight_shape").dtype == torch.int64
+    # Embedding and norms stay BF16, byte for byte; a tied source gets no lm_head.
+    source, out = load_file(src / "model.safetensors"), load_file(dst / "model.safetensors")
+    for name in ("model.embed_tokens.weight", "model.norm.weight", "model.layers.0.input_layernorm.weight"):
+        assert torch.equal(out[name], source[name]) and out[name].dtype == torch.bfloat16
+    assert "lm_head.weight" not in out
+    assert not any(n.endswith("_proj.weight") for n in out)
+    config = json.loads((dst / "config.json").read_text())
+    assert config["tie_word_embeddings"] is True
+    qc = config["quantization_config"]
+    assert qc["ignore"] == ["lm_head"] and qc["format"] == "pack-quantized"
+    assert qc["anychip"] == {"source": str(src.resolve()), "method": "rtn", "group_size": 32,
+                             "format": "pack-quantized", "anychip_version": qc["anychip"]["anychip_version"]}
+    assert scheme_from_config(config) == W4A8Scheme(group_size=32)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (dst / name).read_bytes() == (src / name).read_bytes()
+    run = subprocess.run(["sha256sum", "-c", "--strict", "SHA256SUMS"], cwd=dst, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    listed = [line.split("  ", 1)[1] for line in (dst / "SHA256SUMS").read_text().splitlines()]
+    assert sorted(listed) == sorted(p.name for p in dst.iterdir() if p.name != "SHA256SUMS")
+    assert [p.name for p in tmp_path.iterdir()] == ["w4a8"]  # no temporary sibling left behind
+
+
+def test_untied_source_keeps_bf16_lm_head(tiny_llama, tmp_path):
+    src = tiny_llama(tie_word_embeddings=False)
+    dst = quantize_checkpoint(src, tmp_path / "w4a8", W4A8Scheme(group_size=64))
+    out, source = load_file(dst / "model.safetensors"), load_file(src / "model.safetensors")
+    assert torch.equal(out["lm_head.weight"], source["lm_head.weight"])
+    assert json.loads((dst / "config.json").read_text())["tie_word_embeddings"] is False
+
+
+def test_sharded_output_has_an_index_and_reads_back(tiny_llama, tmp_path):
+    src = tiny_llama()
+    dst = quantize_checkpoint(src, tmp_path / "w4a8", W4A8Scheme(group_size=64), max_shard_bytes=8_000)
+    shards = sorted(p.name for p in dst.glob("*.safetensors"))
+    assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    index = json.loads((dst / INDEX).read_text())
+    assert set(index["weight_map"].values()) == set(shards)
+    assert index["metadata"]["total_size"] == sum(i.nbytes for i in read_tensor_infos(dst).values())
+    single = quantize_checkpoint(src, tmp_path / "single", W4A8Scheme(group_size=64))
+    sharded, whole = ct_decompress(dst), ct_decompress(single)
+    assert sharded.keys() == whole.keys()
+    assert all(torch.equal(sharded[p], whole[p]) for p in whole)
+
+
+def test_k_not_divisible_by_group_size_names_the_layer(tiny_llama, tmp_path):
+    src = tiny_llama(hidden_size=96, num_attention_heads=4, num_key_value_heads=2, intermediate_size=192)
+    with pytest.raises(ContractError, match=r"model\.layers\.0\.self_attn\.q_proj: K=96 .* group size 64: "
+                                            r"quantize with --group-size 32"):
+        quantize_checkpoint(src, tmp_path / "w4a8", W4A8Scheme(group_size=64))
+    assert list(tmp_path.iterdir()) == []
+    assert choose_group_size(src) == 32
+    assert choose_group_size(tiny_llama()) == 64  # K in {64, 128}
+
+
+def test_custom_quantizer_is_called_in_layer_order_and_recorded(tiny_llama, tmp_path):
+    calls = []
+
+    def zeros(prefix, w):
+        calls.append((prefix, w.dtype, tuple(w.shape)))
+        return torch.zeros(w.shape, dtype=torch.int8), torch.ones(w.shape[0], w.shape[1] // 32)
+
+    dst = quantize_checkpoint(tiny_llama(), tmp_path / "w4a8", W4A8Scheme(group_size=32), zeros, method="gptq")
+    assert [c[0] for c in calls] == LINEAR_NAMES
+    assert all(c[1] == torch.bfloat16 for c in calls)
+    assert json.loads((dst / "config.json").read_text())["quantization_config"]["anychip"]["method"] == "gptq"
+    bad = lambda prefix, w: (torch.zeros(w.shape, dtype=torch.int8), torch.ones(w.shape[0], 3))  # noqa: E731
+    with pytest.raises(AnychipError, match=r"model\.layers\.0\.self_attn\.q_proj: quantizer returned scales"):
+        quantize_checkpoint(tiny_llama(), tmp_path / "bad", W4A8Scheme(group_size=32), bad)
+    assert not (tmp_path / "bad").exists()
+
+
+def test_cli_quantize(tiny_llama, tmp_path, capsys):
+    dst = tmp_path / "out"
+    assert main(["quantize", str(tiny_llama()), str(dst), "--group-size", "32", "--format", "int-quantized"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1] == str(dst.absolute())
+    assert any("format int-quantized" in line for line in out)
+    assert main(["quantize", str(tiny_llama()), str(dst), "--group-size", "32"]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert main(["quantize", str(tiny_llama()), str(tmp_path / "g128")]) == 2
+    assert capsys.readouterr().err.strip() == ("anychip quantize: error: model.layers.0.self_attn.q_proj: K=64 is not "
+                                               "divisible by group size 128: quantize with --group-size 64 (or 32)")
+
+
+def test_cli_gptq_dispatches_to_gptq_quantizer(tiny_llama, tmp_path, monkeypatch, capsys):
+    seen = {}
+
+    def gptq_quantizer(src, scheme, **options):
+        seen.update(src=src, scheme=scheme, **options)
+        return lambda prefix, w: rtn_quantize(w, scheme.group_size)
+
+    monkeypatch.setitem(sys.modules, "anychip.checkpoint.gptq", types.SimpleNamespace(gptq_quantizer=gptq_quantizer))
+    src, dst = tiny_llama(), tmp_path / "gptq"
+    rc = main(["quantize", str(src), str(dst), "--method", "gptq", "--group-size", "64", "--samples", "4",
+               "--seq-len", "16", "--damp", "0.05", "--calibration", "calib.txt"])
+    assert rc == 0
+    assert seen == dict(src=src, scheme=W4A8Scheme(group_size=64), calibration="calib.txt", samples=4, seq_len=16,
+                        damp=0.05)
+    assert json.loads((dst / "config.json").read_text())["quantization_config"]["anychip"]["method"] == "gptq"
