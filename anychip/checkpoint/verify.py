@@ -123,6 +123,7 @@ def _check_tensors(infos: dict[str, TensorInfo], dims: LlamaDims, scheme: W4A8Sc
     expected: dict[str, TensorSpec] = {}
     for spec in bf16_tensor_specs(dims):
         expected[spec.name] = spec
+        _expect(infos, spec, scheme.group_size)
     if dims.tied and "lm_head.weight" in infos:
         expected["lm_head.weight"] = TensorSpec("lm_head.weight", torch.bfloat16, (dims.vocab, dims.hidden))
     by_group: Counter[int] = Counter()
@@ -144,9 +145,10 @@ def _check_tensors(infos: dict[str, TensorInfo], dims: LlamaDims, scheme: W4A8Sc
             bias = f"{prefix}.bias"
             if bias in infos:
                 expected[bias] = TensorSpec(bias, torch.bfloat16, (n,))
+                _expect(infos, expected[bias], scheme.group_size)
             by_group[scheme.group_size] += 1
-    for name, spec in expected.items():
-        _expect(infos, spec, scheme.group_size)
+    if "lm_head.weight" in expected:
+        _expect(infos, expected["lm_head.weight"], scheme.group_size)
     extra = sorted(set(infos) - set(expected))
     if extra:
         name = extra[0]
