@@ -30,6 +30,27 @@ def default_model():
     return prepare_default(cache=model_cache())
 
 
+def ct_decompress(directory: Path) -> dict:
+    """{linear prefix: BF16 weight} for every quantized linear of a W4A8 directory, dequantized by compressed-tensors'
+    own compressor for the format config.json declares (the library's reading of our files, not ours)."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from safetensors.torch import load_file
+
+    qc = QuantizationConfig.model_validate(json.loads((directory / "config.json").read_text())["quantization_config"])
+    (scheme,) = qc.config_groups.values()
+    compressor = BaseCompressor.get_value_from_registry(scheme.format)
+    params = compressor.compression_param_names(scheme)
+    tensors = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        tensors |= load_file(path)
+    out = {}
+    for prefix in {n.removesuffix(".weight_scale") for n in tensors if n.endswith(".weight_scale")}:
+        state = {p: tensors[f"{prefix}.{p}"] for p in params}
+        out[prefix] = compressor.decompress(state, scheme)["weight"]
+    return out
+
+
 TINY_DEFAULTS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, vocab_size=128, tie_word_embeddings=True, max_position_embeddings=256)
 

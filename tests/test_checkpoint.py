@@ -23,6 +23,7 @@ from anychip.checkpoint.scheme import DECODER_LINEARS, ContractError, W4A8Scheme
 from anychip.cli import main
 from anychip.errors import AnychipError
 from anychip.kernels.reference import dequantize_weight_ref
+from conftest import ct_decompress
 
 LINEAR_NAMES = [f"model.layers.{i}.{lin}" for i in range(2) for lin in DECODER_LINEARS]
 
@@ -81,25 +82,6 @@ def test_rtn_rejects_nonfinite_weights():
     w[1, 3] = float("inf")
     with pytest.raises(AnychipError, match="layer.x: weights contain inf"):
         rtn_quantize(w, 32, name="layer.x")
-
-
-def ct_decompress(directory: Path) -> dict[str, torch.Tensor]:
-    """Dequantize every quantized linear with compressed-tensors' own compressor for the declared format."""
-    from compressed_tensors.compressors import BaseCompressor
-    from compressed_tensors.quantization import QuantizationConfig
-
-    qc = QuantizationConfig.model_validate(json.loads((directory / "config.json").read_text())["quantization_config"])
-    (scheme,) = qc.config_groups.values()
-    compressor = BaseCompressor.get_value_from_registry(scheme.format)
-    params = compressor.compression_param_names(scheme)
-    tensors = {}
-    for path in sorted(directory.glob("*.safetensors")):
-        tensors |= load_file(path)
-    out = {}
-    for prefix in {n.removesuffix(".weight_scale") for n in tensors if n.endswith(".weight_scale")}:
-        state = {p: tensors[f"{prefix}.{p}"] for p in params}
-        out[prefix] = compressor.decompress(state, scheme)["weight"]
-    return out
 
 
 @pytest.mark.parametrize("fmt", ["pack-quantized", "int-quantized"])

@@ -61,6 +61,13 @@ class SyntheticShape:
             raise ContractError(f"--synthetic: group={self.group}: use one of {GROUP_SIZES}")
         if self.format not in FORMATS:
             raise ContractError(f"--synthetic: format={self.format!r}: use one of {FORMATS}")
+        d = self.dims
+        for what, k in (("hidden", d.hidden), ("heads*head_dim", d.heads * d.head_dim),
+                        ("intermediate", d.intermediate)):
+            if k % self.group:
+                fits = [g for g in GROUP_SIZES if k % g == 0]
+                fix = f"use group={max(fits)}" if fits else f"make it a multiple of {min(GROUP_SIZES)}"
+                raise ContractError(f"--synthetic: K={k} ({what}) is not divisible by group={self.group}: {fix}")
 
     @property
     def dims(self) -> LlamaDims:

