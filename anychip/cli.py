@@ -99,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--peers", action="store_true", help="also BF16 vLLM, vLLM W8A8, stock vLLM W4A8, llama.cpp")
     b.add_argument("--systems", type=_csv, help="only these systems (names as in the JSON)")
     b.add_argument("--json", help="write JSON here (Markdown and PNG beside it)")
+    b.add_argument("--eager", action="store_true", help="vLLM enforce_eager (faster start; default: compiled)")
+    b.add_argument("--budget-s", type=float, default=300.0,
+                   help="seconds per system for warm-up + repetitions; slower systems get fewer reps, then "
+                        "smaller pp/tg (recorded in the row)")
     b.set_defaults(target="anychip.bench.latency:cmd_bench_latency")
     b = bsub.add_parser("serve", help="streaming OpenAI client: TTFT, TPOT, ITL, throughput under concurrency")
     b.add_argument("url", help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
@@ -112,6 +116,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--scale", type=float, default=1.0, help="shrink the preset's lengths for small machines")
     b.add_argument("--peak-tflops", type=float, help="peak compute, for efficiency per TFLOPS")
     b.add_argument("--peak-gbps", type=float, help="peak memory bandwidth, for efficiency per GB/s")
+    b.add_argument("--label", help="this server's name in the report (default: the model name)")
+    b.add_argument("--append", action="store_true",
+                   help="merge into an existing --json (other labels kept, same label replaced): one table for "
+                        "several servers")
+    b.add_argument("--baseline", help="label the ratios in the report are taken against")
+    b.add_argument("--vocab-range", type=_csv_ints, default=[1000, 30000],
+                   help="random prompt token ids are drawn from LO,HI (default 1000,30000: no special tokens)")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--timeout-s", type=float, default=600.0, help="per-request timeout")
     b.add_argument("--json", help="write JSON here (Markdown and PNG beside it)")
     b.set_defaults(target="anychip.bench.serve:cmd_bench_serve")
 
@@ -134,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     if extra and not getattr(args, "passthrough", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra = extra
+    args.argv = list(argv)  # the command as typed, for reports that record how they were produced
     try:
         rc = _handler(args.target)(args)
     except KeyboardInterrupt:

@@ -1,0 +1,1 @@
+"""Benchmarks: they measure and never change what they measure (kernels, latency, serve)."""

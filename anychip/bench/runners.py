@@ -1,0 +1,225 @@
+"""One system, one process: `python -m anychip.bench.runners SPEC.json OUT.json`.
+
+`anychip bench latency` starts this module once per system so that engines share neither memory nor threads. It
+builds the engine (vLLM's offline `LLM`, or llama.cpp through llama-cpp-python), then runs the llama-bench loop
+that both engines share (`measure`): a probe, a warm-up, and `reps` repetitions of one prefill of `pp` random
+tokens and `tg` single-token decode steps, each on an empty KV cache (prefix caching off, fresh random ids).
+It records raw seconds only; `anychip.bench.metrics` turns them into rates.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import numpy as np
+
+from anychip.bench.metrics import plan_within_budget
+
+Engine = Literal["vllm", "llama.cpp"]
+
+
+@dataclass
+class RunSpec:
+    """What one runner process measures.
+
+    system: row name in the report ("anychip-w4a8", "vllm-bf16", ...).
+    env: environment the parent set for this system (recorded, already applied when the child starts).
+    budget_s: wall-time budget for probe + warm-up + repetitions; pp, tg and reps shrink to fit (recorded).
+    """
+
+    system: str
+    engine: Engine
+    model: str
+    pp: int
+    tg: int
+    reps: int
+    threads: int
+    eager: bool = False
+    budget_s: float = 600.0
+    seed: int = 0
+    dtype: str = "bfloat16"
+    env: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for name in ("pp", "tg", "reps", "threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be at least 1, got {getattr(self, name)}")
+
+
+class Timed(Protocol):
+    """An engine under test: each call starts on an empty KV cache and returns wall seconds."""
+
+    vocab_size: int
+
+    def prefill(self, ids: list[int]) -> float: ...
+
+    def decode(self, first: int, steps: int) -> float: ...
+
+    def settings(self) -> dict[str, Any]: ...
+
+
+class VllmTimed:
+    """vLLM's offline API. prefill: one request of len(ids) tokens, max_tokens=1 (the whole prompt in one
+    scheduler step: max_num_batched_tokens >= pp). decode: a one-token prompt and `steps` generated tokens with
+    ignore_eos, i.e. `steps` forward passes of one token each, the first of them the one-token prefill."""
+
+    def __init__(self, spec: RunSpec, max_len: int):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from vllm import LLM, SamplingParams  # vLLM's public offline API only
+
+        self._sp = SamplingParams
+        cfg = json.loads((Path(spec.model) / "config.json").read_text())
+        self.vocab_size = int(cfg["vocab_size"])
+        kv_bytes = _kv_cache_bytes(cfg, max_len)
+        self._kwargs: dict[str, Any] = dict(
+            model=spec.model,
+            dtype=spec.dtype,
+            skip_tokenizer_init=True,
+            max_model_len=max_len,
+            max_num_batched_tokens=max(max_len, 256),
+            max_num_seqs=1,
+            enable_prefix_caching=False,
+            enforce_eager=spec.eager,
+            distributed_executor_backend="uni",
+            kv_cache_memory_bytes=kv_bytes,
+            seed=spec.seed,
+        )
+        self.llm = LLM(**self._kwargs)
+
+    def _run(self, ids: list[int], max_tokens: int) -> float:
+        sp = self._sp(max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True, temperature=0.0,
+                      detokenize=False)
+        t0 = time.perf_counter()
+        out = self.llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        got = len(out[0].outputs[0].token_ids)
+        if got != max_tokens:
+            raise RuntimeError(f"vLLM generated {got} tokens, expected {max_tokens}")
+        return dt
+
+    def prefill(self, ids: list[int]) -> float:
+        return self._run(ids, 1)
+
+    def decode(self, first: int, steps: int) -> float:
+        return self._run([first], steps)
+
+    def settings(self) -> dict[str, Any]:
+        import torch
+        import vllm
+
+        cc = self.llm.llm_engine.vllm_config.compilation_config
+        return {
+            "executor": "uni (VLLM_ENABLE_V1_MULTIPROCESSING=" + os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+            + ")",
+            "compile_mode": "eager" if self._kwargs["enforce_eager"] else f"compiled ({cc.mode.name}, {cc.backend})",
+            "dtype": self._kwargs["dtype"],
+            "torch_threads": torch.get_num_threads(),
+            "max_num_batched_tokens": self._kwargs["max_num_batched_tokens"],
+            "kv_cache_bytes": self._kwargs["kv_cache_memory_bytes"],
+            "prefix_caching": False,
+            "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
+        }
+
+
+class LlamaCppTimed:
+    """llama.cpp through llama-cpp-python's `Llama.eval` (one `llama_decode` per n_batch slice), llama-bench's
+    defaults n_batch=2048, n_ubatch=512. prefill: eval of all ids on a reset context. decode: `steps` evals of
+    one token each on a reset context, feeding random ids as llama-bench does (no sampling)."""
+
+    def __init__(self, spec: RunSpec, max_len: int):
+        from llama_cpp import Llama
+
+        self._threads = spec.threads
+        self.llm = Llama(model_path=spec.model, n_ctx=max_len, n_batch=2048, n_ubatch=512, n_threads=spec.threads,
+                         n_threads_batch=spec.threads, seed=spec.seed, logits_all=False, verbose=False)
+        self.vocab_size = int(self.llm.n_vocab())
+        self._rng = np.random.default_rng(spec.seed + 1)
+
+    def prefill(self, ids: list[int]) -> float:
+        self.llm.reset()  # n_tokens = 0: eval() then drops every KV cell from position 0 on
+        t0 = time.perf_counter()
+        self.llm.eval(ids)
+        return time.perf_counter() - t0
+
+    def decode(self, first: int, steps: int) -> float:
+        self.llm.reset()
+        tokens = [first] + self._rng.integers(0, self.vocab_size, steps - 1).tolist()
+        t0 = time.perf_counter()
+        for tok in tokens:
+            self.llm.eval([tok])
+        return time.perf_counter() - t0
+
+    def settings(self) -> dict[str, Any]:
+        import llama_cpp
+
+        return {"executor": "llama.cpp (llama-cpp-python Llama.eval)", "compile_mode": "n/a",
+                "dtype": "Q4_1 weights (GGUF)", "threads": self._threads, "n_batch": self.llm.n_batch,
+                "n_ubatch": int(self.llm.context_params.n_ubatch),
+                "versions": {"llama_cpp_python": llama_cpp.__version__}}
+
+
+def _kv_cache_bytes(cfg: dict[str, Any], max_len: int) -> int:
+    """KV cache for one sequence of max_len tokens in BF16, doubled, at least 256 MiB (block rounding)."""
+    heads = int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+    per_token = 2 * int(cfg["num_hidden_layers"]) * int(cfg.get("num_key_value_heads", heads)) * head_dim * 2
+    return max(256 << 20, 2 * per_token * max_len)
+
+
+def measure(engine: Timed, spec: RunSpec, probe: tuple[int, int] = (32, 4)) -> dict[str, Any]:
+    """The llama-bench loop: probe (sizes the run to the budget), warm-up, then spec.reps timed repetitions."""
+    rng = np.random.default_rng(spec.seed)
+
+    def ids(n: int) -> list[int]:
+        return rng.integers(0, engine.vocab_size, n).tolist()
+
+    t_start = time.perf_counter()
+    pp_probe, tg_probe = min(spec.pp, probe[0]), min(spec.tg, probe[1])
+    engine.prefill(ids(pp_probe)), engine.decode(ids(1)[0], tg_probe)  # first calls pay one-off costs
+    s_pp = engine.prefill(ids(pp_probe)) / pp_probe
+    s_tg = engine.decode(ids(1)[0], tg_probe) / tg_probe
+    spent = time.perf_counter() - t_start
+    plan = plan_within_budget(spec.pp, spec.tg, spec.reps, s_pp, s_tg, spec.budget_s - spent)
+    engine.prefill(ids(plan.pp)), engine.decode(ids(1)[0], plan.tg)  # warm-up at the measured sizes
+    timings = [[engine.prefill(ids(plan.pp)), engine.decode(ids(1)[0], plan.tg)] for _ in range(plan.reps)]
+    return {"pp": plan.pp, "tg": plan.tg, "reps": plan.reps, "reduced": plan.reason, "timings": timings,
+            "probe_s_per_token": {"pp": s_pp, "tg": s_tg}}
+
+
+def run(spec: RunSpec) -> dict[str, Any]:
+    max_len = max(spec.pp, spec.tg) + 16
+    t0 = time.perf_counter()
+    engine: Timed = (VllmTimed if spec.engine == "vllm" else LlamaCppTimed)(spec, max_len)
+    start_s = time.perf_counter() - t0
+    result = measure(engine, spec)
+    settings = engine.settings()
+    settings.setdefault("threads", spec.threads)
+    settings["env"] = spec.env
+    settings["seed"] = spec.seed
+    settings["python"] = platform.python_version()
+    return {"ok": True, "engine_start_s": start_s, "settings": settings, **result}
+
+
+def main(argv: list[str]) -> int:
+    spec_path, out_path = Path(argv[0]), Path(argv[1])
+    spec = RunSpec(**json.loads(spec_path.read_text()))
+    try:
+        result = run(spec)
+    except Exception as exc:  # the parent reports it as this system's row
+        traceback.print_exc()
+        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    out_path.write_text(json.dumps({"spec": asdict(spec), **result}, indent=1))
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

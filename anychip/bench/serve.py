@@ -1,0 +1,311 @@
+"""`anychip bench serve URL`: a streaming OpenAI-completions client that measures TTFT, TPOT, ITL and throughput
+under concurrency, against any OpenAI-compatible server (anychip's, stock vLLM's, llama.cpp's).
+
+Prompts are random token ids of exactly the requested input length (the completions endpoint takes token-id
+prompts); outputs are held to the requested length with ignore_eos and min_tokens where the server honours them
+(the row records the output tokens the server reported). Per concurrency level, `num_prompts` requests are
+issued by `concurrency` workers; throughput is over the level's wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from anychip.bench.metrics import RequestRecord, ServeSummary, efficiency, ratio, summarize_serve
+from anychip.bench.report import command_line, fmt, machine, markdown_table, now, write_outputs
+from anychip.errors import AnychipError
+
+#: The reference article's scenario: one card, 64 concurrent requests, 4k/16k/32k input, 1k output.
+ARTICLE = {"concurrency": [64], "input_len": [4096, 16384, 32768], "output_len": [1024]}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    concurrency: int
+    input_len: int
+    output_len: int
+    num_prompts: int
+
+
+def scenarios(concurrency: list[int], input_lens: list[int], output_lens: list[int],
+              num_prompts: int | None) -> list[Scenario]:
+    """Every (input, output) pair at every concurrency; num_prompts defaults to 2x concurrency, at least 8."""
+    for name, values in (("--concurrency", concurrency), ("--input-len", input_lens), ("--output-len", output_lens)):
+        if not values or min(values) < 1:
+            raise AnychipError(f"{name} {values}: give positive integers, e.g. {name} 1,4,16")
+    return [Scenario(c, i, o, num_prompts or max(8, 2 * c))
+            for i, o in itertools.product(input_lens, output_lens) for c in concurrency]
+
+
+def apply_preset(args: argparse.Namespace) -> None:
+    """--preset article fills concurrency and lengths; --scale shrinks the lengths (not the concurrency)."""
+    if args.scale <= 0:
+        raise AnychipError(f"--scale {args.scale}: must be positive (e.g. 0.05 for a small CPU)")
+    if args.preset == "article":
+        args.concurrency = ARTICLE["concurrency"]
+        args.input_len, args.output_len = ARTICLE["input_len"], ARTICLE["output_len"]
+    if args.scale != 1.0:
+        args.input_len = [max(1, round(n * args.scale)) for n in args.input_len]
+        args.output_len = [max(1, round(n * args.scale)) for n in args.output_len]
+
+
+# ---- the client ----
+
+
+async def _one(client: Any, url: str, model: str, prompt: list[int], max_tokens: int,
+               timeout_s: float) -> RequestRecord:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "min_tokens": max_tokens,
+            "ignore_eos": True, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    rec = RequestRecord(start=time.perf_counter(), end=math.nan, prompt_tokens=len(prompt), output_tokens=0)
+    usage = None
+    try:
+        async with client.stream("POST", f"{url}/completions", json=body, timeout=timeout_s) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")[:300]
+                raise RuntimeError(f"HTTP {resp.status_code}: {text}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if event.get("choices"):
+                    rec.chunk_times.append(time.perf_counter())
+                usage = event.get("usage") or usage
+    except Exception as exc:  # a failed request is counted, not fatal
+        rec.ok, rec.error = False, f"{type(exc).__name__}: {exc}"
+    rec.end = time.perf_counter()
+    if usage:
+        rec.prompt_tokens = int(usage.get("prompt_tokens") or rec.prompt_tokens)
+        rec.output_tokens = int(usage.get("completion_tokens") or len(rec.chunk_times))
+    else:
+        rec.output_tokens = len(rec.chunk_times)
+    if rec.ok and not rec.chunk_times:
+        rec.ok, rec.error = False, "the stream carried no tokens"
+    return rec
+
+
+async def run_level(url: str, model: str, sc: Scenario, vocab: tuple[int, int], seed: int,
+                    timeout_s: float, progress: bool = True) -> tuple[list[RequestRecord], float]:
+    """num_prompts requests through `concurrency` workers; returns the records and the level's wall time."""
+    import httpx
+
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(vocab[0], vocab[1], sc.input_len).tolist() for _ in range(sc.num_prompts)]
+    queue: asyncio.Queue[list[int]] = asyncio.Queue()
+    for p in prompts:
+        queue.put_nowait(p)
+    records: list[RequestRecord] = []
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=sc.num_prompts, desc=f"c={sc.concurrency} in={sc.input_len} out={sc.output_len}",
+                   unit="req", leave=False)
+    limits = httpx.Limits(max_connections=sc.concurrency, max_keepalive_connections=sc.concurrency)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout_s) as client:
+
+        async def worker() -> None:
+            while not queue.empty():
+                prompt = queue.get_nowait()
+                records.append(await _one(client, url, model, prompt, sc.output_len, timeout_s))
+                if bar is not None:
+                    bar.update(1)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(min(sc.concurrency, sc.num_prompts))))
+        duration = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+    return records, duration
+
+
+def server_model(url: str, timeout_s: float = 10.0) -> str:
+    """The first model the server lists at /models."""
+    import httpx
+
+    try:
+        r = httpx.get(f"{url}/models", timeout=timeout_s)
+        r.raise_for_status()
+        return r.json()["data"][0]["id"]
+    except Exception as exc:
+        raise AnychipError(f"{url}/models: {type(exc).__name__}: {exc}: is an OpenAI-compatible server running "
+                           "there? (URL ends in /v1)") from exc
+
+
+def check_loopback(url: str) -> None:
+    """Refuse nothing, but say clearly when a benchmark targets a non-local server."""
+    from urllib.parse import urlparse
+
+    host = urlparse(url).hostname or ""
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"anychip bench serve: note: {host} is not a loopback address; network latency is included")
+
+
+# ---- rows, report ----
+
+
+def row_for(label: str, url: str, model: str, sc: Scenario, records: list[RequestRecord], duration: float,
+            peak_tflops: float | None, peak_gbps: float | None) -> dict[str, Any]:
+    summary = summarize_serve(records, duration)
+    errors = sorted({r.error for r in records if not r.ok})
+    short = [r.output_tokens for r in records if r.ok and r.output_tokens != sc.output_len]
+    row = {"label": label, "url": url, "model": model, "concurrency": sc.concurrency, "input_len": sc.input_len,
+           "output_len": sc.output_len, "num_prompts": sc.num_prompts, **summary.as_dict(),
+           "efficiency": efficiency(summary, peak_tflops, peak_gbps), "errors": errors[:5]}
+    if short:
+        row["output_len_note"] = (f"{len(short)} request(s) returned {min(short)}..{max(short)} tokens instead of "
+                                  f"{sc.output_len}: the server ignored min_tokens/ignore_eos")
+    return row
+
+
+def _key(row: dict[str, Any]) -> tuple[int, int, int]:
+    return row["input_len"], row["output_len"], row["concurrency"]
+
+
+def comparisons(rows: list[dict[str, Any]], baseline: str | None) -> list[dict[str, Any]]:
+    """For each label other than the baseline: TTFT and throughput ratios at every shared scenario."""
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    if len(labels) < 2:
+        return []
+    base = baseline if baseline in labels else labels[-1]
+    base_rows = {_key(r): r for r in rows if r["label"] == base}
+    out = []
+    for r in rows:
+        b = base_rows.get(_key(r))
+        if r["label"] == base or b is None:
+            continue
+        out.append({"label": r["label"], "baseline": base, "concurrency": r["concurrency"],
+                    "input_len": r["input_len"], "output_len": r["output_len"],
+                    "ttft_ratio": ratio(r["ttft"]["mean_ms"], b["ttft"]["mean_ms"]),
+                    "tpot_ratio": ratio(r["tpot"]["mean_ms"], b["tpot"]["mean_ms"]),
+                    "output_throughput_ratio": ratio(r["output_throughput"], b["output_throughput"]),
+                    "ttft_no_worse": r["ttft"]["mean_ms"] <= b["ttft"]["mean_ms"]})
+    return out
+
+
+def render_markdown(doc: dict[str, Any]) -> str:
+    lines = ["# anychip bench serve", "", "Commands:", ""] + [f"- `{c}`" for c in doc["commands"]] + [
+        "", f"Machine: {doc['machine']['cpu']}, {doc['machine']['cpus']} CPUs; {doc['created']}. Streaming "
+        "completions, random token-id prompts, ignore_eos. Times in ms (mean / p50 / p99).", ""]
+    headers = ["server", "conc", "in", "out", "ok/fail", "req/s", "out tok/s", "total tok/s", "TTFT mean / p50 / p99",
+               "TPOT mean", "ITL p50 / p99"]
+    table = []
+    for r in sorted(doc["rows"], key=lambda r: (_key(r), r["label"])):
+        t, i = r["ttft"], r["itl"]
+        table.append([r["label"], r["concurrency"], r["input_len"], r["output_len"], f"{r['completed']}/{r['failed']}",
+                      fmt(r["request_throughput"], 2), fmt(r["output_throughput"]), fmt(r["total_throughput"]),
+                      f"{fmt(t['mean_ms'])} / {fmt(t['p50_ms'])} / {fmt(t['p99_ms'])}", fmt(r["tpot"]["mean_ms"]),
+                      f"{fmt(i['p50_ms'])} / {fmt(i['p99_ms'])}"])
+    lines.append(markdown_table(headers, table))
+    if doc["comparisons"]:
+        lines += ["", f"## Against {doc['comparisons'][0]['baseline']} (ratio of means)", ""]
+        lines.append(markdown_table(
+            ["server", "conc", "in", "out", "TTFT ratio (< 1 is better)", "TPOT ratio", "out tok/s ratio",
+             "TTFT no worse"],
+            [[c["label"], c["concurrency"], c["input_len"], c["output_len"], fmt(c["ttft_ratio"], 2),
+              fmt(c["tpot_ratio"], 2), fmt(c["output_throughput_ratio"], 2), "yes" if c["ttft_no_worse"] else "no"]
+             for c in doc["comparisons"]]))
+    eff = [r for r in doc["rows"] if r["efficiency"]]
+    if eff:
+        keys = sorted({k for r in eff for k in r["efficiency"]})
+        lines += ["", "## Efficiency (per peak TFLOPS / per peak GB/s given on the command line)", ""]
+        lines.append(markdown_table(["server", "conc", "in", "out"] + keys, [
+            [r["label"], r["concurrency"], r["input_len"], r["output_len"]]
+            + [fmt(r["efficiency"].get(k), 4) for k in keys] for r in eff]))
+    notes = [f"- {r['label']} c={r['concurrency']} in={r['input_len']}: {r['output_len_note']}"
+             for r in doc["rows"] if r.get("output_len_note")]
+    notes += [f"- {r['label']} c={r['concurrency']} in={r['input_len']}: errors: {'; '.join(r['errors'])}"
+              for r in doc["rows"] if r["errors"]]
+    if notes:
+        lines += ["", "## Notes", ""] + notes
+    return "\n".join(lines)
+
+
+def plot(doc: dict[str, Any], png: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    rows = doc["rows"]
+    shapes = sorted({(r["input_len"], r["output_len"]) for r in rows})
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for label in dict.fromkeys(r["label"] for r in rows):
+        for shape in shapes:
+            pts = sorted((r["concurrency"], r) for r in rows if r["label"] == label
+                         and (r["input_len"], r["output_len"]) == shape)
+            if not pts:
+                continue
+            xs = [c for c, _ in pts]
+            name = f"{label} {shape[0]}/{shape[1]}" if len(shapes) > 1 else label
+            axes[0].plot(xs, [r["ttft"]["mean_ms"] for _, r in pts], marker="o", label=name)
+            axes[1].plot(xs, [r["output_throughput"] for _, r in pts], marker="o", label=name)
+    for ax, title in ((axes[0], "TTFT mean (ms, lower is better)"), (axes[1], "output tokens/s (higher is better)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent requests")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"anychip bench serve — {doc['machine']['cpu']}, {doc['machine']['cpus']} CPUs", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def _merge(path: Path, doc: dict[str, Any], label: str) -> dict[str, Any]:
+    """Keep the other labels' rows and commands from an existing report."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return doc
+    doc["rows"] = [r for r in old.get("rows", []) if r["label"] != label] + doc["rows"]
+    doc["commands"] = [c for c in old.get("commands", []) if f"--label {label}" not in c] + doc["commands"]
+    return doc
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    apply_preset(args)
+    url = args.url.rstrip("/")
+    if not url.endswith("/v1"):
+        url += "/v1"
+    check_loopback(url)
+    lo, hi = (args.vocab_range + [0, 0])[:2]
+    if not 0 <= lo < hi:
+        raise AnychipError(f"--vocab-range {args.vocab_range}: give LO,HI with 0 <= LO < HI")
+    model = args.model or server_model(url)
+    label = args.label or Path(model).name
+    plan = scenarios(args.concurrency, args.input_len, args.output_len, args.num_prompts)
+    print(f"anychip bench serve: {url} model {model} as {label!r}: {len(plan)} level(s)")
+    # one short request first: the server's first request pays one-off costs
+    asyncio.run(run_level(url, model, Scenario(1, min(args.input_len), 2, 1), (lo, hi), args.seed + 999,
+                          args.timeout_s, progress=False))
+    rows = []
+    for n, sc in enumerate(plan):
+        records, duration = asyncio.run(run_level(url, model, sc, (lo, hi), args.seed + n, args.timeout_s))
+        row = row_for(label, url, model, sc, records, duration, args.peak_tflops, args.peak_gbps)
+        rows.append(row)
+        print(f"  c={sc.concurrency:<3} in={sc.input_len:<6} out={sc.output_len:<5} {row['completed']}/"
+              f"{sc.num_prompts} ok  TTFT {fmt(row['ttft']['mean_ms'])} ms  TPOT {fmt(row['tpot']['mean_ms'])} ms  "
+              f"{fmt(row['output_throughput'])} out tok/s  {fmt(row['total_throughput'])} total tok/s"
+              + (f"  errors: {row['errors'][0]}" if row["errors"] else ""))
+    doc = {"benchmark": "serve", "commands": [command_line(getattr(args, "argv", None))], "created": now(),
+           "machine": machine(), "rows": rows,
+           "settings": {"vocab_range": [lo, hi], "seed": args.seed, "preset": args.preset, "scale": args.scale,
+                        "peak_tflops": args.peak_tflops, "peak_gbps": args.peak_gbps}}
+    if args.json:
+        path = Path(args.json)
+        if args.append:
+            doc = _merge(path, doc, label)
+        doc["comparisons"] = comparisons(doc["rows"], args.baseline)
+        for p in write_outputs(path, doc, render_markdown(doc), plot):
+            print(f"wrote {p}")
+    return 0 if all(r["failed"] == 0 for r in rows) else 1
