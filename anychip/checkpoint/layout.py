@@ -16,7 +16,7 @@ from anychip.checkpoint.pack import PACK_FACTOR
 from anychip.checkpoint.scheme import DECODER_LINEARS, GROUP_SIZES, ContractError, W4A8Scheme
 
 #: "model.layers.3.mlp.down_proj.weight" -> layer 3, linear "mlp.down_proj".
-_LINEAR_WEIGHT = re.compile(r"^model\.layers\.(\d+)\.(" + "|".join(re.escape(n) for n in DECODER_LINEARS) + r")\.weight$")
+_LINEAR_WEIGHT = re.compile(r"^model\.layers\.(\d+)\.(" + "|".join(map(re.escape, DECODER_LINEARS)) + r")\.weight$")
 
 
 @dataclass(frozen=True)
@@ -94,9 +94,12 @@ def linear_prefix(layer: int, linear: str) -> str:
 def group_size_error(prefix: str, k: int, group_size: int) -> ContractError:
     """The error for K not divisible by the group size; names the layer and the sizes that would work."""
     fits = [g for g in GROUP_SIZES if k % g == 0]
-    fix = (f"quantize with --group-size {max(fits)}" + (f" (or {', '.join(map(str, fits[:-1]))})" if len(fits) > 1
-                                                        else "")) if fits else \
-        f"no supported group size ({', '.join(map(str, GROUP_SIZES))}) divides it"
+    if not fits:
+        fix = f"no supported group size ({', '.join(map(str, GROUP_SIZES))}) divides it"
+    else:
+        fix = f"quantize with --group-size {fits[-1]}"
+        if len(fits) > 1:
+            fix += f" (or {', '.join(map(str, fits[:-1]))})"
     return ContractError(f"{prefix}: K={k} is not divisible by group size {group_size}: {fix}")
 
 

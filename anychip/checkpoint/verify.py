@@ -102,16 +102,10 @@ def tokenizer_size(directory: Path) -> int | None:
     return top + 1
 
 
-def _expect(infos: dict[str, TensorInfo], spec: TensorSpec, declared_group: int) -> TensorInfo:
+def _expect(infos: dict[str, TensorInfo], spec: TensorSpec) -> TensorInfo:
     info = infos.get(spec.name)
     if info is None:
         raise ContractError(f"{spec.name} is missing from the weights: the checkpoint is incomplete")
-    if spec.name.endswith(".weight_scale") and len(info.shape) == 2 and len(spec.shape) == 2 \
-            and info.shape[0] == spec.shape[0] and info.shape[1] != spec.shape[1] and info.shape[1]:
-        k = spec.shape[1] * declared_group
-        stored = f"group size {k // info.shape[1]}" if k % info.shape[1] == 0 else "no whole group size"
-        raise ContractError(f"{spec.name}: {info.shape[1]} scale columns for K={k} means {stored}, but "
-                            f"config.json declares group size {declared_group}: config and weights disagree")
     if info.dtype != ST_CODES[spec.dtype] or info.shape != spec.shape:
         raise ContractError(f"{spec.name}: stored {info.dtype}{list(info.shape)}, the contract wants "
                             f"{ST_CODES[spec.dtype]}{list(spec.shape)} (from config.json: are config and weights "
@@ -119,11 +113,23 @@ def _expect(infos: dict[str, TensorInfo], spec: TensorSpec, declared_group: int)
     return info
 
 
+def _check_group_size(infos: dict[str, TensorInfo], prefix: str, n: int, k: int, declared: int) -> None:
+    """The group size the stored scales imply must be the one config.json declares."""
+    info = infos.get(f"{prefix}.weight_scale")
+    if info is None or len(info.shape) != 2 or info.shape[0] != n or not info.shape[1]:
+        return  # missing or misshapen: _expect reports it with the expected shape
+    cols = info.shape[1]
+    if k % declared or cols != k // declared:
+        stored = f"group size {k // cols}" if k % cols == 0 else "no whole group size"
+        raise ContractError(f"{info.name}: {cols} scale columns for K={k} means {stored}, but config.json "
+                            f"declares group size {declared}: config and weights disagree")
+
+
 def _check_tensors(infos: dict[str, TensorInfo], dims: LlamaDims, scheme: W4A8Scheme) -> Counter[int]:
     expected: dict[str, TensorSpec] = {}
     for spec in bf16_tensor_specs(dims):
         expected[spec.name] = spec
-        _expect(infos, spec, scheme.group_size)
+        _expect(infos, spec)
     if dims.tied and "lm_head.weight" in infos:
         expected["lm_head.weight"] = TensorSpec("lm_head.weight", torch.bfloat16, (dims.vocab, dims.hidden))
     by_group: Counter[int] = Counter()
@@ -131,12 +137,13 @@ def _check_tensors(infos: dict[str, TensorInfo], dims: LlamaDims, scheme: W4A8Sc
     for i in range(dims.layers):
         for linear in DECODER_LINEARS:
             prefix, (n, k) = linear_prefix(i, linear), shapes[linear]
+            _check_group_size(infos, prefix, n, k, scheme.group_size)
             try:
                 specs = linear_tensor_specs(prefix, n, k, scheme)
             except ContractError as exc:
                 raise ContractError(f"config.json: {exc}") from None
             for spec in specs:
-                info = _expect(infos, spec, scheme.group_size)
+                info = _expect(infos, spec)
                 if spec.name.endswith(".weight_shape"):
                     stored = read_tensor(info).tolist()
                     if stored != [n, k]:
@@ -145,10 +152,10 @@ def _check_tensors(infos: dict[str, TensorInfo], dims: LlamaDims, scheme: W4A8Sc
             bias = f"{prefix}.bias"
             if bias in infos:
                 expected[bias] = TensorSpec(bias, torch.bfloat16, (n,))
-                _expect(infos, expected[bias], scheme.group_size)
+                _expect(infos, expected[bias])
             by_group[scheme.group_size] += 1
     if "lm_head.weight" in expected:
-        _expect(infos, expected["lm_head.weight"], scheme.group_size)
+        _expect(infos, expected["lm_head.weight"])
     extra = sorted(set(infos) - set(expected))
     if extra:
         name = extra[0]
