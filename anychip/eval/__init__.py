@@ -1,0 +1,1 @@
+"""Measurement of model quality: multiple-choice accuracy and perplexity (`anychip eval`)."""

@@ -1,0 +1,186 @@
+"""`anychip eval`: scoring against hand-computed numbers, both item shapes, lm-eval tokenization, windows, and
+(slow) a real run through vLLM."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from anychip.eval import runner
+from anychip.eval.requests import PairEncoder, pair_sequence, plan_requests, rolling_windows
+from anychip.eval.scoring import Z95, item_correct, paired_delta, perplexity, score_task, stderr
+from anychip.eval.tasks import EvalDataError, load_task, parse_item, resolve_data_dir, select_tasks
+
+
+def test_acc_and_acc_norm_differ_on_a_toy_item():
+    # " a" is 2 bytes, " bbbbbbbb" 9: raw loglik prefers the short one, per-byte loglik the long one.
+    logliks, lengths = [-2.0, -4.0], [2, 9]
+    assert item_correct(logliks, lengths, label=1) == (0.0, 1.0)  # -2 > -4, but -1.0 < -0.444
+    assert item_correct(logliks, lengths, label=0) == (1.0, 0.0)
+
+
+def test_task_score_hand_computed():
+    logliks = [[-2.0, -4.0], [-1.0, -3.0, -0.5], [-6.0, -6.0]]
+    lengths = [[2, 9], [4, 4, 1], [3, 6]]
+    labels = [1, 2, 0]
+    # item 1: acc argmax 0 (wrong), norm [-1, -.444] -> 1 (right)
+    # item 2: acc argmax 2 (right), norm [-.25, -.75, -.5] -> 0 (wrong)
+    # item 3: tie -> first (right), norm [-2, -1] -> 1 (wrong)
+    s = score_task(logliks, lengths, labels).summary()
+    assert s["n"] == 3
+    assert s["acc"] == pytest.approx(2 / 3) and s["acc_norm"] == pytest.approx(1 / 3)
+    assert s["acc_stderr"] == pytest.approx(math.sqrt((2 / 3) * (1 / 3) * 3 / 2 / 3))
+
+
+def test_paired_delta_hand_computed():
+    a, b = [1.0, 0.0, 1.0, 1.0], [0.0, 0.0, 1.0, 0.0]
+    d, lo, hi = paired_delta(a, b)
+    se = math.sqrt(1 / 3) / 2  # differences [1, 0, 0, 1]: sd (ddof=1) sqrt(1/3), n = 4
+    assert d == pytest.approx(0.5)
+    assert (lo, hi) == pytest.approx((0.5 - Z95 * se, 0.5 + Z95 * se))
+    assert math.isnan(stderr([1.0]))
+
+
+def test_perplexity():
+    assert perplexity(-2.0 * 10, 10) == pytest.approx(math.exp(2.0))
+
+
+def test_both_item_shapes(tmp_path):
+    path = tmp_path / "mixed.jsonl"
+    rows = [{"id": "s", "context": "Q: sky?\nA:", "choices": [" blue", " green"], "label": 0},
+            {"id": "p", "contexts": ["The cat sat", "The dog sat"], "continuation": " on the mat", "label": 1}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    task = load_task(path)
+    assert task.name == "mixed" and len(task.items) == 2
+    std, part = task.items
+    assert std.requests() == [("Q: sky?\nA:", " blue"), ("Q: sky?\nA:", " green")]
+    assert std.lengths == (5, 6)
+    assert part.requests() == [("The cat sat", " on the mat"), ("The dog sat", " on the mat")]
+    assert part.label == 1
+    assert len(load_task(path, limit=1).items) == 1
+
+
+def test_bad_items_name_file_and_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"id": "x", "context": "c", "choices": [" a"], "label": 0}\n{"id": "y", "label": 0}\n')
+    with pytest.raises(EvalDataError, match=re.escape(f"{path}:2")):
+        load_task(path)
+    with pytest.raises(EvalDataError, match="out of range"):
+        parse_item({"context": "c", "choices": [" a"], "label": 3}, "here")
+
+
+def test_data_dir_resolution(tmp_path, monkeypatch):
+    (tmp_path / "t1.jsonl").write_text('{"context": "c", "choices": [" a", " b"], "label": 0}\n')
+    monkeypatch.setenv("ANYCHIP_EVALDATA", str(tmp_path))
+    assert resolve_data_dir() == tmp_path
+    assert resolve_data_dir(tmp_path) == tmp_path
+    monkeypatch.setenv("ANYCHIP_EVALDATA", str(tmp_path / "nope"))
+    with pytest.raises(EvalDataError, match="--data"):
+        resolve_data_dir()
+    files, ppl = select_tasks(["t1", "perplexity"], tmp_path)
+    assert files == [tmp_path / "t1.jsonl"] and ppl
+    with pytest.raises(EvalDataError, match="available: t1, perplexity"):
+        select_tasks(["hellaswag"], tmp_path)
+
+
+def bpe_like(text: str) -> list[str]:
+    """A space glues onto the character after it, as in GPT-2 style BPE."""
+    return re.findall(r" ?[^ ]| ", text)
+
+
+def test_pair_encoding_moves_trailing_space_like_lm_eval():
+    vocab: dict[str, int] = {}
+
+    def encode(s: str) -> list[int]:
+        return [vocab.setdefault(t, len(vocab)) for t in bpe_like(s)]
+
+    enc = PairEncoder(encode, prefix_id=999)
+    ctx, cont = enc("a b ", "c")  # lm-eval scores " c" after "a b", not "c" after "a b "
+    assert [k for t in ctx for k, v in vocab.items() if v == t] == ["a", " b"]
+    assert [k for t in cont for k, v in vocab.items() if v == t] == [" c"]
+    assert enc("", " x")[0] == (999,)
+    seq, n = pair_sequence(((1, 2, 3, 4), (5, 6)), max_len=4)
+    assert seq == [3, 4, 5, 6] and n == 2
+
+
+def test_requests_are_deduplicated(tmp_path):
+    path = tmp_path / "dup.jsonl"
+    row = {"context": "x y", "choices": [" a", " b"], "label": 0}
+    path.write_text(json.dumps(row) + "\n" + json.dumps(row) + "\n")
+    plan = plan_requests(load_task(path).items, PairEncoder(lambda s: [ord(c) for c in s], 0))
+    assert len(plan.pairs) == 2 and plan.index == ((0, 1), (0, 1))
+    assert plan.gather([-1.0, -2.0]) == [[-1.0, -2.0], [-1.0, -2.0]]
+
+
+def test_rolling_windows_score_every_token_once():
+    windows = rolling_windows(10, window=4, stride=2)
+    scored = [t for w in windows for t in range(w.end - w.n_scored, w.end)]
+    assert scored == list(range(1, 10))
+    assert all(w.end - w.start <= 4 for w in windows)
+    assert all(w.end - w.n_scored - w.start >= 2 for w in windows[1:])  # >= window - stride tokens of context
+
+
+class FakeEngine:
+    """logprob(token t | anything) = -t / 10: loglikelihoods are easy to compute by hand."""
+
+    name, max_len, prefix_id = "fake", 64, 0
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) - 96 if c.isalpha() else 1 for c in text]
+
+    def token_logprobs(self, seqs, desc):
+        return [[-t / 10 for t in s[1:]] for s in seqs]
+
+    def close(self):
+        pass
+
+
+def test_evaluate_model_pipeline_with_a_fake_engine(tmp_path, monkeypatch):
+    # choices " a" (tokens [1, 1]: -0.2, 2 bytes) and " zz" ([1, 26, 26]: -5.3, 3 bytes)
+    path = tmp_path / "toy.jsonl"
+    path.write_text(json.dumps({"context": "q", "choices": [" a", " zz"], "label": 1}) + "\n")
+    monkeypatch.setattr(runner, "make_engine", lambda model_dir, settings: FakeEngine())
+    result = runner.evaluate_model(tmp_path, [path], "abcd" * 8, runner.EvalSettings(window=8, stride=4, max_len=64))
+    s = result.tasks["toy"].summary()
+    assert (s["acc"], s["acc_norm"], s["n"]) == (0.0, 0.0, 1)
+    # every token but the first is scored once: tokens b, c, d, a, ... (31 of them)
+    expected_nll = sum(t / 10 for t in ([1, 2, 3, 4] * 8)[1:])
+    assert result.ppl["tokens"] == 31
+    assert result.ppl["ppl"] == pytest.approx(math.exp(expected_nll / 31))
+    report = runner.build_report({"w4a8": result, "bf16": result}, runner.EvalSettings(), {})
+    assert report["tasks"]["toy"]["delta"]["acc_norm"] == 0.0
+    assert report["tasks"]["perplexity"]["delta"]["ppl_ratio"] == pytest.approx(1.0)
+    assert "toy" in runner.format_report(report)
+
+
+def test_compare_bf16_reads_the_recorded_source(tmp_path):
+    src = tmp_path / "bf16"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    q = tmp_path / "w4a8"
+    q.mkdir()
+    (q / "config.json").write_text(json.dumps({"quantization_config": {"anychip": {"source": str(src)}}}))
+    assert runner.bf16_source(q) == src
+    from anychip.errors import AnychipError
+
+    with pytest.raises(AnychipError, match="not quantized"):
+        runner.bf16_source(src)
+
+
+@pytest.mark.slow
+def test_eval_default_model_through_vllm(default_model, tmp_path):
+    """--limit 20 on commonsense_qa with the default BF16 model through vLLM, plus a short perplexity text."""
+    text = tmp_path / "short.txt"
+    text.write_text(Path(runner.__file__).resolve().parents[1].joinpath("data", "kjv_mark.txt")
+                    .read_text(encoding="utf-8")[:6000])
+    settings = runner.EvalSettings(limit=20, window=256, stride=128)
+    report = runner.run_eval(default_model.bf16_dir, ["commonsense_qa", "perplexity"], None, settings, False,
+                             str(text))
+    cqa = report["tasks"]["commonsense_qa"]["bf16"]
+    assert cqa["n"] == 20 and 0.0 <= cqa["acc"] <= 1.0 and 0.0 <= cqa["acc_norm"] <= 1.0
+    ppl = report["tasks"]["perplexity"]["bf16"]["ppl"]
+    assert 1.0 < ppl < 200.0  # SmolLM2-135M reads English: far below the vocabulary size (49152)
