@@ -25,9 +25,8 @@ class Recorder:
         self.coverage = Coverage(strict=strict, fallback_allowed=not strict, platform_info=platform_summary())
         self.coverage.vllm_version = compat.vllm_version()
         self._phase = "warmup"
-        self._head: weakref.ref | None = None
+        self._embeddings: dict[str, weakref.ref] = {}  # prefix -> VocabParallelEmbedding / ParallelLMHead
         self._head_name: str | None = None
-        self._embed_names: dict[int, str] = {}
         self._stop = threading.Event()
         hooks.install(self.on_call)
         if path is not None:
@@ -40,18 +39,19 @@ class Recorder:
         return self.coverage.add_layer(route)
 
     def note_embedding(self, prefix: str, layer: Any, is_head: bool) -> None:
-        """Remember the output head module (for its GEMM route) and the embedding names (to detect tying)."""
-        self._embed_names[id(layer.weight) if hasattr(layer, "weight") else id(layer)] = prefix
+        """Remember the output head (for its GEMM route) and the input embedding (to report tying)."""
+        self._embeddings[prefix] = weakref.ref(layer)
         if is_head:
-            self._head, self._head_name = weakref.ref(layer), prefix
+            self._head_name = prefix
 
     def head_route(self) -> dict[str, Any] | None:
-        head = self._head() if self._head is not None else None
+        layers = {name: ref() for name, ref in self._embeddings.items()}
+        head = layers.get(self._head_name) if self._head_name else None
         if head is None:
             return None
         weight = getattr(head, "weight", None)
-        tied_to = next((name for key, name in self._embed_names.items()
-                        if weight is not None and key == id(weight) and name != self._head_name), None)
+        tied_to = next((name for name, other in layers.items() if other is not None and name != self._head_name
+                        and weight is not None and getattr(other, "weight", None) is weight), None)
         return {"layer": self._head_name, "dtype": str(getattr(weight, "dtype", "unknown")).replace("torch.", ""),
                 "tied_to": tied_to, "quantized": False, "route": compat.head_gemm_route(head)}
 

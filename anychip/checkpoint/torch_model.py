@@ -1,0 +1,91 @@
+"""A W4A8 checkpoint run by plain transformers, its quantized linears on the torch reference.
+
+The oracle for end-to-end checks: the same weights vLLM serves through anychip, with none of vLLM or our kernels
+involved (activations quantized per token by reference.quantize_activations_ref, INT32 group sums exact).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from anychip.checkpoint.pack import unpack_int4
+from anychip.checkpoint.scheme import scheme_from_config
+from anychip.kernels.reference import w4a8_linear_dynamic_ref
+
+
+class ReferenceW4A8Linear(torch.nn.Module):
+    def __init__(self, wq: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.register_buffer("wq", wq)  # (N, K) int8 in [-8, 7]
+        self.register_buffer("scales", scales)  # (N, K // G)
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return w4a8_linear_dynamic_ref(x, self.wq, self.scales, self.bias)
+
+
+def _tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            for name in f.keys():
+                out[name] = f.get_tensor(name)
+    return out
+
+
+def read_quantized_linears(model_dir: str | Path) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]],
+                                                             dict[str, torch.Tensor]]:
+    """({linear prefix: (wq (N, K) int8, scales (N, K // G))}, {other tensor name: tensor}) of a W4A8 directory,
+    in either format."""
+    tensors = _tensors(Path(model_dir))
+    quantized = {name.rsplit(".", 1)[0] for name in tensors if name.endswith(".weight_scale")}
+    linears = {}
+    for prefix in sorted(quantized):
+        if f"{prefix}.weight_packed" in tensors:
+            n, k = (int(v) for v in tensors[f"{prefix}.weight_shape"].tolist())
+            wq = unpack_int4(tensors[f"{prefix}.weight_packed"], k)
+        else:
+            wq = tensors[f"{prefix}.weight"]
+        linears[prefix] = (wq, tensors[f"{prefix}.weight_scale"])
+    dense = {k: v for k, v in tensors.items() if k.rsplit(".", 1)[0] not in quantized}
+    return linears, dense
+
+
+def load_reference_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+    """transformers LlamaForCausalLM with every quantized linear replaced by ReferenceW4A8Linear."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_dir = Path(model_dir)
+    raw = json.loads((model_dir / "config.json").read_text())
+    scheme_from_config(raw)  # refuses non-W4A8 checkpoints with a clear message
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
+    linears, dense = read_quantized_linears(model_dir)
+    for prefix, (wq, scales) in linears.items():
+        parent_name, child = prefix.rsplit(".", 1)
+        setattr(model.get_submodule(parent_name), child,
+                ReferenceW4A8Linear(wq, scales.float(), dense.pop(f"{prefix}.bias", None)))
+    missing, unexpected = model.load_state_dict(dense, strict=False, assign=True)
+    missing = [m for m in missing if not m.endswith((".wq", ".scales"))]
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+        missing = [m for m in missing if m != "lm_head.weight"]
+    if missing or unexpected:
+        raise ValueError(f"{model_dir}: weights do not match the config: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    # rotary buffers were created on meta: rebuild them on CPU
+    for module in model.modules():
+        if hasattr(module, "inv_freq") and getattr(module, "inv_freq").is_meta:
+            rope_init = getattr(module, "rope_init_fn", None)
+            inv_freq, scaling = rope_init(module.config, torch.device("cpu"))
+            module.register_buffer("inv_freq", inv_freq, persistent=False)
+            module.original_inv_freq = inv_freq
+            module.attention_scaling = scaling
+    return model.eval()

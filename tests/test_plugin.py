@@ -1,0 +1,178 @@
+"""The vLLM plugin end to end: W4A8 through LLM(...) and the OpenAI server, agreement with the torch reference,
+coverage, strict refusal and the opt-in fallback, pack- vs int-quantized, chat_template_kwargs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from anychip.coverage import check
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):", "Water boils at"]
+
+
+def run_llm(model: Path, out: Path, env: dict[str, str] | None = None, max_tokens: int = 32,
+            prompts: list[str] = PROMPTS, timeout: int = 600) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(ROOT / "tests" / "vllm_runner.py"), str(model), str(out),
+           "--max-tokens", str(max_tokens)]
+    for p in prompts:
+        cmd += ["--prompt", p]
+    return subprocess.run(cmd, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def served(default_model, tmp_path_factory):
+    """One strict W4A8 run through LLM(...), shared by the tests that read its outputs and coverage."""
+    tmp = tmp_path_factory.mktemp("served")
+    cov = tmp / "coverage.json"
+    proc = run_llm(default_model.w4a8_dir, tmp / "out.json", {"ANYCHIP_COVERAGE": str(cov)})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads((tmp / "out.json").read_text()), json.loads(cov.read_text())
+
+
+def test_llm_claims_w4a8_and_reports_coverage(served, default_model):
+    out, cov = served
+    assert out["quantization"] == "anychip-w4a8"
+    assert all(row["token_ids"] for row in out["outputs"])
+    config = json.loads((default_model.w4a8_dir / "config.json").read_text())
+    layers = config["num_hidden_layers"]
+    group = config["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"]
+    # vLLM merges q/k/v and gate/up: 4 linears a decoder layer
+    assert check(cov, expect_linears=4 * layers, group_size=group) == []
+    assert cov["strict"] is True and cov["fallback_allowed"] is False
+    assert {"prefill", "decode"} <= cov["phases"].keys()
+    assert cov["attention_backend"] == "CPUAttentionBackend"
+    assert cov["route_stats"][f"prepared_g{group}_linears"] == 4 * layers
+    assert cov["route_stats"]["fallback_linears"] == 0
+    assert all(r.startswith("anychip.cpu") for r in cov["route_stats"]["by_route"])
+    assert cov["head_route"]["route"] and cov["head_route"]["quantized"] is False
+    name = "model.layers.0.self_attn.qkv_proj"
+    assert cov["layers"][name]["calls"]["prefill"] >= 1 and cov["layers"][name]["calls"]["decode"] >= 1
+    # the command agrees, and fails on a wrong expectation
+    ok = subprocess.run([sys.executable, "-m", "anychip.cli", "coverage", "check", "-", "--expect-linears",
+                         str(4 * layers)], capture_output=True, text=True)
+    assert ok.returncode != 0  # '-' is not a file
+
+
+def test_greedy_agrees_with_torch_reference(served, default_model):
+    """Teacher-forced: the reference model, fed vLLM's greedy tokens, must pick the same next token almost
+    everywhere, and where it does not, vLLM's token must be a near tie in the reference logits. vLLM computes
+    attention and norms in BF16 with other kernels, so an INT8 rounding flip can move a logit by a few hundredths:
+    a margin of 0.25 nats covers that and still catches any real routing or layout error (those give unrelated
+    tokens)."""
+    from anychip.checkpoint.torch_model import load_reference_model
+
+    out, _ = served
+    model = load_reference_model(default_model.w4a8_dir)
+    agree = total = 0
+    for row in out["outputs"]:
+        ids = torch.tensor([row["prompt_token_ids"] + row["token_ids"]])
+        with torch.no_grad():
+            logits = model(ids).logits[0].float()
+        p = len(row["prompt_token_ids"])
+        for i, tok in enumerate(row["token_ids"]):
+            step = logits[p - 1 + i]
+            best = int(step.argmax())
+            total += 1
+            if best == tok:
+                agree += 1
+            else:
+                assert float(step[best] - step[tok]) < 0.25, (row["prompt"], i, best, tok)
+    assert agree / total >= 0.9, f"{agree}/{total} greedy tokens agree with the reference"
+
+
+def test_strict_refuses_unservable_layer_and_fallback_opt_in(default_model, tmp_path):
+    # Force a kernel path this x86 machine cannot run: strict mode must refuse to start, naming layer and fix.
+    env = {"ANYCHIP_KERNEL_ISA": "kleidiai", "ANYCHIP_COVERAGE": str(tmp_path / "strict.json")}
+    proc = run_llm(default_model.w4a8_dir, tmp_path / "strict_out.json", env, max_tokens=2, prompts=PROMPTS[:1])
+    assert proc.returncode != 0
+    assert "model.layers.0.self_attn.qkv_proj" in proc.stderr and "ANYCHIP_ALLOW_FALLBACK" in proc.stderr
+    # The explicit opt-in serves the same request on the reference route, and the report counts it.
+    cov = tmp_path / "fallback.json"
+    env = {**env, "ANYCHIP_ALLOW_FALLBACK": "1", "ANYCHIP_COVERAGE": str(cov)}
+    proc = run_llm(default_model.w4a8_dir, tmp_path / "fb_out.json", env, max_tokens=2, prompts=PROMPTS[:1])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads(cov.read_text())
+    assert doc["strict"] is False and doc["fallback_allowed"] is True
+    reference = sum(v for k, v in doc["route_stats"]["by_route"].items() if k.endswith(".reference"))
+    assert doc["route_stats"]["fallback_linears"] == reference
+    assert doc["route_stats"]["fallback_linears"] > 0
+    assert check(doc) != [] and check(doc, allow_fallback=True) == []
+
+
+def test_pack_and_int_quantized_give_same_output(served, default_model, tmp_path):
+    from anychip.checkpoint.convert import convert_format
+
+    int_dir = tmp_path / "int"
+    convert_format(default_model.w4a8_dir, int_dir, "int-quantized")
+    proc = run_llm(int_dir, tmp_path / "int_out.json")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    packed, _ = served
+    other = json.loads((tmp_path / "int_out.json").read_text())
+    assert other["quantization"] == "anychip-w4a8"
+    assert [r["token_ids"] for r in other["outputs"]] == [r["token_ids"] for r in packed["outputs"]]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_openai_server_chat_and_template_kwargs(default_model, tmp_path):
+    """`anychip serve` with the openai client: a real chat completion, usage counts, coverage, and
+    chat_template_kwargs reaching the template (a template that adds text when a kwarg is set)."""
+    import openai
+
+    template = tmp_path / "template.jinja"
+    template.write_text(
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if verbose_probe %}<|im_start|>system\nAnswer in full sentences, politely, at length.<|im_end|>\n"
+        "{% endif %}<|im_start|>assistant\n")
+    port, cov = _free_port(), tmp_path / "coverage.json"
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "anychip.cli", "serve", str(default_model.w4a8_dir),
+                             "--port", str(port), "--coverage", str(cov), "--enforce-eager",
+                             "--max-model-len", "1024", "--chat-template", str(template)],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="EMPTY", max_retries=0)
+        deadline = time.time() + 400
+        while True:
+            try:
+                model = client.models.list().data[0].id
+                break
+            except openai.APIConnectionError:
+                assert proc.poll() is None and time.time() < deadline, (tmp_path / "server.log").read_text()[-4000:]
+                time.sleep(2)
+        msgs = [{"role": "user", "content": "Name three colors."}]
+        r = client.chat.completions.create(model=model, messages=msgs, max_tokens=24, temperature=0)
+        assert r.choices[0].message.content.strip()
+        assert r.usage.completion_tokens > 0 and r.usage.prompt_tokens > 0
+        r2 = client.chat.completions.create(model=model, messages=msgs, max_tokens=4, temperature=0,
+                                            extra_body={"chat_template_kwargs": {"verbose_probe": True}})
+        assert r2.usage.prompt_tokens > r.usage.prompt_tokens + 5
+        time.sleep(1.5)  # the report is flushed every 0.5 s
+        doc = json.loads(cov.read_text())
+        assert check(doc) == [], check(doc)
+        rc = subprocess.run([sys.executable, "-m", "anychip.cli", "coverage", "check", str(cov)],
+                            capture_output=True, text=True)
+        assert rc.returncode == 0, rc.stdout
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()

@@ -1,0 +1,49 @@
+"""Runs vLLM's offline LLM in a fresh process for the plugin tests and prints one JSON line.
+
+usage: python tests/vllm_runner.py MODEL OUT.json [--max-tokens N] [--prompt TEXT ...]
+Environment (ANYCHIP_*, VLLM_PLUGINS) comes from the caller.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("model")
+    p.add_argument("out")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--prompt", action="append", default=[])
+    p.add_argument("--logprobs", type=int, default=0)
+    a = p.parse_args()
+    from vllm import LLM, SamplingParams
+
+    t0 = time.time()
+    llm = LLM(model=a.model, dtype="bfloat16", enforce_eager=True, distributed_executor_backend="uni",
+              max_model_len=1024, max_num_batched_tokens=1024, gpu_memory_utilization=0.5, seed=0)
+    start_s = time.time() - t0
+    params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True,
+                            logprobs=a.logprobs or None)
+    outs = llm.generate(a.prompt, params)
+    rows = []
+    for o in outs:
+        c = o.outputs[0]
+        row = {"prompt": o.prompt, "prompt_token_ids": list(o.prompt_token_ids), "text": c.text,
+               "token_ids": list(c.token_ids)}
+        if a.logprobs:
+            row["logprobs"] = [{str(k): v.logprob for k, v in step.items()} for step in c.logprobs]
+        rows.append(row)
+    quant = llm.llm_engine.vllm_config.model_config.quantization
+    with open(a.out, "w") as f:
+        json.dump({"outputs": rows, "quantization": quant, "engine_start_s": start_s}, f)
+
+
+if __name__ == "__main__":
+    main()
