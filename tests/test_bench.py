@@ -1,0 +1,346 @@
+"""`anychip bench latency / serve`: the metric arithmetic on recorded timings, the peer checkpoints, the reports,
+the streaming client against a scripted server, and (slow) one short real run of each. No test asserts a timing."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from anychip.bench import latency, metrics, peers, serve
+from anychip.bench.metrics import MeanSd, RepTiming, RequestRecord
+from anychip.cli import main
+
+# ---- latency arithmetic ----
+
+
+def test_rates_follow_llama_bench():
+    pp, tg, total = metrics.rates(512, 128, RepTiming(t_pp=0.25, t_tg=2.0))
+    assert pp == pytest.approx(2048.0)
+    assert tg == pytest.approx(64.0)
+    assert total == pytest.approx(640 / 2.25)
+
+
+def test_rates_reject_zero_durations():
+    with pytest.raises(ValueError, match="non-positive"):
+        metrics.rates(1, 1, RepTiming(0.0, 1.0))
+
+
+def test_mean_sd_is_the_sample_sd():
+    s = metrics.mean_sd([2.0, 4.0, 4.0, 4.0, 5.0, 5.0, 7.0, 9.0])
+    assert s.mean == pytest.approx(5.0)
+    assert s.sd == pytest.approx(np.std([2, 4, 4, 4, 5, 5, 7, 9], ddof=1))
+    assert metrics.mean_sd([3.0]) == MeanSd(3.0, 0.0, 1)
+    assert math.isnan(metrics.mean_sd([]).mean)
+
+
+def test_summarize_latency_averages_per_repetition_rates():
+    reps = [RepTiming(0.5, 1.0), RepTiming(0.25, 2.0)]
+    s = metrics.summarize_latency(100, 10, reps)
+    assert s.pp.mean == pytest.approx((200 + 400) / 2)
+    assert s.pp.sd == pytest.approx(np.std([200, 400], ddof=1))
+    assert s.tg.mean == pytest.approx((10 + 5) / 2)
+    assert s.total.mean == pytest.approx((110 / 1.5 + 110 / 2.25) / 2)
+    assert s.t_pp_s.mean == pytest.approx(0.375)
+    assert set(s.as_dict()) == {"pp", "tg", "total", "t_pp_s", "t_tg_s"}
+
+
+def test_plan_keeps_what_fits_and_shrinks_what_does_not():
+    assert metrics.plan_within_budget(512, 128, 5, 1e-3, 1e-2, 100) == metrics.RunPlan(512, 128, 5)
+    # 1.792 s per repetition, 6 runs do not fit 8 s: fewer repetitions first
+    fewer = metrics.plan_within_budget(512, 128, 5, 1e-3, 1e-2, 8.0)
+    assert (fewer.pp, fewer.tg, fewer.reps) == (512, 128, 3) and "reps 5 -> 3" in fewer.reason
+    # stock vLLM W4A8 at ~6 tok/s: 107 s per repetition against 60 s: sizes shrink, with the reason
+    slow = metrics.plan_within_budget(512, 128, 5, 1 / 6.4, 1 / 4.7, 60.0)
+    assert slow.reps == 2 and slow.pp < 512 and slow.tg < 128
+    assert slow.pp >= 16 and slow.tg >= 4 and "pp 512 ->" in slow.reason
+
+
+def test_ratio_handles_missing_values():
+    assert metrics.ratio(3.0, 2.0) == 1.5
+    assert math.isnan(metrics.ratio(3.0, 0.0))
+    assert math.isnan(metrics.ratio(math.nan, 1.0))
+
+
+# ---- serving arithmetic ----
+
+
+def test_percentile_matches_numpy():
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 7, 100):
+        v = rng.random(n).tolist()
+        for q in (0, 50, 90, 99, 100):
+            assert metrics.percentile(v, q) == pytest.approx(np.percentile(v, q))
+    with pytest.raises(ValueError):
+        metrics.percentile([1.0], 101)
+
+
+def test_request_record_ttft_tpot_itl():
+    r = RequestRecord(start=10.0, end=10.9, prompt_tokens=16, output_tokens=4, chunk_times=[10.3, 10.5, 10.6, 10.9])
+    assert r.ttft == pytest.approx(0.3)
+    assert r.tpot == pytest.approx(0.6 / 3)
+    assert r.itl == pytest.approx([0.2, 0.1, 0.3])
+    assert r.latency == pytest.approx(0.9)
+    one = RequestRecord(start=0.0, end=1.0, prompt_tokens=1, output_tokens=1, chunk_times=[0.5])
+    assert math.isnan(one.tpot) and one.itl == []
+
+
+def test_summarize_serve_counts_only_successes():
+    ok1 = RequestRecord(0.0, 1.0, 100, 3, [0.2, 0.6, 1.0])
+    ok2 = RequestRecord(0.5, 2.0, 100, 3, [1.0, 1.5, 2.0])
+    bad = RequestRecord(0.0, 0.1, 100, 0, [], ok=False, error="HTTP 400")
+    s = metrics.summarize_serve([ok1, ok2, bad], duration_s=2.0)
+    assert (s.completed, s.failed, s.input_tokens, s.output_tokens) == (2, 1, 200, 6)
+    assert s.request_throughput == pytest.approx(1.0)
+    assert s.output_throughput == pytest.approx(3.0)
+    assert s.total_throughput == pytest.approx(103.0)
+    assert s.ttft.mean_ms == pytest.approx(350.0)
+    assert s.ttft.p50_ms == pytest.approx(350.0)
+    assert s.tpot.mean_ms == pytest.approx(450.0)  # (0.8 / 2 + 1.0 / 2) / 2
+    assert s.itl.p50_ms == pytest.approx(450.0)  # gaps 0.4, 0.4, 0.5, 0.5
+    assert s.itl.p99_ms == pytest.approx(500.0)
+
+
+def test_efficiency_is_the_articles_normalisation():
+    s = metrics.summarize_serve([RequestRecord(0.0, 1.0, 10, 2, [0.25, 1.0])], duration_s=1.0)
+    e = metrics.efficiency(s, peak_tflops=148.0, peak_gbps=4000.0)
+    assert e["ttft_efficiency_per_tflops"] == pytest.approx(1 / (148.0 * 0.25))
+    assert e["total_throughput_per_tflops"] == pytest.approx(12 / 148.0)
+    assert e["output_throughput_per_gbps"] == pytest.approx(2 / 4000.0)
+    assert metrics.efficiency(s, None, None) == {}
+    with pytest.raises(ValueError):
+        metrics.efficiency(s, -1.0, None)
+
+
+def test_scenarios_and_article_preset():
+    args = SimpleNamespace(preset="article", scale=0.01, concurrency=[1], input_len=[512], output_len=[128])
+    serve.apply_preset(args)
+    assert args.concurrency == [64] and args.input_len == [41, 164, 328] and args.output_len == [10]
+    plan = serve.scenarios([1, 4], [16, 32], [8], None)
+    assert [(s.concurrency, s.input_len, s.num_prompts) for s in plan] == [(1, 16, 8), (4, 16, 8), (1, 32, 8),
+                                                                           (4, 32, 8)]
+    with pytest.raises(Exception, match="--concurrency"):
+        serve.scenarios([0], [16], [8], None)
+
+
+# ---- peers ----
+
+
+def test_w8a8_copy_is_per_channel_int8(tiny_llama, tmp_path):
+    from anychip.checkpoint.io import read_tensor, read_tensor_infos
+
+    src = tiny_llama()
+    dst = peers.make_w8a8(src, tmp_path / "w8a8")
+    qc = json.loads((dst / "config.json").read_text())["quantization_config"]
+    group = qc["config_groups"]["group_0"]
+    assert group["weights"]["strategy"] == "channel" and group["input_activations"]["dynamic"] is True
+    infos = read_tensor_infos(dst)
+    name = "model.layers.0.mlp.down_proj"
+    w = read_tensor(read_tensor_infos(src)[f"{name}.weight"]).float()
+    q, s = read_tensor(infos[f"{name}.weight"]), read_tensor(infos[f"{name}.weight_scale"])
+    assert q.dtype == torch.int8 and s.shape == (w.shape[0], 1)
+    assert int(q.abs().max()) == 127
+    assert torch.allclose(q.float() * s, w, atol=float(s.max()) / 2 + 1e-6)
+    assert peers.make_w8a8(src, dst) == dst  # cached: same source stamp
+
+
+def test_int_quantized_copy_holds_the_same_weights(tiny_llama, tmp_path):
+    from anychip.checkpoint.io import read_tensor, read_tensor_infos
+    from anychip.checkpoint.pack import unpack_int4
+    from anychip.checkpoint.quantize import quantize_checkpoint
+    from anychip.checkpoint.scheme import W4A8Scheme
+
+    w4a8 = quantize_checkpoint(tiny_llama(), tmp_path / "w4a8", W4A8Scheme(group_size=32))
+    out = peers.make_int_quantized(w4a8)
+    assert out == w4a8.with_name("w4a8-int")
+    assert peers.model_kind(json.loads((out / "config.json").read_text())) == "w4a8"
+    packed, unpacked = read_tensor_infos(w4a8), read_tensor_infos(out)
+    for name in ("model.layers.1.self_attn.q_proj", "model.layers.0.mlp.down_proj"):
+        q = read_tensor(unpacked[f"{name}.weight"])
+        assert torch.equal(q, unpack_int4(read_tensor(packed[f"{name}.weight_packed"])))
+        assert torch.equal(read_tensor(unpacked[f"{name}.weight_scale"]), read_tensor(packed[f"{name}.weight_scale"]))
+    assert not any(n.endswith((".weight_packed", ".weight_shape")) for n in unpacked)
+
+
+def test_plan_systems_reports_every_peer(tiny_llama, tmp_path):
+    from anychip.checkpoint.quantize import quantize_checkpoint
+    from anychip.checkpoint.scheme import W4A8Scheme
+
+    w4a8 = quantize_checkpoint(tiny_llama(), tmp_path / "w4a8", W4A8Scheme(group_size=32))
+    rows = latency.plan_systems(w4a8, peers.read_config(w4a8), with_peers=True)
+    assert [r.name for r in rows] == list(latency.SYSTEMS)
+    assert rows[0].plugin and not any(r.plugin for r in rows[1:])
+    gguf = rows[-1]
+    assert gguf.skipped and ("different model" in gguf.skipped or "not installed" in gguf.skipped)
+    synthetic = dict(peers.read_config(w4a8))
+    synthetic["quantization_config"] = dict(synthetic["quantization_config"],
+                                            anychip={"source": "synthetic", "method": "random"})
+    rows = latency.plan_systems(w4a8, synthetic, with_peers=True)
+    by = {r.name: r for r in rows}
+    assert "random weights" in by["vllm-bf16"].skipped and "BF16 source" in by["vllm-w8a8"].skipped
+    assert by["anychip-w4a8"].notes and by["vllm-w4a8-stock"].skipped is None
+    assert [r.name for r in latency.plan_systems(w4a8, synthetic, with_peers=False)] == ["anychip-w4a8"]
+
+
+def test_stock_systems_leave_the_plugin_out(monkeypatch):
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    stock = latency.system_env(latency.System("vllm-bf16", "vllm", "BF16"), 2, None)
+    assert "anychip" not in stock["VLLM_PLUGINS"].split(",")
+    assert stock["OMP_NUM_THREADS"] == "2" and stock["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    ours = latency.system_env(latency.System("anychip-w4a8", "vllm", "W4A8", plugin=True), 2, Path("/tmp/c.json"))
+    assert "VLLM_PLUGINS" not in ours and ours["ANYCHIP_COVERAGE"] == "/tmp/c.json"
+    monkeypatch.setenv("VLLM_PLUGINS", "other")
+    assert latency.system_env(latency.System("anychip-w4a8", "vllm", "W4A8", plugin=True), 2, None)[
+        "VLLM_PLUGINS"] == "other,anychip"
+
+
+# ---- reports ----
+
+
+def _latency_row(system: str, pp_tps: float, tg_tps: float, pp: int = 512) -> dict:
+    s = metrics.summarize_latency(pp, 128, [RepTiming(pp / pp_tps, 128 / tg_tps)] * 2)
+    return {"system": system, "engine": "vllm", "weights": "w", "status": "ok", "requested":
+            {"pp": 512, "tg": 128, "reps": 2}, "notes": [], "pp": pp, "tg": 128, "reps": 2, "reduced": None,
+            "pp_tps": s.pp, "tg_tps": s.tg, "total_tps": s.total, "engine_start_s": 30.0,
+            "settings": {"compile_mode": "eager", "executor": "uni", "dtype": "bfloat16", "torch_threads": 2,
+                         "max_num_batched_tokens": 528, "versions": {}}}
+
+
+def test_latency_report_targets_and_files(tmp_path):
+    rows = [_latency_row("anychip-w4a8", 2000, 100), _latency_row("vllm-bf16", 1000, 60),
+            _latency_row("vllm-w8a8", 2100, 70), _latency_row("llama.cpp-q4_1", 300, 90, pp=256),
+            {"system": "vllm-w4a8-stock", "engine": "vllm", "weights": "w", "status": "skipped",
+             "reason": "needs a W4A8 model", "requested": {"pp": 512, "tg": 128, "reps": 2}, "notes": []}]
+    checks = {(t["metric"], t["peer"]): t for t in latency.target_checks(rows)}
+    assert checks[("tg128", "llama.cpp-q4_1")]["ratio"] == pytest.approx(100 / 90)
+    assert checks[("tg128", "vllm-w8a8")]["met"] is False
+    assert checks[("pp512", "vllm-bf16")]["met"] is True
+    assert checks[("pp512", "llama.cpp-q4_1")]["same_size"] is False
+    doc = {"command": "anychip bench latency M --peers", "created": "now", "machine": {"cpu": "cpu", "cpus": 2},
+           "threads": 2, "requested": {"pp": 512, "tg": 128, "reps": 2}, "rows": rows,
+           "targets": latency.target_checks(rows)}
+    md = latency.render_markdown(doc)
+    assert "`anychip bench latency M --peers`" in md and "vllm-w4a8-stock: skipped: needs a W4A8 model" in md
+    assert "(pp256*)" in md and "sizes differ" in md
+    from anychip.bench.report import write_outputs
+
+    written = write_outputs(tmp_path / "lat.json", doc, md, latency.plot)
+    assert [p.suffix for p in written] == [".json", ".md", ".png"]
+    back = json.loads((tmp_path / "lat.json").read_text())
+    assert back["rows"][0]["pp_tps"]["mean"] == pytest.approx(2000)
+
+
+# ---- the streaming client against a scripted server ----
+
+
+class _ScriptedSSE(BaseHTTPRequestHandler):
+    """An OpenAI completions endpoint that streams max_tokens chunks 10 ms apart, then usage."""
+
+    protocol_version = "HTTP/1.0"
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        body = json.dumps({"data": [{"id": "scripted"}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self) -> None:
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if len(req["prompt"]) > 64:
+            self.send_response(400)
+            self.end_headers()
+            self.wfile.write(b'{"error": "prompt too long"}')
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for _ in range(req["max_tokens"]):
+            time.sleep(0.01)
+            self.wfile.write(b'data: {"choices": [{"text": "x", "index": 0}]}\n\n')
+            self.wfile.flush()
+        usage = {"prompt_tokens": len(req["prompt"]), "completion_tokens": req["max_tokens"]}
+        self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
+
+
+@pytest.fixture
+def scripted_server():
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _ScriptedSSE)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}/v1"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_bench_serve_against_a_scripted_server(scripted_server, tmp_path):
+    out = tmp_path / "serve.json"
+    rc = main(["bench", "serve", scripted_server, "--concurrency", "1,2", "--input-len", "16", "--output-len", "5",
+               "--num-prompts", "3", "--label", "a", "--json", str(out)])
+    assert rc == 0
+    rc = main(["bench", "serve", scripted_server, "--concurrency", "1,2", "--input-len", "16", "--output-len", "5",
+               "--num-prompts", "3", "--label", "b", "--append", "--baseline", "b", "--peak-tflops", "1",
+               "--json", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert sorted({r["label"] for r in doc["rows"]}) == ["a", "b"] and len(doc["commands"]) == 2
+    for r in doc["rows"]:
+        assert (r["completed"], r["failed"], r["output_tokens"], r["input_tokens"]) == (3, 0, 15, 48)
+        assert r["ttft"]["mean_ms"] > 0 and r["tpot"]["mean_ms"] > 0 and r["itl"]["p99_ms"] >= r["itl"]["p50_ms"]
+    assert {c["label"] for c in doc["comparisons"]} == {"a"} and len(doc["comparisons"]) == 2
+    md = out.with_suffix(".md").read_text()
+    assert "--label a" in md and "--label b" in md and "Against b" in md
+    assert out.with_suffix(".png").exists()
+
+
+def test_bench_serve_counts_failed_requests(scripted_server, tmp_path):
+    rc = main(["bench", "serve", scripted_server, "--concurrency", "1", "--input-len", "100", "--output-len", "2",
+               "--num-prompts", "2", "--json", str(tmp_path / "s.json")])
+    assert rc == 1
+    row = json.loads((tmp_path / "s.json").read_text())["rows"][0]
+    assert row["failed"] == 2 and "HTTP 400" in row["errors"][0]
+
+
+# ---- one short real run of each (slow) ----
+
+
+@pytest.mark.slow
+def test_bench_latency_real_run(default_model, tmp_path):
+    out = tmp_path / "latency.json"
+    rc = main(["bench", "latency", str(default_model.bf16_dir), "--pp", "32", "--tg", "8", "--reps", "1",
+               "--eager", "--json", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    (row,) = doc["rows"]
+    assert row["system"] == "vllm-bf16" and row["status"] == "ok", row
+    assert (row["pp"], row["tg"], row["reps"]) == (32, 8, 1) and len(row["timings"]) == 1
+    assert row["pp_tps"]["mean"] > 0 and row["tg_tps"]["mean"] > 0 and row["engine_start_s"] > 0
+    assert row["settings"]["compile_mode"] == "eager" and "anychip" not in row["settings"]["env"]["VLLM_PLUGINS"]
+    assert out.with_suffix(".md").exists()
+
+
+@pytest.mark.slow
+def test_bench_serve_real_server(default_model, tmp_path):
+    from anychip.bench.server import local_server
+
+    out = tmp_path / "serve.json"
+    with local_server(default_model.w4a8_dir, extra=["--enforce-eager"], log=tmp_path / "server.log") as url:
+        assert url.startswith("http://127.0.0.1:")
+        rc = main(["bench", "serve", url, "--concurrency", "1,2", "--input-len", "16", "--output-len", "4",
+                   "--num-prompts", "2", "--label", "anychip", "--json", str(out)])
+    assert rc == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["concurrency"] for r in rows] == [1, 2]
+    assert all(r["completed"] == 2 and r["output_tokens"] == 8 for r in rows)
