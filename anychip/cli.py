@@ -105,7 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "smaller pp/tg (recorded in the row)")
     b.set_defaults(target="anychip.bench.latency:cmd_bench_latency")
     b = bsub.add_parser("serve", help="streaming OpenAI client: TTFT, TPOT, ITL, throughput under concurrency")
-    b.add_argument("url", help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
+    b.add_argument("url", nargs="?", help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
+    b.add_argument("--launch", metavar="MODEL", help="instead of URL: start anychip's vLLM server for MODEL on "
+                   "127.0.0.1 (a free port), measure it, stop it")
+    b.add_argument("--stock", action="store_true", help="with --launch: leave the anychip plugin out (stock vLLM, "
+                   "same settings)")
+    b.add_argument("--server-arg", action="append", default=[], metavar="FLAG",
+                   help="with --launch: an extra vLLM server flag, e.g. --server-arg=--enforce-eager (repeatable)")
     b.add_argument("--model", help="model name (default: the server's first model)")
     b.add_argument("--concurrency", type=_csv_ints, default=[1, 4, 16, 64])
     b.add_argument("--input-len", type=_csv_ints, default=[512])

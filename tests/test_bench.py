@@ -344,3 +344,9 @@ def test_bench_serve_real_server(default_model, tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["concurrency"] for r in rows] == [1, 2]
     assert all(r["completed"] == 2 and r["output_tokens"] == 8 for r in rows)
+
+
+def test_bench_serve_wants_a_url_or_launch():
+    assert main(["bench", "serve"]) == 2
+    assert main(["bench", "serve", "http://127.0.0.1:1/v1", "--launch", "somewhere"]) == 2
+    assert main(["bench", "serve", "http://127.0.0.1:1/v1", "--stock"]) == 2

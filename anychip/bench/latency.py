@@ -186,7 +186,7 @@ def run_system(system: System, args: argparse.Namespace, workdir: Path) -> dict[
     row.update(status="ok", pp=result["pp"], tg=result["tg"], reps=result["reps"], reduced=result["reduced"],
                pp_tps=summary.pp, tg_tps=summary.tg, total_tps=summary.total, t_pp_s=summary.t_pp_s,
                t_tg_s=summary.t_tg_s, timings=result["timings"], engine_start_s=result["engine_start_s"],
-               settings=result["settings"])
+               settings=result["settings"], loadavg=result.get("loadavg"))
     if coverage is not None:
         row["coverage"] = _coverage_summary(coverage)
     return row
@@ -251,6 +251,10 @@ def render_markdown(doc: dict[str, Any]) -> str:
             if cov:
                 routes = ", ".join(f"{k}: {v}" for k, v in cov["routes"].items())
                 notes.append(f"- {r['system']}: coverage: {cov['linears']} quantized linears ({routes})")
+    loads = [f"{r['system']} {r['loadavg'][0]:.1f}/{r['loadavg'][1]:.1f}" for r in doc["rows"] if r.get("loadavg")]
+    if loads:
+        notes.append("- 1-minute load average before/after each system's measurement (other work on the machine "
+                     "shows here): " + "; ".join(loads))
     settings = next((r["settings"] for r in doc["rows"] if r["status"] == "ok" and r["engine"] == "vllm"), None)
     if settings:
         notes.append(f"- vLLM settings: executor {settings['executor']}, dtype {settings['dtype']}, torch threads "

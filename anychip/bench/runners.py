@@ -182,6 +182,7 @@ def measure(engine: Timed, spec: RunSpec, probe: tuple[int, int] = (32, 4)) -> d
     def ids(n: int) -> list[int]:
         return rng.integers(0, engine.vocab_size, n).tolist()
 
+    load_before = os.getloadavg()[0]
     t_start = time.perf_counter()
     pp_probe, tg_probe = min(spec.pp, probe[0]), min(spec.tg, probe[1])
     engine.prefill(ids(pp_probe)), engine.decode(ids(1)[0], tg_probe)  # first calls pay one-off costs
@@ -192,7 +193,7 @@ def measure(engine: Timed, spec: RunSpec, probe: tuple[int, int] = (32, 4)) -> d
     engine.prefill(ids(plan.pp)), engine.decode(ids(1)[0], plan.tg)  # warm-up at the measured sizes
     timings = [[engine.prefill(ids(plan.pp)), engine.decode(ids(1)[0], plan.tg)] for _ in range(plan.reps)]
     return {"pp": plan.pp, "tg": plan.tg, "reps": plan.reps, "reduced": plan.reason, "timings": timings,
-            "probe_s_per_token": {"pp": s_pp, "tg": s_tg}}
+            "probe_s_per_token": {"pp": s_pp, "tg": s_tg}, "loadavg": [load_before, os.getloadavg()[0]]}
 
 
 def run(spec: RunSpec) -> dict[str, Any]:

@@ -14,6 +14,7 @@ import asyncio
 import itertools
 import json
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from anychip.bench.metrics import RequestRecord, ServeSummary, efficiency, ratio, summarize_serve
+from anychip.bench.metrics import RequestRecord, efficiency, ratio, summarize_serve
 from anychip.bench.report import command_line, fmt, machine, markdown_table, now, write_outputs
 from anychip.errors import AnychipError
 
@@ -224,8 +225,20 @@ def render_markdown(doc: dict[str, Any]) -> str:
         lines.append(markdown_table(["server", "conc", "in", "out"] + keys, [
             [r["label"], r["concurrency"], r["input_len"], r["output_len"]]
             + [fmt(r["efficiency"].get(k), 4) for k in keys] for r in eff]))
-    notes = [f"- {r['label']} c={r['concurrency']} in={r['input_len']}: {r['output_len_note']}"
-             for r in doc["rows"] if r.get("output_len_note")]
+    notes = []
+    for label in dict.fromkeys(r["label"] for r in doc["rows"]):
+        srv = next((r["server"] for r in doc["rows"] if r["label"] == label and r.get("server")), None)
+        if srv:
+            notes.append(f"- {label}: launched for {srv['model']}, anychip plugin {'on' if srv['plugin'] else 'off'}"
+                         f"{', vLLM flags ' + ' '.join(srv['extra_args']) if srv['extra_args'] else ''}; "
+                         f"ready after {srv['start_s']} s")
+    notes += [f"- {r['label']} c={r['concurrency']} in={r['input_len']}: {r['output_len_note']}"
+              for r in doc["rows"] if r.get("output_len_note")]
+    loads = [f"{r['label']} c={r['concurrency']}: {r['loadavg'][0]:.1f}/{r['loadavg'][1]:.1f}"
+             for r in doc["rows"] if r.get("loadavg")]
+    if loads:
+        notes.append("- 1-minute load average before/after each level (other work on the machine shows here): "
+                     + "; ".join(loads))
     notes += [f"- {r['label']} c={r['concurrency']} in={r['input_len']}: errors: {'; '.join(r['errors'])}"
               for r in doc["rows"] if r["errors"]]
     if notes:
@@ -262,21 +275,17 @@ def plot(doc: dict[str, Any], png: Path) -> None:
 
 
 def _merge(path: Path, doc: dict[str, Any], label: str) -> dict[str, Any]:
-    """Keep the other labels' rows and commands from an existing report."""
+    """Keep the other labels' rows from an existing report (each row carries the command that measured it)."""
     try:
         old = json.loads(path.read_text())
     except (OSError, ValueError):
         return doc
     doc["rows"] = [r for r in old.get("rows", []) if r["label"] != label] + doc["rows"]
-    doc["commands"] = [c for c in old.get("commands", []) if f"--label {label}" not in c] + doc["commands"]
     return doc
 
 
-def cmd_bench_serve(args: argparse.Namespace) -> int:
-    apply_preset(args)
-    url = args.url.rstrip("/")
-    if not url.endswith("/v1"):
-        url += "/v1"
+def measure_server(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every scenario against one server; one row each."""
     check_loopback(url)
     lo, hi = (args.vocab_range + [0, 0])[:2]
     if not 0 <= lo < hi:
@@ -290,21 +299,58 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
                           args.timeout_s, progress=False))
     rows = []
     for n, sc in enumerate(plan):
+        load_before = os.getloadavg()[0]
         records, duration = asyncio.run(run_level(url, model, sc, (lo, hi), args.seed + n, args.timeout_s))
         row = row_for(label, url, model, sc, records, duration, args.peak_tflops, args.peak_gbps)
+        row["loadavg"] = [load_before, os.getloadavg()[0]]
         rows.append(row)
         print(f"  c={sc.concurrency:<3} in={sc.input_len:<6} out={sc.output_len:<5} {row['completed']}/"
               f"{sc.num_prompts} ok  TTFT {fmt(row['ttft']['mean_ms'])} ms  TPOT {fmt(row['tpot']['mean_ms'])} ms  "
               f"{fmt(row['output_throughput'])} out tok/s  {fmt(row['total_throughput'])} total tok/s"
               + (f"  errors: {row['errors'][0]}" if row["errors"] else ""))
-    doc = {"benchmark": "serve", "commands": [command_line(getattr(args, "argv", None))], "created": now(),
-           "machine": machine(), "rows": rows,
+    return rows
+
+
+def _launched(args: argparse.Namespace) -> list[dict[str, Any]]:
+    import tempfile
+
+    from anychip.bench.server import local_server
+
+    model = Path(args.launch).expanduser().resolve()
+    args.label = args.label or (("vllm-" if args.stock else "anychip-") + model.name)
+    log = Path(tempfile.mkdtemp(prefix="anychip-bench-serve-")) / "server.log"
+    print(f"anychip bench serve: starting {'stock vLLM' if args.stock else 'anychip'} server for {model} (log: {log})")
+    t0 = time.perf_counter()
+    with local_server(model, plugin=not args.stock, extra=args.server_arg, log=log) as url:
+        start_s = time.perf_counter() - t0
+        rows = measure_server(url, args)
+    server = {"model": str(model), "plugin": not args.stock, "extra_args": args.server_arg,
+              "start_s": round(start_s, 1)}
+    return [dict(r, server=server) for r in rows]
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    apply_preset(args)
+    if bool(args.url) == bool(args.launch):
+        raise AnychipError("give either a server URL or --launch MODEL (not both, not neither)")
+    if (args.stock or args.server_arg) and not args.launch:
+        raise AnychipError("--stock and --server-arg only apply with --launch MODEL")
+    if args.launch:
+        rows = _launched(args)
+    else:
+        url = args.url.rstrip("/")
+        rows = measure_server(url if url.endswith("/v1") else url + "/v1", args)
+    lo, hi = (args.vocab_range + [0, 0])[:2]
+    command = command_line(getattr(args, "argv", None))
+    rows = [dict(r, command=command) for r in rows]
+    doc = {"benchmark": "serve", "created": now(), "machine": machine(), "rows": rows,
            "settings": {"vocab_range": [lo, hi], "seed": args.seed, "preset": args.preset, "scale": args.scale,
                         "peak_tflops": args.peak_tflops, "peak_gbps": args.peak_gbps}}
     if args.json:
         path = Path(args.json)
         if args.append:
-            doc = _merge(path, doc, label)
+            doc = _merge(path, doc, rows[0]["label"] if rows else "")
+        doc["commands"] = list(dict.fromkeys(r["command"] for r in doc["rows"] if r.get("command")))
         doc["comparisons"] = comparisons(doc["rows"], args.baseline)
         for p in write_outputs(path, doc, render_markdown(doc), plot):
             print(f"wrote {p}")
