@@ -1,0 +1,245 @@
+"""W4A8 CPU kernels against the torch oracle (anychip/kernels/reference.py).
+
+Integers match exactly: the int32 group dot products (debug op), the INT8 activations and their scales, and the
+whole linear when scales are powers of two (then fp32 arithmetic is exact).  Otherwise the output tolerance is
+fp32: |y - ref| <= 1e-5 * max|ref| + 1e-5 * |ref|; bf16/fp16 (one rounding of the output, 2^-8 relative):
+|y - ref| <= 1e-3 * max|ref| + 8e-3 * |ref|.  ref is computed in float64.
+
+Every listed M, K, N, G appears for every ISA this machine runs; the cross product is subsampled.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from anychip import envs
+from anychip.checkpoint.pack import pack_int4
+from anychip.errors import AnychipError
+from anychip.kernels import cpu_ext, dispatch, hooks
+from anychip.kernels.dispatch import NoKernelRoute
+from anychip.kernels.prepare import Route, prepare_w4a8, w4a8_linear
+from anychip.kernels.reference import group_dot_ref, quantize_activations_ref, w4a8_linear_dynamic_ref
+
+ISAS = dispatch.available_isas()
+
+# (M, K, N, G, bias, dtype): every M in {1,3,7,64,512}, K in {576,1536,2048,6144}, N in {1,17,100,576,1536},
+# G in {32,64,128}, with and without bias, bf16 and fp32.
+CASES = [
+    (1, 576, 1, 32, False, torch.bfloat16),
+    (1, 2048, 1536, 128, True, torch.float32),
+    (1, 6144, 100, 64, False, torch.bfloat16),
+    (3, 1536, 17, 64, True, torch.bfloat16),
+    (3, 6144, 576, 128, False, torch.float32),
+    (7, 576, 576, 64, True, torch.float32),
+    (7, 2048, 100, 32, False, torch.bfloat16),
+    (64, 1536, 576, 32, False, torch.bfloat16),
+    (64, 6144, 17, 128, True, torch.float32),
+    (512, 576, 100, 32, True, torch.bfloat16),
+    (512, 2048, 1, 128, False, torch.float32),
+    (64, 576, 1536, 64, True, torch.bfloat16),
+    (512, 1536, 576, 64, True, torch.float32),
+]
+DOT_CASES = [(1, 6144, 1, 128), (3, 576, 17, 32), (7, 2048, 100, 64), (64, 1536, 33, 128), (512, 576, 17, 64)]
+
+
+def _weights(n: int, k: int, g: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    wq = torch.randint(-8, 8, (n, k), dtype=torch.int8, generator=gen)
+    wq[0, :g] = -8  # the extremes of the int4 range
+    wq[-1, -g:] = 7
+    sw = torch.rand(n, k // g, generator=gen) * 0.02 + 1e-3
+    return wq, sw
+
+
+def _acts(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen) * 3
+    if m > 2:
+        x[1] = 0  # an all-zero token
+    return x.to(dtype)
+
+
+def _group_dots64(xq: torch.Tensor, wq: torch.Tensor, g: int) -> torch.Tensor:
+    """group_dot_ref through float64 matmuls (exact: |dot| < 2^53), for shapes where the oracle's int64
+    broadcast would need gigabytes."""
+    m, k = xq.shape
+    n = wq.shape[0]
+    xg = xq.double().view(m, k // g, g).transpose(0, 1)  # (groups, M, G)
+    wg = wq.double().view(n, k // g, g).permute(1, 2, 0)  # (groups, G, N)
+    return torch.bmm(xg, wg).permute(1, 2, 0)  # (M, N, groups)
+
+
+def _reference(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    m, k = x.shape
+    if m * wq.shape[0] * k <= 1 << 24:
+        return w4a8_linear_dynamic_ref(x, wq, sw, bias).double()
+    xq, sx = quantize_activations_ref(x)
+    acc = _group_dots64(xq, wq, k // sw.shape[1])
+    y = (acc * sw.double().unsqueeze(0)).sum(dim=2) * sx.double()
+    return y + bias.double() if bias is not None else y
+
+
+def _assert_close(y: torch.Tensor, ref: torch.Tensor) -> None:
+    atol_f, rtol = (1e-5, 1e-5) if y.dtype == torch.float32 else (1e-3, 8e-3)
+    err = (y.double() - ref).abs()
+    bound = atol_f * ref.abs().max().clamp_min(1e-6) + rtol * ref.abs()
+    worst = (err - bound).max()
+    assert worst <= 0, f"max error {err.max().item():.3g} exceeds tolerance (by {worst.item():.3g})"
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "M{}-K{}-N{}-G{}-{}-{}".format(
+    c[0], c[1], c[2], c[3], "bias" if c[4] else "nobias", str(c[5]).split(".")[-1]))
+def test_linear_matches_reference(isa: str, case: tuple) -> None:
+    m, k, n, g, with_bias, dtype = case
+    if isa == "portable" and m * n * k > 1 << 28:
+        pytest.skip("portable C++ on a 2^28-MAC shape: covered by the same code at smaller N")
+    wq, sw = _weights(n, k, g, seed=m + k + n)
+    x = _acts(m, k, dtype, seed=m * k)
+    bias = (torch.randn(n) * 0.1).to(dtype) if with_bias else None
+    prepared = prepare_w4a8(wq, sw, g, packed=False, isa=isa)
+    assert prepared.route == Route(kernel="w4a8_cpu", isa=isa, group_size=g, device="cpu")
+    y = w4a8_linear(x, prepared, bias)
+    assert y.dtype == dtype and y.shape == (m, n)
+    _assert_close(y, _reference(x, wq, sw, bias))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("case", DOT_CASES, ids=lambda c: "M{}-K{}-N{}-G{}".format(*c))
+def test_group_dots_exact(isa: str, case: tuple) -> None:
+    m, k, n, g = case
+    wq, sw = _weights(n, k, g, seed=n)
+    xq, _ = quantize_activations_ref(_acts(m, k, torch.float32, seed=k))
+    xq[0, :g] = -127  # extremes: the largest |dot| a group can reach
+    p = prepare_w4a8(wq, sw, g, packed=False, isa=isa)
+    dots = torch.ops.anychip.w4a8_group_dots(xq, p.weight, p.scales, n, k, g, isa)
+    assert dots.dtype == torch.int32 and dots.shape == (m, n, k // g)
+    expected = group_dot_ref(xq, wq, g) if m * n * k <= 1 << 24 else _group_dots64(xq, wq, g).to(torch.int32)
+    assert torch.equal(dots, expected)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_linear_exact_with_power_of_two_scales(isa: str) -> None:
+    """One power of two per row (and per token): every partial sum is an exact fp32, so the whole linear is."""
+    m, k, n, g = 5, 6144, 40, 64
+    wq, _ = _weights(n, k, g, seed=3)
+    sw = (2.0 ** -torch.randint(0, 6, (n, 1)).float()).expand(n, k // g).contiguous()
+    xq, _ = quantize_activations_ref(_acts(m, k, torch.float32, seed=4))
+    sx = 2.0 ** -torch.randint(0, 4, (m, 1)).float()
+    p = prepare_w4a8(wq, sw, g, packed=False, isa=isa)
+    y = torch.ops.anychip.w4a8_linear_q(xq, sx, p.weight, p.scales, None, n, k, g, isa, -1, torch.float32)
+    ref = (group_dot_ref(xq, wq, g).double() * sw.double()).sum(2) * sx.double()
+    assert torch.equal(y.double(), ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k", [1, 37, 576, 2048])
+def test_quantize_act_bit_exact(dtype: torch.dtype, k: int) -> None:
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(9, k, generator=gen) * torch.logspace(-3, 3, 9).unsqueeze(1)
+    x[2] = 0  # zero row -> scale 0, q 0
+    if k >= 8:
+        # row 4: amax 127 -> scale exactly 1, so the halves are round-half-to-even ties
+        x[4, :8] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5])
+        x[4, 8:] = 0.25
+    x = x.to(dtype)
+    xq, sx = torch.ops.anychip.quantize_act(x)
+    xq_ref, sx_ref = quantize_activations_ref(x)
+    assert torch.equal(xq, xq_ref) and torch.equal(sx, sx_ref)
+    assert sx[2].item() == 0 and not xq[2].any()
+    if k >= 8:
+        assert xq[4, :8].tolist() == [127, 0, 2, 2, 0, -2, -2, 126]
+
+
+def test_packed_and_int8_prepare_identically() -> None:
+    k, n, g = 576, 100, 32
+    wq, sw = _weights(n, k, g, seed=7)
+    a = prepare_w4a8(pack_int4(wq), sw.bfloat16(), g, packed=True)
+    b = prepare_w4a8(wq, sw.bfloat16(), g, packed=False)
+    assert torch.equal(a.weight, b.weight) and torch.equal(a.scales, b.scales) and a.route == b.route
+    x = _acts(3, k, torch.bfloat16, seed=1)
+    assert torch.equal(w4a8_linear(x, a), w4a8_linear(x, b))
+
+
+def test_leading_dims_and_empty_batch() -> None:
+    k, n, g = 576, 17, 64
+    wq, sw = _weights(n, k, g, seed=8)
+    p = prepare_w4a8(wq, sw, g, packed=False)
+    x = _acts(6, k, torch.float32, seed=2)
+    y = w4a8_linear(x.view(2, 3, k), p)
+    assert y.shape == (2, 3, n) and torch.equal(y.view(6, n), w4a8_linear(x, p))
+    assert w4a8_linear(x[:0], p).shape == (0, n)
+
+
+def test_env_switch_forces_isa(monkeypatch: pytest.MonkeyPatch) -> None:
+    wq, sw = _weights(17, 576, 32, seed=9)
+    for isa in ISAS:
+        monkeypatch.setenv(envs.ANYCHIP_KERNEL_ISA, isa)
+        p = prepare_w4a8(wq, sw, 32, packed=False)
+        assert p.route.isa == isa and p.route.name == f"anychip.cpu.w4a8.{isa}"
+    monkeypatch.setenv(envs.ANYCHIP_KERNEL_ISA, "reference")
+    p = prepare_w4a8(wq, sw, 32, packed=False)
+    assert p.route.is_fallback
+    x = _acts(3, 576, torch.bfloat16, seed=3)
+    assert torch.equal(w4a8_linear(x, p), w4a8_linear_dynamic_ref(x, wq, sw))
+    monkeypatch.setenv(envs.ANYCHIP_KERNEL_ISA, "no_such_isa")
+    with pytest.raises(NoKernelRoute, match="ANYCHIP_KERNEL_ISA"):
+        prepare_w4a8(wq, sw, 32, packed=False)
+
+
+def test_unavailable_isa_is_an_error() -> None:
+    wq, sw = _weights(17, 576, 32, seed=9)
+    missing = [i for i in ("avx512_vnni", "avx2", "kleidiai") if i not in ISAS]
+    for isa in missing:
+        with pytest.raises(NoKernelRoute, match="not available"):
+            prepare_w4a8(wq, sw, 32, packed=False, isa=isa)
+
+
+def test_no_fast_route_errors_say_how_to_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(envs.ANYCHIP_ALLOW_FALLBACK, raising=False)
+    monkeypatch.delenv(envs.ANYCHIP_STRICT, raising=False)
+    monkeypatch.delenv(envs.ANYCHIP_KERNEL_ISA, raising=False)
+    wq, sw = _weights(17, 576, 64, seed=10)
+    with pytest.raises(AnychipError, match="not divisible by group size 128"):
+        prepare_w4a8(wq, sw[:, :4], 128, packed=False)
+    wq16, sw16 = _weights(17, 576, 16, seed=11)
+    with pytest.raises(NoKernelRoute, match="re-quantize"):
+        prepare_w4a8(wq16, sw16, 16, packed=False)
+    p = prepare_w4a8(wq16, sw16, 16, packed=False, allow_fallback=True)
+    assert p.route.is_fallback and p.route.kernel == "reference"
+    with pytest.raises(NoKernelRoute, match="packed=False"):
+        prepare_w4a8(wq, sw, 64, packed=True)
+
+
+def test_dispatch_table() -> None:
+    assert dispatch.best_isa() == ISAS[0]
+    assert "reference" not in ISAS and set(ISAS) <= set(dispatch.ISAS)
+    assert {row.isa for row in dispatch.TABLE} == set(dispatch.ISAS)
+    if dispatch.is_x86():
+        assert "kleidiai" not in ISAS and ISAS[-1] == "portable"
+        assert list(ISAS) == cpu_ext.load().cpu_isas()  # /proc/cpuinfo agrees with __builtin_cpu_supports
+
+
+class _Tiny(torch.nn.Module):
+    def __init__(self, p, bias: torch.Tensor) -> None:
+        super().__init__()
+        self.p, self.bias = p, bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.silu(x) * 2
+        return w4a8_linear(h, self.p, self.bias, layer_id=5) + 1
+
+
+def test_torch_compile_fullgraph_and_hook() -> None:
+    k, n, g = 576, 100, 64
+    wq, sw = _weights(n, k, g, seed=12)
+    module = _Tiny(prepare_w4a8(wq, sw, g, packed=False), torch.randn(n).bfloat16())
+    x = _acts(4, k, torch.bfloat16, seed=5)
+    expected = module(x)
+    calls: list[tuple[int, int]] = []
+    compiled = torch.compile(module, fullgraph=True, dynamic=False)
+    with hooks.observing(lambda layer, tokens: calls.append((layer, tokens))):
+        y = compiled(x)
+    assert torch.equal(y, expected)
+    assert calls and calls[-1] == (5, 4)
