@@ -111,7 +111,7 @@ class SimulatedW4A8Linear(torch.nn.Module):
         self.register_buffer("weight", dequantize_weight_ref(wq, scales, torch.float32))  # (N, K)
         self.bias = bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         from anychip.kernels.reference import quantize_activations_ref
 
         lead = x.shape[:-1]
@@ -120,6 +120,16 @@ class SimulatedW4A8Linear(torch.nn.Module):
         if self.bias is not None:
             y = y + self.bias.float()
         return y.to(x.dtype).reshape(*lead, -1)
+
+
+def simulate_w4a8(model: torch.nn.Module, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> torch.nn.Module:
+    """Replace each linear named in `weights` ({prefix: (wq, scales)}) by SimulatedW4A8Linear, in place."""
+    for prefix, (wq, scales) in weights.items():
+        parent, child = prefix.rsplit(".", 1)
+        old = model.get_submodule(prefix)
+        new = SimulatedW4A8Linear(wq, scales, getattr(old, "bias", None))
+        setattr(model.get_submodule(parent), child, new.to(old.weight.device))
+    return model
 
 
 def load_torch_model(model_dir: Path, dtype: torch.dtype) -> torch.nn.Module:
@@ -132,26 +142,27 @@ def load_torch_model(model_dir: Path, dtype: torch.dtype) -> torch.nn.Module:
     from anychip.checkpoint.torch_model import load_reference_model
 
     model = load_reference_model(model_dir, dtype=dtype)
-    for name, module in list(model.named_modules()):
-        if hasattr(module, "wq") and hasattr(module, "scales"):
-            parent, child = name.rsplit(".", 1)
-            setattr(model.get_submodule(parent), child,
-                    SimulatedW4A8Linear(module.wq, module.scales, getattr(module, "bias", None)))
-    return model
+    weights = {name: (m.wq, m.scales) for name, m in model.named_modules() if hasattr(m, "wq") and hasattr(m, "scales")}
+    return simulate_w4a8(model, weights)
 
 
 class TorchEngine:
     """transformers forward passes in padded batches of about `batch_tokens` tokens, longest first."""
 
-    def __init__(self, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.bfloat16,
-                 max_len: int = 2048, batch_tokens: int = 16384) -> None:
+    def __init__(self, model: torch.nn.Module, tokenizer, max_len: int = 2048, batch_tokens: int = 16384,
+                 name: str = "torch") -> None:
+        self.name, self.model, self.tokenizer = name, model, tokenizer
+        self.max_len, self.batch_tokens = max_len, batch_tokens
+        self.device = next(model.parameters()).device
+        self.prefix_id = _prefix_id(tokenizer)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.bfloat16,
+                 max_len: int = 2048) -> TorchEngine:
         from transformers import AutoTokenizer
 
-        self.name = "torch"
-        self.max_len, self.batch_tokens, self.device = max_len, batch_tokens, torch.device(device)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-        self.prefix_id = _prefix_id(self.tokenizer)
-        self.model = load_torch_model(Path(model_dir), dtype).to(self.device)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        return cls(load_torch_model(Path(model_dir), dtype).to(device), tokenizer, max_len=max_len)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)

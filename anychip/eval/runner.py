@@ -99,34 +99,40 @@ def make_engine(model_dir: Path, settings: EvalSettings):
         return VllmEngine(model_dir, max_len=settings.max_len)
     from anychip.eval.engines import TorchEngine
 
-    return TorchEngine(model_dir, device=settings.device, max_len=settings.max_len)
+    return TorchEngine.from_dir(model_dir, device=settings.device, max_len=settings.max_len)
 
 
 def evaluate_model(model_dir: Path, task_files: list[Path], text: str | None, settings: EvalSettings) -> ModelResult:
     """Score every task (and the perplexity text, if given) with one engine on `model_dir`, in this process."""
     from anychip.eval.engines import vllm_environment
 
-    result = ModelResult(model=str(model_dir))
     with vllm_environment():
         engine = make_engine(model_dir, settings)
         try:
-            label = model_dir.name
-            for path in task_files:
-                t0 = time.perf_counter()
-                task = load_task(path, settings.limit)
-                plan = plan_requests(task.items, PairEncoder(engine.encode, engine.prefix_id))
-                seqs, n_cont = zip(*(pair_sequence(p, settings.max_len) for p in plan.pairs))
-                lps = engine.token_logprobs(seqs, desc=f"{label} {task.name}")
-                pair_ll = [sum(lp[-n:]) for lp, n in zip(lps, n_cont)]
-                result.tasks[task.name] = score_task(plan.gather(pair_ll), [it.lengths for it in task.items],
-                                                     [it.label for it in task.items])
-                result.seconds[task.name] = time.perf_counter() - t0
-            if text is not None:
-                t0 = time.perf_counter()
-                result.ppl = _perplexity(engine, text, settings, label)
-                result.seconds[PERPLEXITY] = time.perf_counter() - t0
+            return evaluate_engine(engine, str(model_dir), task_files, text, settings)
         finally:
             engine.close()
+
+
+def evaluate_engine(engine, label: str, task_files: list[Path], text: str | None,
+                    settings: EvalSettings) -> ModelResult:
+    """Score every task (and the perplexity text) with an engine that is already running."""
+    result = ModelResult(model=label)
+    short = Path(label).name
+    for path in task_files:
+        t0 = time.perf_counter()
+        task = load_task(path, settings.limit)
+        plan = plan_requests(task.items, PairEncoder(engine.encode, engine.prefix_id))
+        seqs, n_cont = zip(*(pair_sequence(p, settings.max_len) for p in plan.pairs))
+        lps = engine.token_logprobs(seqs, desc=f"{short} {task.name}")
+        pair_ll = [sum(lp[-n:]) for lp, n in zip(lps, n_cont)]
+        result.tasks[task.name] = score_task(plan.gather(pair_ll), [it.lengths for it in task.items],
+                                             [it.label for it in task.items])
+        result.seconds[task.name] = time.perf_counter() - t0
+    if text is not None:
+        t0 = time.perf_counter()
+        result.ppl = _perplexity(engine, text, settings, short)
+        result.seconds[PERPLEXITY] = time.perf_counter() - t0
     return result
 
 
