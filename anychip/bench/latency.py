@@ -231,10 +231,10 @@ def render_markdown(doc: dict[str, Any]) -> str:
         tg = f"{fmt(r['tg_tps'].mean)} ± {fmt(r['tg_tps'].sd)}" + ("" if r["tg"] == req["tg"] else f" ({_size(r, 'tg')})")
         table.append([r["system"], r["weights"], pp, tg, f"{fmt(r['total_tps'].mean)} ± {fmt(r['total_tps'].sd)}",
                       str(r["reps"]), fmt(r["engine_start_s"]), r["settings"].get("compile_mode", "")])
-    lines.append(markdown_table(headers, table))
+    lines.append(markdown_table(headers, table, text_columns=2))
     if doc["targets"]:
         lines += ["", f"## Targets ({OURS} ÷ peer)", ""]
-        lines.append(markdown_table(["metric", "peer", "target", "measured", "met"], [
+        lines.append(markdown_table(["metric", "peer", "target", "measured", "met"], text_columns=2, rows=[
             [t["metric"], t["peer"], f"≥ {t['target']:.1f}x", f"{fmt(t['ratio'], 2)}x"
              + ("" if t["same_size"] else " (sizes differ)"), "yes" if t["met"] else "no"] for t in doc["targets"]]))
     notes = []

@@ -59,8 +59,9 @@ def fmt(x: float | None, digits: int = 1) -> str:
     return f"{x:,.{digits}f}"
 
 
-def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    right = ["---:" if i else "---" for i in range(len(headers))]
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]], text_columns: int = 1) -> str:
+    """A GitHub table: the first `text_columns` columns left-aligned, the numbers right-aligned."""
+    right = ["---" if i < text_columns else "---:" for i in range(len(headers))]
     lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join(right) + " |"]
     lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
     return "\n".join(lines)
