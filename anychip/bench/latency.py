@@ -24,7 +24,7 @@ from typing import Any
 from anychip import envs
 from anychip.bench import peers
 from anychip.bench.metrics import RepTiming, ratio, summarize_latency
-from anychip.bench.report import command_line, fmt, machine, markdown_table, now, write_outputs
+from anychip.bench.report import command_line, fmt, machine, markdown_table, now, source_notes, write_outputs
 from anychip.bench.runners import Engine, RunSpec
 from anychip.checkpoint.scheme import scheme_from_config
 from anychip.errors import AnychipError
@@ -260,6 +260,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
         notes.append(f"- vLLM settings: executor {settings['executor']}, dtype {settings['dtype']}, torch threads "
                      f"{settings['torch_threads']}, max_num_batched_tokens {settings['max_num_batched_tokens']}, "
                      f"prefix caching off, versions {settings['versions']}")
+    notes += source_notes(doc["machine"])
     if notes:
         lines += ["", "## Notes", ""] + notes
     return "\n".join(lines)

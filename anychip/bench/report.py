@@ -46,7 +46,32 @@ def machine() -> dict[str, Any]:
     except (OSError, StopIteration):
         pass
     return {"cpu": model, "arch": platform.machine(), "cpus": cpus, "memory_gib": mem_gib,
-            "python": platform.python_version(), "anychip": __version__}
+            "python": platform.python_version(), "anychip": __version__, "source": source_state()}
+
+
+def source_state() -> dict[str, Any]:
+    """The anychip commit measured, and files under anychip/ that differ from it (work in progress measured)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                                timeout=10).stdout.strip()
+        status = subprocess.run(["git", "status", "--porcelain", "--", "anychip"], cwd=root, capture_output=True,
+                                text=True, timeout=10).stdout.splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return {"commit": commit, "uncommitted": [line[3:] for line in status]}
+
+
+def source_notes(machine_doc: dict[str, Any]) -> list[str]:
+    """A Markdown note naming the commit measured and any uncommitted anychip files."""
+    src = machine_doc.get("source") or {}
+    if not src:
+        return []
+    dirty = src.get("uncommitted") or []
+    return [f"- anychip at commit {src.get('commit')}" + (f", with uncommitted changes in {', '.join(dirty)}"
+                                                           if dirty else "")]
 
 
 def now() -> str:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from anychip.bench.metrics import RequestRecord, efficiency, ratio, summarize_serve
-from anychip.bench.report import command_line, fmt, machine, markdown_table, now, write_outputs
+from anychip.bench.report import command_line, fmt, machine, markdown_table, now, source_notes, write_outputs
 from anychip.errors import AnychipError
 
 #: The reference article's scenario: one card, 64 concurrent requests, 4k/16k/32k input, 1k output.
@@ -241,6 +241,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
                      + "; ".join(loads))
     notes += [f"- {r['label']} c={r['concurrency']} in={r['input_len']}: errors: {'; '.join(r['errors'])}"
               for r in doc["rows"] if r["errors"]]
+    notes += source_notes(doc["machine"])
     if notes:
         lines += ["", "## Notes", ""] + notes
     return "\n".join(lines)
