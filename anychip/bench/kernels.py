@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,8 +55,10 @@ def llc_bytes() -> int:
     return 32 << 20
 
 
-def read_bandwidth_gbs(size: int = 1 << 30, reps: int = 5) -> dict[str, float]:
-    """Streaming read bandwidth: the C++ probe (xor-reduce of 8-byte words) and torch.sum on fp32."""
+def read_bandwidth_gbs(
+    size: int = 1 << 30, reps: int = 5, clock: Callable[[], float] = time.perf_counter
+) -> dict[str, float]:
+    """Streaming read bandwidth: the C++ probe (xor-reduce of 64-byte vectors) and torch.sum on fp32."""
     buf = torch.ones(size, dtype=torch.uint8)
     ext = cpu_ext.load()
 
@@ -62,9 +66,9 @@ def read_bandwidth_gbs(size: int = 1 << 30, reps: int = 5) -> dict[str, float]:
         fn()
         times = []
         for _ in range(reps):
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            times.append(time.perf_counter() - t0)
+            times.append(clock() - t0)
         return size / min(times) / 1e9
 
     probe = best(lambda: ext.read_bytes(buf))
@@ -73,21 +77,23 @@ def read_bandwidth_gbs(size: int = 1 << 30, reps: int = 5) -> dict[str, float]:
     return {"probe_gbs": round(probe, 2), "torch_sum_gbs": round(tsum, 2), "read_gbs": round(max(probe, tsum), 2)}
 
 
-def time_ms(calls: list[Callable[[], object]], budget_s: float, min_iters: int = 3) -> float:
+def time_ms(
+    calls: list[Callable[[], object]], budget_s: float, min_iters: int = 3, clock: Callable[[], float] = time.perf_counter
+) -> float:
     """Per-call time (lower quartile of batch means), each call taking the next weight copy."""
     for fn in calls[: min(len(calls), 2)]:
         fn()
-    t0 = time.perf_counter()
+    t0 = clock()
     calls[0]()
-    once = max(time.perf_counter() - t0, 1e-6)
+    once = max(clock() - t0, 1e-6)
     per_batch = max(1, min(len(calls) * 4, int(0.05 / once)))
     batches = max(min_iters, min(25, int(budget_s / (once * per_batch))))
     samples = []
     for _ in range(batches):
-        t0 = time.perf_counter()
+        t0 = clock()
         for i in range(per_batch):
             calls[i % len(calls)]()
-        samples.append((time.perf_counter() - t0) / per_batch)
+        samples.append((clock() - t0) / per_batch)
     # the lower quartile: the machine is shared, and other processes' bursts only ever add time
     return statistics.quantiles(samples, n=4)[0] * 1e3 if len(samples) >= 4 else min(samples) * 1e3
 
@@ -96,7 +102,10 @@ def _copies(bytes_per_copy: int, llc: int) -> int:
     return max(1, min(64, -(-2 * llc // max(bytes_per_copy, 1))))
 
 
-def bench_shape(m: int, k: int, n: int, llc: int, budget_s: float, dyn_iters: int) -> dict[str, object]:
+def bench_shape(
+    m: int, k: int, n: int, llc: int, budget_s: float, dyn_iters: int, clock: Callable[[], float] = time.perf_counter
+) -> dict[str, object]:
+    """One shape, every method; dyn_iters=0 leaves dyn4bit out."""
     g = GROUP_SIZE if k % GROUP_SIZE == 0 else 64
     gen = torch.Generator().manual_seed(m * 7 + k * 3 + n)
     wq = torch.randint(-8, 8, (n, k), dtype=torch.int8, generator=gen)
@@ -108,7 +117,7 @@ def bench_shape(m: int, k: int, n: int, llc: int, budget_s: float, dyn_iters: in
     ours = prepare_w4a8(wq, sw, g, packed=False)
     ours_bytes = ours.weight.numel() + ours.scales.numel() * 4
     preps = [ours] + [prepare_w4a8(wq, sw, g, packed=False) for _ in range(_copies(ours_bytes, llc) - 1)]
-    row["anychip_ms"] = time_ms([lambda p=p: w4a8_linear(x, p) for p in preps], budget_s)
+    row["anychip_ms"] = time_ms([lambda p=p: w4a8_linear(x, p) for p in preps], budget_s, clock=clock)
     row["weight_bytes"] = ours_bytes
     row["isa"] = ours.route.isa
     del preps
@@ -116,37 +125,40 @@ def bench_shape(m: int, k: int, n: int, llc: int, budget_s: float, dyn_iters: in
     wdq = (wq.float().view(n, k // g, g) * sw.unsqueeze(2)).reshape(n, k)
     wb = wdq.bfloat16()
     ws = [wb] + [wb.clone() for _ in range(_copies(wb.numel() * 2, llc) - 1)]
-    row["bf16_ms"] = time_ms([lambda w=w: F.linear(x, w) for w in ws], budget_s)
+    row["bf16_ms"] = time_ms([lambda w=w: F.linear(x, w) for w in ws], budget_s, clock=clock)
     del ws
 
     w4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu((wq.int() + 8).contiguous(), 2)
     sz = torch.stack([sw.t(), torch.zeros_like(sw.t())], dim=2).bfloat16().contiguous()  # (K/G, N, 2)
     w4s = [w4] + [w4.clone() for _ in range(_copies(w4.numel() + sz.numel() * 2, llc) - 1)]
     row["w4a16_ms"] = time_ms(
-        [lambda w=w: torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, g, sz) for w in w4s], budget_s
+        [lambda w=w: torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, g, sz) for w in w4s], budget_s, clock=clock
     )
     del w4s
 
     xq = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=gen)
     wts = [wq.t()] + [wq.clone().t() for _ in range(_copies(wq.numel(), llc) - 1)]  # (K, N) views, as Linear
-    row["int_mm_ms"] = time_ms([lambda w=w: torch._int_mm(xq, w) for w in wts], budget_s)
+    row["int_mm_ms"] = time_ms([lambda w=w: torch._int_mm(xq, w) for w in wts], budget_s, clock=clock)
     del wts
 
-    u = (wq.to(torch.int16) + 8).to(torch.uint8).view(n, k // 2, 2)
-    nibbles = (u[..., 0] | (u[..., 1] << 4)).contiguous()
-    dyn = torch.ops.aten._dyn_quant_pack_4bit_weight(nibbles, sw.bfloat16(), None, g, k, n)
-    xf = x.float()  # group-wise requires fp32 activations, as vLLM's Dynamic4bitLinearKernel upcasts
-    row["dyn4bit_ms"] = time_ms(
-        [lambda: torch.ops.aten._dyn_quant_matmul_4bit(xf, dyn, g, k, n)], budget_s=0.0, min_iters=dyn_iters
-    )
+    if dyn_iters:
+        u = (wq.to(torch.int16) + 8).to(torch.uint8).view(n, k // 2, 2)
+        nibbles = (u[..., 0] | (u[..., 1] << 4)).contiguous()
+        dyn = torch.ops.aten._dyn_quant_pack_4bit_weight(nibbles, sw.bfloat16(), None, g, k, n)
+        xf = x.float()  # group-wise requires fp32 activations, as vLLM's Dynamic4bitLinearKernel upcasts
+        row["dyn4bit_ms"] = time_ms(
+            [lambda: torch.ops.aten._dyn_quant_matmul_4bit(xf, dyn, g, k, n)], 0.0, min_iters=dyn_iters, clock=clock
+        )
 
     ours_ms = float(row["anychip_ms"])  # type: ignore[arg-type]
     for peer in PEERS:
-        row[f"vs_{peer}"] = round(float(row[f"{peer}_ms"]) / ours_ms, 2)  # type: ignore[arg-type]
+        if f"{peer}_ms" in row:
+            row[f"vs_{peer}"] = round(float(row[f"{peer}_ms"]) / ours_ms, 2)  # type: ignore[arg-type]
     row["weight_gbs"] = round(ours_bytes / (ours_ms * 1e-3) / 1e9, 2)
     row["gops"] = round(2 * m * n * k / (ours_ms * 1e-3) / 1e9, 1)
     for key in ("anychip_ms", "bf16_ms", "w4a16_ms", "int_mm_ms", "dyn4bit_ms"):
-        row[key] = round(float(row[key]), 4)  # type: ignore[arg-type]
+        if key in row:
+            row[key] = round(float(row[key]), 4)  # type: ignore[arg-type]
     return row
 
 
@@ -157,6 +169,7 @@ def check_targets(rows: list[dict[str, object]], read_gbs: float, t: Targets) ->
     m512 = [r for r in rows if r["M"] == 512]
 
     def worst(name: str, subset: list[dict[str, object]], key: str, goal: float, scale: float = 1.0):
+        subset = [r for r in subset if key in r]
         if not subset:
             return None
         values = [float(r[key]) * scale for r in subset]  # type: ignore[arg-type]
@@ -173,65 +186,113 @@ def check_targets(rows: list[dict[str, object]], read_gbs: float, t: Targets) ->
     return [o for o in out if o is not None]
 
 
-def markdown(report: dict[str, object]) -> str:
-    rows: list[dict[str, object]] = report["rows"]  # type: ignore[assignment]
-    bw = report["bandwidth"]
+def _fmt(r: dict[str, object], key: str, spec: str = ".4f") -> str:
+    return format(r[key], spec) if key in r else "-"
+
+
+def markdown_run(run: dict[str, object]) -> list[str]:
+    bw = run["bandwidth"]
     lines = [
-        "# W4A8 kernel benchmark",
+        f"### {run['title']}",
         "",
-        f"Command: `{report['command']}`",
-        "",
-        f"CPU: {report['cpu']}, {report['threads']} threads, ISA {report['isa']}, torch {report['torch']}; "
-        f"read bandwidth {bw['read_gbs']} GB/s (probe {bw['probe_gbs']}, torch.sum {bw['torch_sum_gbs']}). "
-        f"G={GROUP_SIZE} (64 where K=576), activations BF16, weights rotated past 2x LLC. Times in ms (median); `xPEER` is the "
-        "peer's time / ours (higher is better for us).",
+        f"Read bandwidth {bw['read_gbs']} GB/s (C++ probe {bw['probe_gbs']}, torch.sum {bw['torch_sum_gbs']}); "
+        f"load average {run['load_before']} before, {run['load_after']} after.",
         "",
         "| M | K | N | anychip | bf16 | w4a16 | int_mm | dyn4bit | xbf16 | xw4a16 | xint_mm | xdyn4bit "
         "| weight GB/s | GOPS |",
         "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
-    for r in rows:
+    for r in run["rows"]:  # type: ignore[union-attr]
         lines.append(
-            f"| {r['M']} | {r['K']} | {r['N']} | {r['anychip_ms']:.4f} | {r['bf16_ms']:.4f} | {r['w4a16_ms']:.4f} "
-            f"| {r['int_mm_ms']:.4f} | {r['dyn4bit_ms']:.2f} | {r['vs_bf16']} | {r['vs_w4a16']} | {r['vs_int_mm']} "
-            f"| {r['vs_dyn4bit']} | {r['weight_gbs']} | {r['gops']} |"
+            f"| {r['M']} | {r['K']} | {r['N']} | {_fmt(r, 'anychip_ms')} | {_fmt(r, 'bf16_ms')} "
+            f"| {_fmt(r, 'w4a16_ms')} | {_fmt(r, 'int_mm_ms')} | {_fmt(r, 'dyn4bit_ms', '.1f')} "
+            f"| {_fmt(r, 'vs_bf16', '')} | {_fmt(r, 'vs_w4a16', '')} | {_fmt(r, 'vs_int_mm', '')} "
+            f"| {_fmt(r, 'vs_dyn4bit', '')} | {r['weight_gbs']} | {r['gops']} |"
         )
     lines += ["", "| target | goal | worst case | met |", "|---|--:|--:|:-:|"]
-    for t in report["targets"]:  # type: ignore[union-attr]
+    for t in run["targets"]:  # type: ignore[union-attr]
         lines.append(f"| {t['target']} | {t['goal']} | {t['worst']} | {'yes' if t['met'] else 'no'} |")
-    return "\n".join(lines) + "\n"
+    return lines + [""]
+
+
+def markdown(report: dict[str, object]) -> str:
+    lines = [
+        "# W4A8 kernel benchmark",
+        "",
+        f"Command: `{report['command']}`",
+        "",
+        f"CPU: {report['cpu']} ({report['cores']} cores), ISA {report['isa']}, torch {report['torch']}. "
+        f"G={GROUP_SIZE} (64 where K=576), activations BF16, every method's weights rotated through copies "
+        "totalling 2x the LLC. Times in ms: the lower quartile of batch means. `xPEER` = peer time / ours "
+        "(above 1: we are faster). Weight GB/s counts the int4 bytes plus fp32 group scales that we read.",
+        "",
+    ]
+    for run in report["runs"]:  # type: ignore[union-attr]
+        lines += markdown_run(run)
+    return "\n".join(lines)
+
+
+@contextmanager
+def _threads(n: int) -> Iterator[None]:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _load() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+def bench_run(
+    title: str, threads: int, clock: Callable[[], float], quick: bool, dyn_iters: int, llc: int
+) -> dict[str, object]:
+    shapes = SHAPES[:2] + SHAPES[3:4] if quick else SHAPES
+    budget_s = 0.3 if quick else 1.0
+    with _threads(threads):
+        load_before = _load()
+        bandwidth = read_bandwidth_gbs(size=(256 << 20) if quick else (1 << 30), clock=clock)
+        rows = []
+        for m in TOKENS:
+            for k, n in shapes:
+                row = bench_shape(m, k, n, llc, budget_s, dyn_iters, clock=clock)
+                rows.append(row)
+                print(f"[{title}] M={m:4d} K={k:5d} N={n:5d}  " + "  ".join(
+                    f"{key[:-3]} {row[key]:.4f}" for key in row if str(key).endswith("_ms")), flush=True)
+    run: dict[str, object] = {
+        "title": title, "threads": threads, "clock": clock.__name__, "load_before": load_before,
+        "load_after": _load(), "bandwidth": bandwidth, "rows": rows,
+    }
+    run["targets"] = check_targets(rows, float(bandwidth["read_gbs"]), Targets())
+    return run
 
 
 def cmd_bench_kernels(args: argparse.Namespace) -> int:
+    """All threads by wall clock (what a caller sees), then one thread by its CPU time: on a machine shared with
+    other work, preemption inflates wall-clock times of multi-threaded calls far more than the kernels' own cost."""
     quick = bool(getattr(args, "quick", False))
     llc = llc_bytes()
-    budget_s = 0.3 if quick else 1.0
-    dyn_iters = 1 if quick else 3
-    shapes = SHAPES[:2] + SHAPES[3:4] if quick else SHAPES
-    bandwidth = read_bandwidth_gbs(size=(256 << 20) if quick else (1 << 30))
-    rows = []
-    for m in TOKENS:
-        for k, n in shapes:
-            row = bench_shape(m, k, n, llc, budget_s, dyn_iters)
-            rows.append(row)
-            print(
-                f"M={m:4d} K={k:5d} N={n:5d}  anychip {row['anychip_ms']:.4f} ms  bf16 {row['bf16_ms']:.4f}  "
-                f"w4a16 {row['w4a16_ms']:.4f}  int_mm {row['int_mm_ms']:.4f}  dyn4bit {row['dyn4bit_ms']:.2f}  "
-                f"({row['weight_gbs']} GB/s, {row['gops']} GOPS)",
-                flush=True,
-            )
+    threads = torch.get_num_threads()
+    runs = [
+        bench_run(f"{threads} threads, wall clock", threads, time.perf_counter, quick, 1 if quick else 3, llc),
+        bench_run("1 thread, thread CPU time", 1, time.thread_time, quick, 0, llc),
+    ]
     report: dict[str, object] = {
         "command": "anychip bench kernels" + (" --quick" if quick else "") + (f" --json {args.json}" if args.json else ""),
         "cpu": _cpu_name(),
+        "cores": os.cpu_count(),
         "isa": dispatch.best_isa(),
-        "threads": torch.get_num_threads(),
+        "threads": threads,
         "torch": torch.__version__,
         "llc_bytes": llc,
         "group_size": GROUP_SIZE,
-        "bandwidth": bandwidth,
-        "rows": rows,
+        "bandwidth": runs[0]["bandwidth"],
+        "rows": runs[0]["rows"],
+        "targets": runs[0]["targets"],
+        "runs": runs,
     }
-    report["targets"] = check_targets(rows, float(bandwidth["read_gbs"]), Targets())
     text = markdown(report)
     print(text)
     if getattr(args, "json", None):

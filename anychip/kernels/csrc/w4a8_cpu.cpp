@@ -136,63 +136,111 @@ void tile_portable(const Problem& p, int64_t m0, int64_t nb) {
 #ifdef ANYCHIP_X86
 
 // ---------------------------------------------------------------- AVX512-VNNI path
+
+// y * sx + bias for 16 rows, stored as fp32 / bf16 (round to nearest even, as c10::BFloat16) / fp16.
+ANYCHIP_AVX512 inline void store_rows_avx512(const Problem& p, int64_t m, int64_t nb, __m512 y) {
+  const int64_t n0 = nb * kRows;
+  const int64_t cnt = std::min<int64_t>(kRows, p.n - n0);
+  const __mmask16 mask = cnt == kRows ? __mmask16(0xFFFF) : __mmask16((1u << cnt) - 1);
+  y = _mm512_mul_ps(y, _mm512_set1_ps(p.sx[m]));
+  if (p.bias) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(mask, p.bias + n0));
+  const int64_t off = m * p.n + n0;
+  if (p.out_type == at::kFloat) {
+    _mm512_mask_storeu_ps(static_cast<float*>(p.out) + off, mask, y);
+  } else if (p.out_type == at::kBFloat16) {
+    const __m512i bits = _mm512_castps_si512(y);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    _mm256_mask_storeu_epi16(static_cast<c10::BFloat16*>(p.out) + off, mask, _mm512_cvtepi32_epi16(r));
+  } else {
+    const __m256i h = _mm512_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm256_mask_storeu_epi16(static_cast<c10::Half*>(p.out) + off, mask, h);
+  }
+}
+
+#ifndef ANYCHIP_EMBED_BCAST
+#define ANYCHIP_EMBED_BCAST 1
+#endif
+
+// acc += u8 w . s8 x[0..3] broadcast.  GCC does not fold the broadcast into vpdpbusd's {1to16} memory operand
+// by itself, and the separate vpbroadcastd per token and half-chunk costs about 10% of the GEMM.
+ANYCHIP_AVX512 inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* x) {
+#if ANYCHIP_EMBED_BCAST
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(x)));
+  return acc;
+#else
+  return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(load4(x)));
+#endif
+}
 // A accumulators per token: one token alone would be bound by the vpdpbusd latency chain, not by memory, so small
 // tiles spread a group over several accumulators; big tiles already have MT independent chains.
 
-template <int MT, int A, bool DOTS>
-ANYCHIP_AVX512 void tile_avx512(const Problem& p, int64_t m0, int64_t nb) {
+template <int MT, int NB, int A, bool DOTS>
+ANYCHIP_AVX512 void tile_avx512(const Problem& p, int64_t m0, int64_t nb0) {
   static_assert(A == 1 || A == 2 || A == 4, "A must divide the 4 dpbusd of a chunk pair");
-  const uint8_t* w = p.w + nb * (p.k / 8) * kChunkBytes;
-  const float* sw = p.sw + nb * p.groups * kRows;
   const int64_t cpg = p.group_size / 8;  // a multiple of 4
   const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const uint8_t* w[NB];
+  const float* sw[NB];
+  for (int b = 0; b < NB; ++b) {
+    w[b] = p.w + (nb0 + b) * (p.k / 8) * kChunkBytes;
+    sw[b] = p.sw + (nb0 + b) * p.groups * kRows;
+  }
   const int8_t* x[MT];
   for (int i = 0; i < MT; ++i) x[i] = p.xq + (m0 + i) * p.k;
-  __m512 y[MT];
-  for (int i = 0; i < MT; ++i) y[i] = _mm512_setzero_ps();
+  __m512 y[MT][NB];
+  for (int i = 0; i < MT; ++i)
+    for (int b = 0; b < NB; ++b) y[i][b] = _mm512_setzero_ps();
   for (int64_t g = 0; g < p.groups; ++g) {
-    __m512i acc[MT][A];
+    __m512i acc[MT][NB][A];
     for (int i = 0; i < MT; ++i) {
-      acc[i][0] = _mm512_set1_epi32(-8 * p.xsum[(m0 + i) * p.groups + g]);
-      for (int a = 1; a < A; ++a) acc[i][a] = _mm512_setzero_si512();
+      const __m512i corr = _mm512_set1_epi32(-8 * p.xsum[(m0 + i) * p.groups + g]);
+      for (int b = 0; b < NB; ++b) {
+        acc[i][b][0] = corr;
+        for (int a = 1; a < A; ++a) acc[i][b][a] = _mm512_setzero_si512();
+      }
     }
-    const uint8_t* wg = w + g * cpg * kChunkBytes;
     const int64_t kg = g * p.group_size;
-    for (int64_t c = 0; c < cpg; c += 2) {
+    for (int64_t c = g * cpg; c < (g + 1) * cpg; c += 2) {
       for (int u = 0; u < 2; ++u) {
-        const uint8_t* wp = wg + (c + u) * kChunkBytes;
-        if constexpr (MT <= 4 && kPrefetch > 0) _mm_prefetch(reinterpret_cast<const char*>(wp + kPrefetch), _MM_HINT_T0);
-        const __m512i v = _mm512_loadu_si512(wp);
-        const __m512i lo = _mm512_and_si512(v, low4);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-        const int64_t kk = kg + (c + u) * 8;
+        __m512i lo[NB], hi[NB];
+        for (int b = 0; b < NB; ++b) {
+          const uint8_t* wp = w[b] + (c + u) * kChunkBytes;
+          if constexpr (MT <= 4 && kPrefetch > 0) _mm_prefetch(reinterpret_cast<const char*>(wp + kPrefetch), _MM_HINT_T0);
+          const __m512i v = _mm512_loadu_si512(wp);
+          lo[b] = _mm512_and_si512(v, low4);
+          hi[b] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        }
+        const int64_t kk = kg + (c - g * cpg + u) * 8;
         for (int i = 0; i < MT; ++i) {
-          auto& a0 = acc[i][(2 * u) % A];
-          a0 = _mm512_dpbusd_epi32(a0, lo, _mm512_set1_epi32(load4(x[i] + kk)));
-          auto& a1 = acc[i][(2 * u + 1) % A];
-          a1 = _mm512_dpbusd_epi32(a1, hi, _mm512_set1_epi32(load4(x[i] + kk + 4)));
+          for (int b = 0; b < NB; ++b) {
+            auto& a0 = acc[i][b][(2 * u) % A];
+            a0 = dpbusd_bcast(a0, lo[b], x[i] + kk);
+            auto& a1 = acc[i][b][(2 * u + 1) % A];
+            a1 = dpbusd_bcast(a1, hi[b], x[i] + kk + 4);
+          }
         }
       }
     }
-    const __m512 s = _mm512_loadu_ps(sw + g * kRows);
-    for (int i = 0; i < MT; ++i) {
-      __m512i a = acc[i][0];
-      for (int u = 1; u < A; ++u) a = _mm512_add_epi32(a, acc[i][u]);
-      if constexpr (DOTS) {
-        alignas(64) int32_t t[kRows];
-        _mm512_store_si512(t, a);
-        store_dots(p, m0 + i, nb, g, t);
-      } else {
-        y[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), s, y[i]);
+    for (int b = 0; b < NB; ++b) {
+      const __m512 s = _mm512_loadu_ps(sw[b] + g * kRows);
+      for (int i = 0; i < MT; ++i) {
+        __m512i a = acc[i][b][0];
+        for (int u = 1; u < A; ++u) a = _mm512_add_epi32(a, acc[i][b][u]);
+        if constexpr (DOTS) {
+          alignas(64) int32_t t[kRows];
+          _mm512_store_si512(t, a);
+          store_dots(p, m0 + i, nb0 + b, g, t);
+        } else {
+          y[i][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), s, y[i][b]);
+        }
       }
     }
   }
   if constexpr (!DOTS) {
-    for (int i = 0; i < MT; ++i) {
-      alignas(64) float t[kRows];
-      _mm512_store_ps(t, y[i]);
-      store_rows(p, m0 + i, nb, t);
-    }
+    for (int i = 0; i < MT; ++i)
+      for (int b = 0; b < NB; ++b) store_rows_avx512(p, m0 + i, nb0 + b, y[i][b]);
   }
 }
 
@@ -269,6 +317,10 @@ using TileFn = void (*)(const Problem&, int64_t, int64_t);
 //   tokens per AVX512 GEMM tile  4 (acc x2): 714 GOPS, 6 (acc x1): 670, 8 (acc x1): 770, 8 (acc x2): 775
 //   token panel in L2            128 KiB: +3-4% over no panels (K=6144), same as 256 KiB
 //   GEMV accumulators per token  4 vs 2: within noise; prefetch 2048 B ahead: ~+8% over 1024 or none, 512 B: -15%
+//   wide tile, 2 blocks (32 rows) x 6 tokens: 752-768 GOPS at K=2048 (8x16: 732), 723 at K=576 (8x16: 640);
+//                                   2 blocks x 4 tokens: 705-712
+//   vectorized epilogue (vs scalar stores): K=576 550 -> 640 GOPS; vpdpbusd {1to16} broadcast: +0-10% (small M)
+//   measured vpdpbusd peak of one core: about 930 GOPS, so the GEMM runs at about 80% of it
 #ifndef ANYCHIP_TILE_M
 #define ANYCHIP_TILE_M 8
 #endif
@@ -287,7 +339,7 @@ TileFn tile_for(int64_t isa) {
   switch (isa) {
 #ifdef ANYCHIP_X86
     case kAvx512Vnni:
-      return &tile_avx512<MT, (MT == 1 ? ANYCHIP_GEMV_ACC : MT < 8 ? 2 : ANYCHIP_GEMM_ACC), DOTS>;
+      return &tile_avx512<MT, 1, (MT == 1 ? ANYCHIP_GEMV_ACC : MT < 8 ? 2 : ANYCHIP_GEMM_ACC), DOTS>;
     case kAvx2:
       return &tile_avx2<MT, DOTS>;
 #endif
@@ -308,6 +360,22 @@ TileFn tile_fn(int64_t isa, int64_t mt) {
     case 7: return tile_for<7, DOTS>(isa);
     default: return tile_for<8, DOTS>(isa);
   }
+}
+
+#ifndef ANYCHIP_WIDE_TILE_M
+#define ANYCHIP_WIDE_TILE_M 6
+#endif
+
+// GEMM tile over two neighbouring weight blocks (32 rows), or nullptr where the ISA has none.
+template <bool DOTS>
+TileFn wide_tile_fn(int64_t isa) {
+#ifdef ANYCHIP_X86
+  if (ANYCHIP_WIDE_TILE_M > 0 && isa == kAvx512Vnni) {
+    constexpr int mt = ANYCHIP_WIDE_TILE_M > 0 ? ANYCHIP_WIDE_TILE_M : 1;
+    return &tile_avx512<mt, 2, 1, DOTS>;
+  }
+#endif
+  return nullptr;
 }
 
 bool isa_supported(int64_t isa) {
@@ -331,24 +399,45 @@ void check_isa(int64_t isa) {
 #define ANYCHIP_PANEL_BYTES (128 * 1024)
 #endif
 
-// Each thread owns a range of weight blocks.  Tokens go in panels whose activations stay in L2 (about
-// ANYCHIP_PANEL_BYTES of int8) while the thread's blocks stream past; without panels every block would re-read
-// all M x K activations from L3.
+#ifndef ANYCHIP_CHUNKS_PER_THREAD
+#define ANYCHIP_CHUNKS_PER_THREAD 8
+#endif
+
+// Threads take chunks of weight blocks from a shared counter (a thread that the OS preempts on a shared machine
+// delays only its current chunk, not a fixed half of the work).  Within a chunk, tokens go in panels whose
+// activations stay in L2 (about ANYCHIP_PANEL_BYTES of int8) while the chunk's blocks stream past; without panels
+// every block would re-read all M x K activations from L3.
 template <bool DOTS>
 void run(const Problem& p, int64_t isa) {
   const int64_t nblocks = (p.n + kRows - 1) / kRows;
-  const int64_t mt = std::min(p.m, tile_m(isa));
+  const TileFn wide = p.m > 4 ? wide_tile_fn<DOTS>(isa) : nullptr;
+  const int64_t mt = wide ? std::min<int64_t>(p.m, ANYCHIP_WIDE_TILE_M) : std::min(p.m, tile_m(isa));
   const int64_t panel = std::max<int64_t>(mt, (ANYCHIP_PANEL_BYTES / p.k) / mt * mt);
   const TileFn tile = tile_fn<DOTS>(isa, mt);
-  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), nblocks);
+  const int64_t chunk = std::max<int64_t>(1, nblocks / (threads * ANYCHIP_CHUNKS_PER_THREAD));
+  std::atomic<int64_t> next{0};
+  auto body = [&](int64_t b0, int64_t b1) {
     for (int64_t t0 = 0; t0 < p.m; t0 += panel) {
       const int64_t t1 = std::min(p.m, t0 + panel);
       const int64_t full_end = t0 + (t1 - t0) / mt * mt;
       const TileFn tail = t1 > full_end ? tile_fn<DOTS>(isa, t1 - full_end) : nullptr;
-      for (int64_t nb = b0; nb < b1; ++nb) {
+      int64_t nb = b0;
+      if (wide) {
+        for (; nb + 2 <= b1; nb += 2) {
+          for (int64_t t = t0; t < full_end; t += mt) wide(p, t, nb);
+          if (tail) tail(p, full_end, nb), tail(p, full_end, nb + 1);
+        }
+      }
+      for (; nb < b1; ++nb) {
         for (int64_t t = t0; t < full_end; t += mt) tile(p, t, nb);
         if (tail) tail(p, full_end, nb);
       }
+    }
+  };
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t b0 = next.fetch_add(chunk); b0 < nblocks; b0 = next.fetch_add(chunk)) {
+      body(b0, std::min(nblocks, b0 + chunk));
     }
   });
 }
