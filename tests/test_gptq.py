@@ -107,3 +107,14 @@ def test_gptq_quantizes_a_tiny_llama_checkpoint(tmp_path):
     import json
 
     assert json.loads((dst / "config.json").read_text())["quantization_config"]["anychip"]["method"] == "gptq"
+
+
+def test_gptq_with_generated_calibration(tmp_path):
+    from conftest import write_tiny_llama
+
+    from anychip.checkpoint.gptq import GENERATED, run_gptq
+
+    src = write_tiny_llama(tmp_path / "bf16", num_hidden_layers=1)
+    out = run_gptq(src, W4A8Scheme(group_size=32), calibration=GENERATED, config=GPTQConfig(samples=2, seq_len=16),
+                   device="cpu")
+    assert len(out) == 7 and all(wq.dtype == torch.int8 for wq, _ in out.values())

@@ -26,19 +26,23 @@ from anychip.errors import AnychipError
 
 #: The shipped calibration text (KJV Genesis + Acts; never the perplexity or multiple-choice evaluation text).
 DEFAULT_CALIBRATION = Path(__file__).resolve().parents[1] / "data" / "kjv_genesis_acts.txt"
+#: --calibration value that samples the calibration text from the BF16 model itself instead of reading a file.
+GENERATED = "generated"
 WeightQuantizer = Callable[[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True)
 class GPTQConfig:
     """samples x seq_len calibration tokens; damp: fraction of mean(diag H) added to the diagonal;
-    block_size: columns per lazy-update block (a multiple of the group size)."""
+    block_size: columns per lazy-update block (a multiple of the group size); scale_search: pick each group's
+    scale from a grid of clipped ranges (GPTQ's `mse` option) instead of plain amax / 7."""
 
     samples: int = 128
     seq_len: int = 512
     damp: float = 0.01
     block_size: int = 128
     seed: int = 0
+    scale_search: bool = True
 
     def __post_init__(self) -> None:
         if self.samples < 1:
@@ -80,8 +84,24 @@ def _single_thread(device: torch.device) -> Iterator[None]:
         torch.set_num_threads(saved)
 
 
+#: Scale candidates: ratio * amax / 7 for these ratios (0.875 puts a negative extreme exactly on -8).
+SEARCH_RATIOS = torch.linspace(0.6, 1.0, 41)
+SEARCH_NORM = 2.4  # GPTQ's reference code: the error norm its `mse` scale search minimizes
+
+
+def searched_scales(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(N, G) one group of columns -> (N, 1) bf16 scales minimizing sum |q * s - w|^2.4 over SEARCH_RATIOS."""
+    base = group_scales(w, group_size).float()  # (N, 1) amax / 7
+    cands = (SEARCH_RATIOS.to(w.device)[:, None, None] * base[None]).to(torch.bfloat16).float()  # (R, N, 1)
+    safe = torch.where(cands > 0, cands, torch.ones_like(cands))
+    q = torch.round(w.float()[None] / safe).clamp_(-8, 7)
+    err = (q * cands - w.float()[None]).abs_().pow_(SEARCH_NORM).sum(dim=2)  # (R, N)
+    best = err.argmin(dim=0)  # ties -> the first (smallest) ratio
+    return cands[best, torch.arange(w.shape[0], device=w.device)].to(torch.bfloat16)
+
+
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, group_size: int, damp: float = 0.01,
-                  block_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+                  block_size: int = 128, scale_search: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """GPTQ one linear.  w (N, K), h (K, K) = 2 X^T X / n -> (wq (N, K) int8 in [-8, 7], scales (N, K // G) bf16)."""
     n, k = w.shape
     if k % group_size or block_size % group_size:
@@ -95,10 +115,11 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, group_size: int, damp: float
     w[:, dead] = 0.0
     hinv = _inverse_cholesky(h, damp)
     with _single_thread(w.device):
-        return _sweep(w, hinv, group_size, block_size)
+        return _sweep(w, hinv, group_size, block_size, searched_scales if scale_search else group_scales)
 
 
-def _sweep(w: torch.Tensor, hinv: torch.Tensor, group_size: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _sweep(w: torch.Tensor, hinv: torch.Tensor, group_size: int, block_size: int,
+           scale_fn: Callable[[torch.Tensor, int], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """The GPTQ column sweep over blocks; w is updated in place with the propagated rounding errors."""
     n, k = w.shape
     q = torch.zeros(n, k, dtype=torch.int8, device=w.device)
@@ -112,7 +133,7 @@ def _sweep(w: torch.Tensor, hinv: torch.Tensor, group_size: int, block_size: int
             col = b0 + i
             if col % group_size == 0:
                 g = col // group_size
-                scales[:, g:g + 1] = group_scales(w1[:, i:i + group_size], group_size)
+                scales[:, g:g + 1] = scale_fn(w1[:, i:i + group_size], group_size)
             s = scales[:, col // group_size:col // group_size + 1]
             qi = quantize_with_scales(w1[:, i:i + 1], s)
             q[:, col] = qi[:, 0]
@@ -132,6 +153,23 @@ def calibration_batch(tokenizer, text: str, samples: int, seq_len: int, seed: in
     gen = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, ids.numel() - seq_len, (samples,), generator=gen)
     return torch.stack([ids[s:s + seq_len] for s in starts.tolist()])
+
+
+@torch.inference_mode()
+def generated_batch(model, tokenizer, samples: int, seq_len: int, seed: int = 0, batch: int = 32) -> torch.Tensor:
+    """(samples, seq_len) token ids sampled from the model itself (temperature 1, fixed seed), each sequence
+    started from the end-of-text token: data-free calibration in the model's own distribution."""
+    device = next(model.parameters()).device
+    start = 0 if tokenizer.convert_ids_to_tokens(0) == "<|endoftext|>" else tokenizer.eos_token_id
+    torch.manual_seed(seed)
+    rows = []
+    for i in range(0, samples, batch):
+        n = min(batch, samples - i)
+        ids = torch.full((n, 1), int(start), dtype=torch.long, device=device)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
+                             top_p=1.0, max_new_tokens=seq_len, min_new_tokens=seq_len, pad_token_id=int(start))
+        rows.append(out[:, 1:seq_len + 1])
+    return torch.cat(rows)
 
 
 class _Capture(Exception):
@@ -213,19 +251,25 @@ def run_gptq(src: str | Path, scheme: W4A8Scheme, calibration: str | Path | None
 
     log = log or (lambda msg: print(f"anychip gptq: {msg}", file=sys.stderr, flush=True))
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    text_path = Path(calibration) if calibration else DEFAULT_CALIBRATION
-    if not text_path.is_file():
-        raise AnychipError(f"--calibration {text_path}: no such file")
     tokenizer = AutoTokenizer.from_pretrained(src, local_files_only=True)
-    batch = calibration_batch(tokenizer, text_path.read_text(encoding="utf-8"), config.samples, config.seq_len,
-                              config.seed)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16, local_files_only=True,
                                                  attn_implementation="sdpa").eval()
+    if str(calibration) == GENERATED:
+        source = "text sampled from the model itself"
+        batch = generated_batch(model.to(dev), tokenizer, config.samples, config.seq_len, config.seed).cpu()
+        model.to("cpu")
+    else:
+        text_path = Path(calibration) if calibration else DEFAULT_CALIBRATION
+        if not text_path.is_file():
+            raise AnychipError(f"--calibration {text_path}: no such file (or '{GENERATED}' to sample from the model)")
+        source = text_path.name
+        batch = calibration_batch(tokenizer, text_path.read_text(encoding="utf-8"), config.samples, config.seq_len,
+                                  config.seed)
     layers = model.model.layers
     # Everything but the decoder layers moves to the device now; each layer visits it in fp32 when its turn comes.
     model.model.embed_tokens.to(dev)
     model.model.rotary_emb.to(dev)
-    log(f"{config.samples} x {config.seq_len} calibration tokens from {text_path.name}, {len(layers)} layers, "
+    log(f"{config.samples} x {config.seq_len} calibration tokens from {source}, {len(layers)} layers, "
         f"group size {scheme.group_size}, damp {config.damp}, on {dev}")
     out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     with torch.inference_mode():
@@ -245,7 +289,7 @@ def run_gptq(src: str | Path, scheme: W4A8Scheme, calibration: str | Path | None
                 hooks.remove()
             for name, lin in linears.items():
                 wq, sc = gptq_quantize(lin.weight.data, hooks.hessian(name), scheme.group_size, config.damp,
-                                       config.block_size)
+                                       config.block_size, config.scale_search)
                 lin.weight.data = (wq.float().view(wq.shape[0], -1, scheme.group_size)
                                    * sc.float().unsqueeze(2)).reshape(wq.shape)
                 out[f"model.layers.{li}.{name}"] = (wq.cpu(), sc.cpu())

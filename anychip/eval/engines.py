@@ -104,30 +104,43 @@ class SimulatedW4A8Linear(torch.nn.Module):
     Products of int8 x int4 are exact in fp32; only the accumulation order differs from the int32 reference.
     """
 
-    def __init__(self, wq: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quantize_activations: bool = True) -> None:
         super().__init__()
+        self.register_buffer("weight", weight.float())  # (N, K), already on the INT4 grid for W4A8
+        self.bias = bias
+        self.quantize_activations = quantize_activations
+
+    @classmethod
+    def from_int4(cls, wq: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
+                  quantize_activations: bool = True) -> SimulatedW4A8Linear:
         from anychip.kernels.reference import dequantize_weight_ref
 
-        self.register_buffer("weight", dequantize_weight_ref(wq, scales, torch.float32))  # (N, K)
-        self.bias = bias
+        return cls(dequantize_weight_ref(wq, scales, torch.float32), bias, quantize_activations)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         from anychip.kernels.reference import quantize_activations_ref
 
         lead = x.shape[:-1]
-        xq, sx = quantize_activations_ref(x.reshape(-1, x.shape[-1]))
-        y = torch.nn.functional.linear(xq.float() * sx, self.weight)
+        x2 = x.reshape(-1, x.shape[-1])
+        if self.quantize_activations:
+            xq, sx = quantize_activations_ref(x2)
+            x2 = xq.float() * sx
+        y = torch.nn.functional.linear(x2.float(), self.weight)
         if self.bias is not None:
             y = y + self.bias.float()
         return y.to(x.dtype).reshape(*lead, -1)
 
 
-def simulate_w4a8(model: torch.nn.Module, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> torch.nn.Module:
-    """Replace each linear named in `weights` ({prefix: (wq, scales)}) by SimulatedW4A8Linear, in place."""
-    for prefix, (wq, scales) in weights.items():
+def simulate_w4a8(model: torch.nn.Module, weights: dict[str, tuple[torch.Tensor, torch.Tensor] | None],
+                  quantize_activations: bool = True) -> torch.nn.Module:
+    """Replace each linear named in `weights` ({prefix: (wq, scales)}) by SimulatedW4A8Linear, in place.
+    A None entry keeps the linear's float weight (to measure INT8 activations alone)."""
+    for prefix, wqs in weights.items():
         parent, child = prefix.rsplit(".", 1)
         old = model.get_submodule(prefix)
-        new = SimulatedW4A8Linear(wq, scales, getattr(old, "bias", None))
+        bias = getattr(old, "bias", None)
+        new = (SimulatedW4A8Linear(old.weight.data, bias, quantize_activations) if wqs is None else
+               SimulatedW4A8Linear.from_int4(*wqs, bias=bias, quantize_activations=quantize_activations))
         setattr(model.get_submodule(parent), child, new.to(old.weight.device))
     return model
 

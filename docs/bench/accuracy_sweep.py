@@ -2,7 +2,9 @@
 
 Runs on any torch device through anychip.eval's TorchEngine: the BF16 model in bf16, and each W4A8 variant with
 its decoder linears on the reference arithmetic (INT4 weights dequantized, activations quantized per token to
-INT8; SimulatedW4A8Linear). Variants are named METHOD-gG[-sSAMPLES][-dDAMP], e.g. rtn-g64, gptq-g32-s128.
+INT8; SimulatedW4A8Linear). Variants are named METHOD-gG[-sSAMPLES][-dDAMP][-mse][-gen][-wonly], e.g. rtn-g64,
+gptq-g32-s128-mse: -gen calibrates GPTQ on text sampled from the model itself, -mse searches each group's clipping (GPTQ's `mse` option; for RTN the same search), -wonly
+leaves activations in float (INT4 weights alone). `a8` keeps BF16 weights and quantizes activations only.
 
     python docs/bench/accuracy_sweep.py --bf16 DIR --data shared/evaldata --out sweep.json \
         --variants bf16,rtn-g64,rtn-g32,gptq-g64-s128,gptq-g32-s128 --device cuda
@@ -19,32 +21,44 @@ from pathlib import Path
 
 import torch
 
-from anychip.checkpoint.gptq import GPTQConfig, run_gptq
-from anychip.checkpoint.rtn import rtn_quantize
+from anychip.checkpoint.gptq import GPTQConfig, run_gptq, searched_scales
+from anychip.checkpoint.rtn import quantize_with_scales, rtn_quantize
 from anychip.checkpoint.scheme import DECODER_LINEARS, W4A8Scheme
 from anychip.eval.engines import TorchEngine, simulate_w4a8
 from anychip.eval.runner import EvalSettings, evaluate_engine
 from anychip.eval.scoring import compare
 from anychip.eval.tasks import load_text, resolve_data_dir, select_tasks
 
-VARIANT = re.compile(r"^(rtn|gptq)-g(\d+)(?:-s(\d+))?(?:-d([0-9.]+))?$")
+VARIANT = re.compile(r"^(rtn|gptq)-g(\d+)(?:-s(\d+))?(?:-d([0-9.]+))?(-mse)?(-gen)?(-wonly)?$")
 
 
-def quantized_weights(name: str, bf16: Path, model, device: str) -> dict:
+def linears(model) -> list[str]:
+    return [f"model.layers.{i}.{lin}" for i in range(model.config.num_hidden_layers) for lin in DECODER_LINEARS]
+
+
+def rtn_searched(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    n, k = w.shape
+    scales = torch.cat([searched_scales(w[:, g:g + group], group) for g in range(0, k, group)], dim=1)
+    return quantize_with_scales(w, scales), scales
+
+
+def quantized_weights(name: str, bf16: Path, model, device: str) -> tuple[dict, bool]:
+    """{prefix: (wq, scales) or None} and whether activations are quantized."""
+    if name == "a8":
+        return {p: None for p in linears(model)}, True
     m = VARIANT.match(name)
     if not m:
-        raise SystemExit(f"variant {name!r}: use bf16 or METHOD-gG[-sSAMPLES][-dDAMP]")
-    method, group = m.group(1), int(m.group(2))
+        raise SystemExit(f"variant {name!r}: use bf16, a8 or METHOD-gG[-sSAMPLES][-dDAMP][-mse][-wonly]")
+    method, group, mse, gen, act = m.group(1), int(m.group(2)), bool(m.group(5)), bool(m.group(6)), not m.group(7)
     scheme = W4A8Scheme(group_size=group)
     if method == "gptq":
-        config = GPTQConfig(samples=int(m.group(3) or 128), damp=float(m.group(4) or 0.01))
-        return run_gptq(bf16, scheme, config=config, device=device)
+        config = GPTQConfig(samples=int(m.group(3) or 128), damp=float(m.group(4) or 0.01), scale_search=mse)
+        return run_gptq(bf16, scheme, calibration="generated" if gen else None, config=config, device=device), act
     out = {}
-    for i in range(model.config.num_hidden_layers):
-        for lin in DECODER_LINEARS:
-            prefix = f"model.layers.{i}.{lin}"
-            out[prefix] = rtn_quantize(model.get_submodule(prefix).weight.data.float().cpu(), group, prefix)
-    return out
+    for prefix in linears(model):
+        w = model.get_submodule(prefix).weight.data.float()
+        out[prefix] = rtn_searched(w, group) if mse else rtn_quantize(w.cpu(), group, prefix)
+    return out, act
 
 
 def main() -> int:
@@ -75,7 +89,8 @@ def main() -> int:
         model = AutoModelForCausalLM.from_pretrained(args.bf16, dtype=torch.bfloat16, local_files_only=True)
         model = model.to(args.device).eval()
         if name != "bf16":
-            simulate_w4a8(model, quantized_weights(name, args.bf16, model, args.device))
+            weights, act = quantized_weights(name, args.bf16, model, args.device)
+            simulate_w4a8(model, weights, quantize_activations=act)
         quant_s = time.perf_counter() - t0
         res = evaluate_engine(TorchEngine(model, tokenizer, name=name), name, task_files, text, settings)
         del model
