@@ -68,21 +68,24 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> bool:
 
 
 def cmd_serve(args) -> int:
+    report = None
     if args.model:
         model = Path(args.model).expanduser().resolve()
     else:
         from anychip.checkpoint.prepare import prepare_default
 
         print("anychip serve: no MODEL given, using the embedded default model (anychip prepare)")
-        model = prepare_default().w4a8_dir
+        prepared = prepare_default()  # verified as it is prepared or reused
+        model, report = prepared.w4a8_dir, prepared.report
     if not (model / "config.json").exists():
         print(f"anychip serve: {model} has no config.json: pass a Hugging Face model directory", file=sys.stderr)
         return 2
     if _is_w4a8(model):
         from anychip.checkpoint.verify import verify_checkpoint
 
-        report = verify_checkpoint(model)
-        print(f"verified  {model} ({report.summary_line()})")
+        report = report or verify_checkpoint(model)
+        print(f"verified  {model}: {report.num_layers} layers, {report.num_linears} W4A8 linears "
+              f"G{report.group_size} {report.format}, {report.total_bytes / 1e6:.0f} MB, checksums OK")
     else:
         print(f"note      {model} is not a compressed-tensors checkpoint: served by stock vLLM routes")
     coverage = Path(args.coverage) if args.coverage else envs.cache_dir() / "coverage" / f"{model.name}.json"

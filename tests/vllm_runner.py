@@ -22,11 +22,12 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--prompt", action="append", default=[])
     p.add_argument("--logprobs", type=int, default=0)
+    p.add_argument("--compile", action="store_true", help="vLLM's default torch.compile mode instead of eager")
     a = p.parse_args()
     from vllm import LLM, SamplingParams
 
     t0 = time.time()
-    llm = LLM(model=a.model, dtype="bfloat16", enforce_eager=True, distributed_executor_backend="uni",
+    llm = LLM(model=a.model, dtype="bfloat16", enforce_eager=not a.compile, distributed_executor_backend="uni",
               max_model_len=1024, max_num_batched_tokens=1024, gpu_memory_utilization=0.5, seed=0)
     start_s = time.time() - t0
     params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True,

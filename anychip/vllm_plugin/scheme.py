@@ -95,7 +95,10 @@ class AnychipW4A8Scheme(compat.CompressedTensorsScheme):
             scales = scales.expand(self.n, self.k // group).contiguous() if group != self.k else scales
         fallback_reason = None
         try:
-            prepared = prepare_w4a8(wq, scales, group, packed=packed, isa=envs.forced_isa())
+            # the plugin owns the fallback policy: never let prepare degrade silently
+            prepared = prepare_w4a8(wq, scales, group, packed=packed, isa=envs.forced_isa(), allow_fallback=False)
+            if prepared.route.is_fallback:
+                raise LayerPrepareError(f"{envs.ANYCHIP_KERNEL_ISA}={envs.forced_isa()} forces the reference route")
         except AnychipError as exc:
             if self.recorder.coverage.strict:
                 raise LayerPrepareError(
@@ -104,7 +107,7 @@ class AnychipW4A8Scheme(compat.CompressedTensorsScheme):
                     "allow the torch reference route (anychip serve --allow-fallback, or ANYCHIP_ALLOW_FALLBACK=1): "
                     "slow, and counted as fallback in the coverage report.") from exc
             fallback_reason = str(exc)
-            prepared = prepare_w4a8(wq, scales, group, packed=packed, isa="reference")
+            prepared = prepare_w4a8(wq, scales, group, packed=packed, isa="reference", allow_fallback=True)
         for name in ("weight_packed", "weight_shape", "weight", "weight_scale"):
             if hasattr(layer, name):
                 delattr(layer, name)
@@ -115,7 +118,7 @@ class AnychipW4A8Scheme(compat.CompressedTensorsScheme):
         self.layer_id = self.recorder.add_layer(LayerRoute(
             name=self.layer_name, route=route.name, kernel=route.kernel, isa=route.isa,
             group_size=-1 if self.channelwise else prepared.group_size,
-            n=self.n, k=self.k, checkpoint_format=self.format, fallback=fallback_reason is not None,
+            n=self.n, k=self.k, checkpoint_format=self.format, fallback=route.is_fallback,
             reason=fallback_reason))
 
     def apply_weights(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
