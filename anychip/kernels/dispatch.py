@@ -6,6 +6,9 @@
     cpu     portable      w4a8_cpu    csrc/w4a8_cpu.cpp, plain C++ (any CPU the compiler targets)
     cpu     kleidiai      kleidiai    torch.ops.aten._dyn_quant_matmul_4bit (aarch64 with KleidiAI only)
     cpu     reference     reference   reference.py in torch: only when the caller allows fallback
+    cuda    triton        triton      gpu/triton_w4a8.py, INT8 tensor-core dots on INT4 unpacked in registers
+
+CUDA tensors take the triton route (gpu/prepare.py; the reference on the GPU only as a fallback).
 
 x86 picks the best of avx512_vnni > avx2 > portable; aarch64 picks kleidiai where its constraints hold, else
 portable.  ANYCHIP_KERNEL_ISA forces one (tests use it).
@@ -34,7 +37,7 @@ from anychip.errors import AnychipError
 X86_ISAS: tuple[str, ...] = ("avx512_vnni", "avx2", "portable")
 ARM_ISAS: tuple[str, ...] = ("kleidiai", "portable")
 #: Every value ANYCHIP_KERNEL_ISA (or the `isa` argument) accepts.
-ISAS: tuple[str, ...] = ("avx512_vnni", "avx2", "kleidiai", "portable", "reference")
+ISAS: tuple[str, ...] = ("avx512_vnni", "avx2", "kleidiai", "portable", "triton", "reference")
 GROUP_SIZES: tuple[int, ...] = (32, 64, 128)
 
 _X86_FLAGS: dict[str, tuple[str, ...]] = {
@@ -63,6 +66,7 @@ TABLE: tuple[Implementation, ...] = (
     Implementation("cpu", "portable", "w4a8_cpu", "C++ scalar, any CPU"),
     Implementation("cpu", "kleidiai", "kleidiai", "torch aten._dyn_quant_matmul_4bit (aarch64 KleidiAI)"),
     Implementation("cpu", "reference", "reference", "torch oracle from reference.py (fallback only)"),
+    Implementation("cuda", "triton", "triton", "Triton INT8 tensor-core dots, INT4 unpacked in registers"),
 )
 
 

@@ -20,6 +20,7 @@ import torch
 
 from anychip.kernels import cpu_ext, hooks
 from anychip.kernels.dispatch import NoKernelRoute
+from anychip.kernels.gpu import cuda_ops as gpu_cuda_ops
 from anychip.kernels.reference import group_dot_ref, quantize_activations_ref, w4a8_linear_ref
 
 _SCHEMAS = {
@@ -79,6 +80,7 @@ _LIB.impl("quantize_act", _quantize_act, "CPU")
 _LIB.impl("w4a8_linear", _w4a8_linear, "CPU")
 _LIB.impl("w4a8_linear_q", _w4a8_linear_q, "CPU")
 _LIB.impl("w4a8_group_dots", _w4a8_group_dots, "CPU")
+gpu_cuda_ops.register(_LIB)  # the CUDA implementations (Triton, imported on their first call)
 
 
 @torch.library.register_fake("anychip::quantize_act", lib=_LIB)

@@ -19,7 +19,8 @@ ROWS = 16  # output rows per weight block of the C++ layout
 
 @dataclass(frozen=True)
 class Route:
-    """Which implementation serves a linear: kernel "w4a8_cpu" | "kleidiai" | "reference", isa as in dispatch."""
+    """Which implementation serves a linear: kernel "w4a8_cpu" | "kleidiai" | "triton" | "reference", isa as in
+    dispatch."""
 
     kernel: str
     isa: str
@@ -41,6 +42,7 @@ class PreparedW4A8:
 
     w4a8_cpu:  weight (ceil(N/16), K/8, 64) uint8, scales (ceil(N/16), K/G, 16) fp32 (see csrc/w4a8_cpu.cpp).
     kleidiai:  weight the opaque blob of aten._dyn_quant_pack_4bit_weight, scales empty.
+    triton:    weight (N, K/2) int8, scales (K/G, N) (see gpu/prepare.py).
     reference: weight (N, K) int8, scales (N, K/G) fp32.
     """
 
@@ -70,6 +72,10 @@ def prepare_w4a8(
     """
     if allow_fallback is None:
         allow_fallback = envs.fallback_allowed()
+    if wq.is_cuda:  # NVIDIA GPUs: the Triton route (kernels/gpu), or the torch reference there as a fallback
+        from anychip.kernels.gpu.prepare import prepare_cuda
+
+        return prepare_cuda(wq, scales, group_size, packed=packed, isa=isa, allow_fallback=allow_fallback)
     q = _int8_weights(wq, packed)
     n, k = q.shape
     if scales.dim() != 2 or scales.shape[0] != n or not scales.is_floating_point():

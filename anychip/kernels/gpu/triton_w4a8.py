@@ -1,0 +1,148 @@
+"""Triton kernels for W4A8: per-token INT8 activation quantization and the INT4-weight x INT8-activation GEMM.
+
+    y[m, n] = sx[m] * sum_g sw[g, n] * sum_{k in g} xq[m, k] * w[n, k]  (+ bias[n])
+
+Weights arrive in layout.py's layout: (N, K/2) int8, two two's-complement nibbles a byte. The main loop runs
+one group of G input channels at a time: load (BM, G) int8 activations and (BN, G/2) packed bytes, widen each
+nibble to an int8 holding 16 * w (`b << 4` and `b & 0xF0`: two integer ops a byte, no sign extension), one
+INT8 x INT8 -> INT32 tensor-core dot (mma.sync m16n8k32 for small tiles, wgmma on Hopper for 64+ rows),
+then acc += float(dot) * (sw / 16): exact, since dot = 16 * the group sum and both 16 and the int32 -> fp32
+conversion are exact (|16 * group sum| <= 16 * 128 * 127 * 8 < 2^24).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr):
+    """One program per token: sx = amax / 127, q = rint(x / sx), both IEEE round-to-nearest-even like torch."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    amax = tl.zeros([BLOCK], tl.float32)
+    for k0 in range(0, K, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        v = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(v))
+    scale = tl.math.div_rn(tl.max(amax, axis=0), 127.0)
+    safe = tl.where(scale > 0.0, scale, 1.0)
+    for k0 in range(0, K, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        v = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+        # plain `/` is div.full.f32 (not correctly rounded); adding and removing 1.5 * 2^23 rounds |v| < 2^22 to
+        # an integer, half to even, in IEEE fp32 arithmetic (libdevice.rint would too, but not interpreted)
+        q = (tl.math.div_rn(v, safe) + 12582912.0) - 12582912.0
+        q = tl.minimum(tl.maximum(q, -127.0), 127.0)
+        tl.store(q_ptr + row * stride_q + offs, q.to(tl.int8), mask=offs < K)
+    tl.store(s_ptr + row, scale)
+
+
+@triton.jit
+def _group_dot16(x_ptrs, w_ptrs, x_mask, w_mask, BN: tl.constexpr, G: tl.constexpr, SWAP: tl.constexpr):
+    """16 x one group's integer dot products: (BM, BN) int32, or (BN, BM) when SWAP (weights as the MMA's A)."""
+    x = tl.load(x_ptrs, mask=x_mask, other=0)  # (BM, G) int8
+    wp = tl.load(w_ptrs, mask=w_mask, other=0)  # (BN, G/2) int8, two nibbles a byte
+    lo = wp << 4  # 16 * w[2b] (int8 arithmetic: the scalar does not widen the type)
+    hi = wp & -16  # 16 * w[2b+1]
+    w = tl.reshape(tl.join(lo, hi), (BN, G))  # (BN, G), k = 2b + {0, 1}
+    if SWAP:
+        d = tl.dot(w, tl.trans(x), out_dtype=tl.int32)
+    else:
+        d = tl.dot(x, tl.trans(w), out_dtype=tl.int32)
+    return d
+
+
+@triton.jit
+def _w4a8_gemm_kernel(
+    x_ptr, sx_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
+    M, N, K, stride_xm, stride_om, stride_split,
+    G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr,
+    SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    """out (M, N) = the W4A8 linear.  SPLIT_K > 1: part (SPLIT_K, M, N) fp32 scratch, lock (>= tiles) int32 zeros."""
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    grid_m = tl.cdiv(M, BM)
+    grid_n = tl.cdiv(N, BN)
+    width = GROUP_M * grid_n  # GROUP_M row tiles sweep the columns together: weight tiles reused from L2
+    first_m = (pid // width) * GROUP_M
+    rows = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % rows
+    pid_n = (pid % width) // rows
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+
+    groups = K // G
+    per_split = tl.cdiv(groups, SPLIT_K)
+    g_begin = pid_k * per_split
+    g_end = tl.minimum(g_begin + per_split, groups)
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + tl.arange(0, G)[None, :]
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * (K // 2) + tl.arange(0, G // 2)[None, :]
+    if SWAP:
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for g0 in range(g_begin, g_end, BK // G):
+        for j in tl.static_range(BK // G):
+            g = g0 + j
+            live = g < g_end
+            d = _group_dot16(x_ptrs + g * G, w_ptrs + g * (G // 2), mask_m[:, None] & live,
+                             mask_n[:, None] & live, BN, G, SWAP)
+            s = tl.load(s_ptr + g * N + offs_n, mask=mask_n & live, other=0.0).to(tl.float32) * 0.0625
+            if SWAP:
+                acc += d.to(tl.float32) * s[:, None]
+            else:
+                acc += d.to(tl.float32) * s[None, :]
+    if SWAP:
+        acc = tl.trans(acc)
+
+    if SPLIT_K == 1:
+        _epilogue(acc, offs_m, offs_n, mask_m, mask_n, sx_ptr, bias_ptr, out_ptr, stride_om, HAS_BIAS)
+    else:
+        # Split-K: each split stores its fp32 partial; the last to arrive at the tile's semaphore sums all of them
+        # in split order (deterministic) and writes the output, then re-arms the semaphore for the next launch.
+        offs = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        mask = mask_m[:, None] & mask_n[None, :]
+        tl.store(part_ptr + pid_k.to(tl.int64) * stride_split + offs, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        arrived = tl.atomic_add(lock_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros((BM, BN), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(part_ptr + s * stride_split + offs, mask=mask, other=0.0, cache_modifier=".cg")
+            _epilogue(total, offs_m, offs_n, mask_m, mask_n, sx_ptr, bias_ptr, out_ptr, stride_om, HAS_BIAS)
+            tl.atomic_xchg(lock_ptr + pid, 0)
+
+
+@triton.jit
+def _epilogue(acc, offs_m, offs_n, mask_m, mask_n, sx_ptr, bias_ptr, out_ptr, stride_om, HAS_BIAS: tl.constexpr):
+    """out[m, n] = sx[m] * acc[m, n] (+ bias[n]) in out's dtype."""
+    y = acc * tl.load(sx_ptr + offs_m, mask=mask_m, other=0.0)[:, None]
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _group_dots_kernel(
+    x_ptr, w_ptr, out_ptr, M, N, K, stride_xm,
+    G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SWAP: tl.constexpr,
+):
+    """Debug: out (M, N, K/G) int32 = the exact per-group sums, through the GEMM's own _group_dot16."""
+    offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    g = tl.program_id(2)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + g * G + tl.arange(0, G)[None, :]
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * (K // 2) + g * (G // 2) + tl.arange(0, G // 2)[None, :]
+    d = _group_dot16(x_ptrs, w_ptrs, mask_m[:, None], mask_n[:, None], BN, G, SWAP) >> 4
+    if SWAP:
+        d = tl.trans(d)
+    groups = K // G
+    out_ptrs = out_ptr + (offs_m[:, None].to(tl.int64) * N + offs_n[None, :]) * groups + g
+    tl.store(out_ptrs, d, mask=mask_m[:, None] & mask_n[None, :])

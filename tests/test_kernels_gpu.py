@@ -1,0 +1,276 @@
+"""The Triton W4A8 kernels against the torch oracle (reference.py), on a CUDA device.
+
+Integers must match exactly (activation quantization, per-group INT32 sums, and whole linears whose scales are
+powers of two); other outputs within a stated tolerance of the float64 reference:
+  fp32 out: |y - ref| <= 1e-5 * |ref| + 1e-5 * max|ref|   (fp32 accumulation over K/G groups)
+  bf16 out: |y - ref| <= 2^-7 * |ref| + 1e-5 * max|ref|   (at most one bf16 ulp from the different fp32 sum)
+Skipped without a CUDA device or triton; layout tests that need neither are in test_kernels_gpu_layout.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device: the Triton W4A8 kernels run on NVIDIA GPUs only", allow_module_level=True)
+pytest.importorskip("triton", reason="triton is not installed (CUDA builds of torch ship it)")
+
+from anychip.checkpoint.pack import pack_int4  # noqa: E402
+from anychip.kernels import hooks  # noqa: E402
+from anychip.kernels.dispatch import NoKernelRoute  # noqa: E402
+from anychip.kernels.gpu import launch, unavailable_reason  # noqa: E402
+from anychip.kernels.prepare import prepare_w4a8, w4a8_linear  # noqa: E402
+from anychip.kernels.reference import group_dot_ref, quantize_activations_ref, w4a8_linear_ref  # noqa: E402
+
+DEV = torch.device("cuda")
+if reason := unavailable_reason(DEV):
+    pytest.skip(reason, allow_module_level=True)
+
+MS = (1, 3, 7, 64, 512)
+KS = (576, 1536, 2048, 6144)
+NS = (1, 17, 100, 576)
+OPS = torch.ops.anychip
+
+
+def weights(n: int, k: int, g: int, seed: int, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) int8 in [-8, 7] and (N, K/G) fp32 scales, on the CPU."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(-8, 8, (n, k), dtype=torch.int8, generator=gen)
+    if pow2:
+        s = 2.0 ** torch.randint(-1, 1, (n, k // g), generator=gen).float()
+    else:
+        s = torch.rand(n, k // g, generator=gen) * 0.02 + 0.002
+    return q, s
+
+
+def activations(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Rows of very different magnitudes, on the CPU."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen) * 10.0 ** torch.empty(m, 1).uniform_(-3, 3, generator=gen)
+    return x.to(dtype)
+
+
+def assert_close(y: torch.Tensor, ref: torch.Tensor) -> None:
+    rtol = 2.0**-7 if y.dtype in (torch.bfloat16, torch.float16) else 1e-5
+    y, ref = y.double().cpu(), ref.double().cpu()
+    assert torch.isfinite(y).all()
+    bound = rtol * ref.abs() + 1e-5 * ref.abs().max()
+    worst = ((y - ref).abs() - bound).max().item()
+    assert worst <= 0, f"max excess error {worst:.3g} over the bound (rtol {rtol})"
+
+
+# --- activation quantization: bit-exact -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("m", MS)
+def test_quantize_bit_exact(m: int, k: int, dtype: torch.dtype) -> None:
+    x = activations(m, k, dtype, seed=m * 7 + k)
+    if m > 2:
+        x[1] = 0  # a zero row: scale 0, q 0
+    xq, sx = OPS.quantize_act(x.to(DEV))
+    rq, rs = quantize_activations_ref(x)
+    assert torch.equal(sx.cpu(), rs)
+    assert torch.equal(xq.cpu(), rq)
+
+
+def test_quantize_ties_round_half_to_even() -> None:
+    halves = torch.arange(-126, 127, dtype=torch.float32) + 0.5  # x / scale lands exactly on .5
+    rows = [torch.cat([halves, torch.tensor([127.0])]),  # scale = 1
+            torch.cat([halves * 2, torch.tensor([254.0])]),  # scale = 2
+            torch.cat([halves / 4, torch.tensor([127.0 / 4])])]  # scale = 0.25
+    x = torch.stack(rows)
+    xq, sx = OPS.quantize_act(x.to(DEV))
+    rq, rs = quantize_activations_ref(x)
+    assert torch.equal(sx.cpu(), rs) and torch.equal(xq.cpu(), rq)
+    assert xq[0, 126].item() == 0 and xq[0, 127].item() == 2  # 0.5 -> 0, 1.5 -> 2
+
+
+# --- exact integer group sums ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("swap", [False, True])
+@pytest.mark.parametrize("m,n,k,g", [(1, 17, 576, 32), (7, 100, 576, 64), (64, 1, 2048, 128), (3, 576, 1536, 64)])
+def test_group_dots_exact(m: int, n: int, k: int, g: int, swap: bool) -> None:
+    q, s = weights(n, k, g, seed=m + n)
+    xq = torch.randint(-127, 128, (m, k), dtype=torch.int8)
+    p = prepare_w4a8(pack_int4(q).to(DEV), s.to(DEV), g, packed=True)
+    got = launch.group_dots(xq.to(DEV), p.weight, n, k, g, swap=swap)
+    assert torch.equal(got.cpu(), group_dot_ref(xq, q, g))
+
+
+def test_group_dots_extremes_through_op() -> None:
+    m, n, k, g = 5, 40, 512, 128
+    q = torch.full((n, k), -8, dtype=torch.int8)
+    q[::2] = 7
+    xq = torch.full((m, k), 127, dtype=torch.int8)
+    xq[1::2] = -127
+    s = torch.ones(n, k // g)
+    p = prepare_w4a8(q.to(DEV), s.to(DEV), g, packed=False)
+    got = OPS.w4a8_group_dots(xq.to(DEV), p.weight, p.scales, n, k, g, p.route.isa)
+    assert torch.equal(got.cpu(), group_dot_ref(xq, q, g))
+    assert got.abs().max().item() == 127 * 8 * g
+
+
+# --- whole linears: exact with power-of-two scales, for every tile config --------------------------------------
+
+def _all_configs() -> list[tuple[int, launch.GemmConfig]]:
+    out = []
+    for m in (1, 33, 300):
+        for cfg in launch.candidates(m, 576, 2048, 128):
+            out.append((m, cfg))
+    out.append((7, launch.GemmConfig(16, 32, 256, split_k=3)))
+    out.append((7, launch.GemmConfig(16, 64, 128, swap=True, split_k=5)))
+    return out
+
+
+@pytest.mark.parametrize("m,cfg", _all_configs(), ids=lambda v: str(v) if isinstance(v, int) else
+                         f"{v.block_m}x{v.block_n}x{v.block_k}{'s' if v.swap else ''}k{v.split_k}w{v.num_warps}")
+@pytest.mark.parametrize("g", [32, 128])
+def test_linear_q_pow2_scales_exact(m: int, cfg: launch.GemmConfig, g: int) -> None:
+    n, k = 100, 2048
+    q, s = weights(n, k, g, seed=m, pow2=True)
+    xq = torch.randint(-127, 128, (m, k), dtype=torch.int8)
+    sx = 2.0 ** torch.randint(-9, -5, (m, 1)).float()
+    bias = torch.randn(n)
+    p = prepare_w4a8(q.to(DEV), s.to(DEV), g, packed=False)
+    y = launch.w4a8_linear_q(xq.to(DEV), sx.to(DEV), p.weight, p.scales, bias.to(DEV), n, k, g, torch.float32,
+                             config=cfg)
+    assert torch.equal(y.cpu(), w4a8_linear_ref(xq, sx, q, s, bias, out_dtype=torch.float32))
+
+
+def test_split_k_semaphores_repeat_exactly() -> None:
+    """Many back-to-back split-K launches on fresh inputs: a missing barrier or a stale semaphore shows up as a
+    result that differs from run to run."""
+    n, k, g = 100, 2048, 32
+    q, s = weights(n, k, g, seed=11, pow2=True)
+    p = prepare_w4a8(q.to(DEV), s.to(DEV), g, packed=False)
+    cfg = launch.GemmConfig(16, 32, 64, split_k=16)
+    for i in range(20):
+        xq = torch.randint(-127, 128, (1 + i % 5, k), dtype=torch.int8)
+        sx = torch.full((xq.shape[0], 1), 2.0**-7)
+        y = launch.w4a8_linear_q(xq.to(DEV), sx.to(DEV), p.weight, p.scales, None, n, k, g, torch.float32,
+                                 config=cfg)
+        assert torch.equal(y.cpu(), w4a8_linear_ref(xq, sx, q, s, None, out_dtype=torch.float32)), i
+
+
+# --- whole linears through the torch op, over shapes that include the awkward ones ----------------------------
+
+def _linear_cases() -> list[tuple]:
+    cases = []
+    for i, m in enumerate(MS):
+        for j, k in enumerate(KS):
+            gs = [g for g in (32, 64, 128) if k % g == 0]
+            dtype = (torch.bfloat16, torch.float32)[(i + j) % 2]
+            cases.append((m, k, NS[(i + j) % 4], gs[(i + 2 * j) % len(gs)], (i + j) // 2 % 2 == 0, dtype))
+    cases.append((512, 6144, 576, 32, True, torch.float16))
+    return cases
+
+
+@pytest.mark.parametrize("m,k,n,g,has_bias,dtype", _linear_cases())
+def test_linear_op_matches_reference(m: int, k: int, n: int, g: int, has_bias: bool, dtype: torch.dtype) -> None:
+    q, s = weights(n, k, g, seed=m * 13 + n)
+    x = activations(m, k, dtype, seed=k + n)
+    bias = torch.randn(n).to(dtype) if has_bias else None
+    p = prepare_w4a8(pack_int4(q).to(DEV), s.to(DEV), g, packed=True)
+    assert p.route.kernel == "triton" and p.route.device == "cuda" and p.weight.is_cuda
+    y = OPS.w4a8_linear(x.to(DEV), p.weight, p.scales, None if bias is None else bias.to(DEV), n, k, g,
+                        p.route.isa, -1)
+    assert y.dtype == dtype and y.shape == (m, n)
+    xq, sx = quantize_activations_ref(x)
+    assert_close(y, w4a8_linear_ref(xq, sx, q, s, bias, out_dtype=torch.float64))
+
+
+def test_bf16_scales_and_batched_input() -> None:
+    n, k, g = 576, 1536, 64
+    q, s = weights(n, k, g, seed=1)
+    s = s.to(torch.bfloat16)
+    p = prepare_w4a8(q.to(DEV), s.to(DEV), g, packed=False)
+    assert p.scales.dtype == torch.bfloat16  # kept: lossless and half the bytes
+    x = activations(2 * 5, k, torch.bfloat16, seed=2).view(2, 5, k)
+    y = w4a8_linear(x.to(DEV), p)
+    assert y.shape == (2, 5, n)
+    xq, sx = quantize_activations_ref(x.view(-1, k))
+    assert_close(y.view(-1, n), w4a8_linear_ref(xq, sx, q, s, None, out_dtype=torch.float64))
+
+
+def test_packed_and_int8_checkpoints_agree() -> None:
+    n, k, g = 100, 2048, 128
+    q, s = weights(n, k, g, seed=3)
+    a = prepare_w4a8(pack_int4(q).to(DEV), s.to(DEV), g, packed=True)
+    b = prepare_w4a8(q.to(DEV), s.to(DEV), g, packed=False)
+    assert torch.equal(a.weight, b.weight) and torch.equal(a.scales, b.scales)
+    x = activations(7, k, torch.bfloat16, seed=4).to(DEV)
+    assert torch.equal(w4a8_linear(x, a), w4a8_linear(x, b))
+
+
+# --- the op in the settings vLLM runs it in ------------------------------------------------------------------
+
+class _Linear(torch.nn.Module):
+    def __init__(self, p, bias: torch.Tensor) -> None:
+        super().__init__()
+        self.p = p
+        self.register_buffer("weight", p.weight)
+        self.register_buffer("scales", p.scales)
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.p
+        y = torch.ops.anychip.w4a8_linear(x, self.weight, self.scales, self.bias, p.n, p.k, p.group_size,
+                                          p.route.isa, 3)
+        return torch.nn.functional.silu(y) * 2
+
+
+def test_torch_compile_fullgraph() -> None:
+    n, k, g = 576, 1536, 64
+    q, s = weights(n, k, g, seed=5)
+    p = prepare_w4a8(q.to(DEV), s.to(DEV), g, packed=False)
+    module = _Linear(p, torch.randn(n, device=DEV, dtype=torch.bfloat16))
+    compiled = torch.compile(module, fullgraph=True)
+    calls = []
+    with hooks.observing(lambda layer, tokens: calls.append((layer, tokens))):
+        for m in (1, 7, 64):
+            x = activations(m, k, torch.bfloat16, seed=m).to(DEV)
+            torch.testing.assert_close(compiled(x), module(x))
+    assert (3, 7) in calls  # the observer hook runs inside the compiled graph
+
+
+@pytest.mark.parametrize("tuned_first", [True, False])
+def test_cuda_graph_capture(tuned_first: bool) -> None:
+    n, k, g = 17 if tuned_first else 100, 2048, 128
+    q, s = weights(n, k, g, seed=6)
+    p = prepare_w4a8(q.to(DEV), s.to(DEV), g, packed=False)
+    x = activations(3, k, torch.bfloat16, seed=7).to(DEV)
+    if tuned_first:
+        eager = w4a8_linear(x, p)  # tunes outside the capture
+    else:  # compiled (as vLLM's warm-up runs do) but not tuned: the capture must not time configs
+        xq, sx = OPS.quantize_act(x)
+        default = launch.candidates(3, n, k, g, launch.multiprocessors(DEV))[0]
+        launch.w4a8_linear_q(xq, sx, p.weight, p.scales, None, n, k, g, x.dtype, config=default)
+        launch.clear_tuning()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = w4a8_linear(x, p)  # untuned: the default config, no timing inside a capture
+    torch.cuda.current_stream().wait_stream(stream)
+    y.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    xq, sx = quantize_activations_ref(x.cpu())
+    assert_close(y, w4a8_linear_ref(xq, sx, q, s, None, out_dtype=torch.float64))
+    if tuned_first:
+        assert torch.equal(y, eager)
+
+
+def test_reference_route_and_wrong_route_on_cuda() -> None:
+    n, k, g = 17, 576, 64
+    q, s = weights(n, k, g, seed=8)
+    x = activations(3, k, torch.float32, seed=9)
+    ref = prepare_w4a8(q.to(DEV), s.to(DEV), g, packed=False, isa="reference")
+    assert ref.route.kernel == "reference" and ref.weight.is_cuda
+    xq, sx = quantize_activations_ref(x)
+    assert_close(w4a8_linear(x.to(DEV), ref), w4a8_linear_ref(xq, sx, q, s, None, out_dtype=torch.float64))
+    with pytest.raises(NoKernelRoute, match="CPU route"):
+        OPS.w4a8_linear(x.to(DEV), ref.weight, ref.scales, None, n, k, g, "avx2", -1)

@@ -1,0 +1,72 @@
+"""The GPU route's offline half (weight layout, route errors) and its import guard: no GPU or triton needed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from anychip.checkpoint.pack import pack_int4
+from anychip.kernels.dispatch import NoKernelRoute
+from anychip.kernels.gpu import unavailable_reason
+from anychip.kernels.gpu.prepare import pack_nibbles, triton_layout, unpack_nibbles
+
+
+def _q(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(-8, 8, (n, k), dtype=torch.int8, generator=torch.Generator().manual_seed(seed))
+
+
+def test_nibbles_round_trip_every_value() -> None:
+    q = torch.arange(-8, 8, dtype=torch.int8).repeat(3, 2)  # (3, 32): every value in both nibbles
+    packed = pack_nibbles(q)
+    assert packed.shape == (3, 16) and packed.dtype == torch.int8
+    assert torch.equal(unpack_nibbles(packed), q)
+    b = packed[0, 0].item() & 0xFF
+    assert (b & 0xF, b >> 4) == (0x8, 0x9)  # w = -8 (low, k = 0) and -7 (high, k = 1), two's complement
+
+
+@pytest.mark.parametrize("g", [32, 64, 128])
+def test_packed_checkpoint_converts_to_the_same_layout(g: int) -> None:
+    q = _q(17, 384, seed=g)
+    s = torch.rand(17, 384 // g)
+    w_packed, s_packed = triton_layout(pack_int4(q), s, g, packed=True)
+    w_int8, s_int8 = triton_layout(q, s, g, packed=False)
+    assert torch.equal(w_packed, w_int8) and torch.equal(unpack_nibbles(w_packed), q)
+    assert s_packed.shape == (384 // g, 17) and torch.equal(s_packed, s.t())
+
+
+@pytest.mark.parametrize("dtype,kept", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+                                        (torch.float32, torch.float32), (torch.float64, torch.float32)])
+def test_scale_dtype(dtype: torch.dtype, kept: torch.dtype) -> None:
+    _, sw = triton_layout(_q(4, 64), torch.rand(4, 2, dtype=dtype), 32, packed=False)
+    assert sw.dtype == kept and sw.is_contiguous()
+
+
+def test_layout_errors_say_how_to_fix() -> None:
+    with pytest.raises(NoKernelRoute, match="group size"):
+        triton_layout(_q(4, 96), torch.rand(4, 1), 64, packed=False)
+    with pytest.raises(NoKernelRoute, match=r"outside \[-8, 7\]"):
+        triton_layout(torch.full((4, 64), 9, dtype=torch.int8), torch.rand(4, 2), 32, packed=False)
+    with pytest.raises(NoKernelRoute, match="packed=False"):
+        triton_layout(_q(4, 64), torch.rand(4, 2), 32, packed=True)
+    with pytest.raises(NoKernelRoute, match="scales"):
+        triton_layout(_q(4, 64), torch.rand(4, 3), 32, packed=False)
+
+
+def test_cpu_tensors_are_not_for_the_triton_route() -> None:
+    assert "CUDA" in unavailable_reason(torch.device("cpu"))
+
+
+def test_kernels_import_and_cpu_prepare_without_triton() -> None:
+    code = (
+        "import sys; sys.modules['triton'] = None\n"  # any `import triton` now raises ImportError
+        "import torch\n"
+        "import anychip.kernels.ops, anychip.kernels.gpu.cuda_ops, anychip.kernels.gpu.prepare\n"
+        "from anychip.kernels.prepare import prepare_w4a8\n"
+        "p = prepare_w4a8(torch.zeros(8, 64, dtype=torch.int8), torch.ones(8, 2), 32, packed=False, "
+        "isa='reference')\n"
+        "assert p.route.device == 'cpu', p.route\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
