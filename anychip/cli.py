@@ -103,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--budget-s", type=float, default=300.0,
                    help="seconds per system for warm-up + repetitions; slower systems get fewer reps, then "
                         "smaller pp/tg (recorded in the row)")
+    b.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
+                   help="before each system, wait up to SECONDS for the CPUs to be nearly idle (shared machines)")
     b.set_defaults(target="anychip.bench.latency:cmd_bench_latency")
     b = bsub.add_parser("serve", help="streaming OpenAI client: TTFT, TPOT, ITL, throughput under concurrency")
     b.add_argument("url", nargs="?", help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")

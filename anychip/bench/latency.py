@@ -159,6 +159,28 @@ def _coverage_summary(path: Path) -> dict[str, Any] | None:
     return {"linears": len(layers), "routes": routes, "file": str(path)}
 
 
+def cpu_busy(window_s: float = 3.0) -> float:
+    """Fraction of all CPUs busy over window_s, from /proc/stat (other processes: ours are idle between systems)."""
+    def sample() -> tuple[int, int]:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+        return sum(fields[:8]), idle
+
+    total0, idle0 = sample()
+    time.sleep(window_s)
+    total1, idle1 = sample()
+    return 1.0 - (idle1 - idle0) / max(1, total1 - total0)
+
+
+def wait_for_idle(max_wait_s: float, busy_below: float = 0.25) -> float:
+    """Wait (at most max_wait_s) until the machine is nearly idle; returns the seconds waited. On a shared machine
+    this keeps other people's work out of the measurement; the row records the wait and its CPU share."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < max_wait_s and cpu_busy() >= busy_below:
+        time.sleep(5)
+    return time.monotonic() - t0
+
+
 def run_system(system: System, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """Measure one system (retrying eager when compiled mode fails) and return its row."""
     row: dict[str, Any] = {"system": system.name, "engine": system.engine, "weights": system.weights,
@@ -169,6 +191,7 @@ def run_system(system: System, args: argparse.Namespace, workdir: Path) -> dict[
         model = system.build()
     except AnychipError as exc:
         return dict(row, status="failed", error=f"could not build its checkpoint: {exc}")
+    waited = wait_for_idle(args.wait_idle) if args.wait_idle else None
     coverage = workdir / f"{system.name}.coverage.json" if system.plugin else None
     spec = RunSpec(system=system.name, engine=system.engine, model=str(model), pp=args.pp, tg=args.tg,
                    reps=args.reps, threads=args.threads, eager=args.eager, budget_s=args.budget_s,
@@ -186,7 +209,8 @@ def run_system(system: System, args: argparse.Namespace, workdir: Path) -> dict[
     row.update(status="ok", pp=result["pp"], tg=result["tg"], reps=result["reps"], reduced=result["reduced"],
                pp_tps=summary.pp, tg_tps=summary.tg, total_tps=summary.total, t_pp_s=summary.t_pp_s,
                t_tg_s=summary.t_tg_s, timings=result["timings"], engine_start_s=result["engine_start_s"],
-               settings=result["settings"], loadavg=result.get("loadavg"))
+               settings=result["settings"], loadavg=result.get("loadavg"), cpu_share=result.get("cpu_share"),
+               waited_for_idle_s=waited)
     if coverage is not None:
         row["coverage"] = _coverage_summary(coverage)
     return row
@@ -251,10 +275,14 @@ def render_markdown(doc: dict[str, Any]) -> str:
             if cov:
                 routes = ", ".join(f"{k}: {v}" for k, v in cov["routes"].items())
                 notes.append(f"- {r['system']}: coverage: {cov['linears']} quantized linears ({routes})")
-    loads = [f"{r['system']} {r['loadavg'][0]:.1f}/{r['loadavg'][1]:.1f}" for r in doc["rows"] if r.get("loadavg")]
+    loads = [f"{r['system']} {r['loadavg'][0]:.1f}/{r['loadavg'][1]:.1f}"
+             + (f", CPU share {r['cpu_share']:.2f}" if r.get("cpu_share") is not None else "")
+             + (f", waited {r['waited_for_idle_s']:.0f} s for idle" if r.get("waited_for_idle_s") else "")
+             for r in doc["rows"] if r.get("loadavg")]
     if loads:
-        notes.append("- 1-minute load average before/after each system's measurement (other work on the machine "
-                     "shows here): " + "; ".join(loads))
+        notes.append("- contention: 1-minute load average before/after each system's repetitions, and the CPU share "
+                     "its process got (CPU seconds / (wall seconds x threads); well below 1 means other work took the"
+                     " cores): " + "; ".join(loads))
     settings = next((r["settings"] for r in doc["rows"] if r["status"] == "ok" and r["engine"] == "vllm"), None)
     if settings:
         notes.append(f"- vLLM settings: executor {settings['executor']}, dtype {settings['dtype']}, torch threads "

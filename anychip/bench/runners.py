@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import resource
 import sys
 import time
 import traceback
@@ -191,9 +192,21 @@ def measure(engine: Timed, spec: RunSpec, probe: tuple[int, int] = (32, 4)) -> d
     spent = time.perf_counter() - t_start
     plan = plan_within_budget(spec.pp, spec.tg, spec.reps, s_pp, s_tg, spec.budget_s - spent)
     engine.prefill(ids(plan.pp)), engine.decode(ids(1)[0], plan.tg)  # warm-up at the measured sizes
-    timings = [[engine.prefill(ids(plan.pp)), engine.decode(ids(1)[0], plan.tg)] for _ in range(plan.reps)]
+    timings, cpu_s = [], 0.0
+    for _ in range(plan.reps):
+        cpu0 = _process_cpu_s()
+        timings.append([engine.prefill(ids(plan.pp)), engine.decode(ids(1)[0], plan.tg)])
+        cpu_s += _process_cpu_s() - cpu0
+    # CPU seconds this process got per wall second per thread: well below 1 means other work took the cores
+    cpu_share = cpu_s / (sum(map(sum, timings)) * spec.threads)
     return {"pp": plan.pp, "tg": plan.tg, "reps": plan.reps, "reduced": plan.reason, "timings": timings,
-            "probe_s_per_token": {"pp": s_pp, "tg": s_tg}, "loadavg": [load_before, os.getloadavg()[0]]}
+            "probe_s_per_token": {"pp": s_pp, "tg": s_tg}, "loadavg": [load_before, os.getloadavg()[0]],
+            "cpu_share": cpu_share}
+
+
+def _process_cpu_s() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
 
 
 def run(spec: RunSpec) -> dict[str, Any]:
