@@ -40,6 +40,7 @@ class Recorder:
 
     def note_embedding(self, prefix: str, layer: Any, is_head: bool) -> None:
         """Remember the output head (for its GEMM route) and the input embedding (to report tying)."""
+        prefix = prefix or "embed_tokens"  # vLLM's Llama builds its input embedding without a prefix
         self._embeddings[prefix] = weakref.ref(layer)
         if is_head:
             self._head_name = prefix
