@@ -1,7 +1,7 @@
 """Builds and loads the C++ W4A8 extension (csrc/w4a8_cpu.cpp) on first use.
 
 One binary serves every CPU of an architecture (the SIMD paths carry function-level target attributes and are
-chosen at run time), but the build is still cached per CPU-feature set, torch version and source hash under
+chosen at run time), but the build is still cached per CPU-feature set, torch version and csrc/ hash under
 anychip.envs.build_dir(), so a cache shared between machines (NFS home, container image) never hands one CPU a
 binary compiled and tested on another.
 """
@@ -19,7 +19,8 @@ import torch
 from anychip import envs
 from anychip.errors import AnychipError
 
-SOURCE = Path(__file__).parent / "csrc" / "w4a8_cpu.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCE = CSRC / "w4a8_cpu.cpp"  # includes cpu_common.h and quantize_act.h
 #: The ISA names the extension accepts and their codes in the C++ `Isa` enum.
 ISA_CODES: dict[str, int] = {"portable": 0, "avx2": 1, "avx512_vnni": 2}
 
@@ -41,7 +42,7 @@ def load() -> ModuleType:
     """The compiled extension (compiled on the first call in a fresh cache; about a minute)."""
     from torch.utils import cpp_extension
 
-    src_hash = hashlib.sha1(SOURCE.read_bytes()).hexdigest()[:10]
+    src_hash = hashlib.sha1(b"".join(f.read_bytes() for f in sorted(CSRC.glob("*.[ch]*")))).hexdigest()[:10]
     torch_tag = torch.__version__.split("+")[0].replace(".", "_")
     build = envs.build_dir() / f"w4a8_cpu-{feature_tag()}-torch{torch_tag}-{src_hash}"
     build.mkdir(parents=True, exist_ok=True)

@@ -10,26 +10,10 @@
 // The u8 nibbles (w+8) meet the s8 activations in vpdpbusd / vpmaddubsw; each group's INT32 sum is corrected by
 // -8 * sum_{k in g} xq[m, k] (precomputed per token) before it is scaled.
 
-#include <torch/extension.h>
+#include "cpu_common.h"
+#include "quantize_act.h"
 
-#include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
-
-#include <algorithm>
-#include <atomic>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <type_traits>
-
-#if defined(__x86_64__) || defined(_M_X64)
-#define ANYCHIP_X86 1
-#include <immintrin.h>
-#define ANYCHIP_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
-#define ANYCHIP_AVX2 __attribute__((target("avx2,fma")))
-#endif
-
+namespace anychip {
 namespace {
 
 constexpr int64_t kRows = 16;       // output rows per weight block
@@ -38,8 +22,6 @@ constexpr int64_t kChunkBytes = 64;  // one vector: 16 rows x 8 k
 #define ANYCHIP_PREFETCH 2048
 #endif
 constexpr int64_t kPrefetch = ANYCHIP_PREFETCH;  // bytes ahead in the weight stream (GEMV); 0: none
-
-enum Isa : int64_t { kPortable = 0, kAvx2 = 1, kAvx512Vnni = 2 };
 
 struct Problem {
   const int8_t* xq;     // (M, K)
@@ -83,12 +65,6 @@ inline void store_dots(const Problem& p, int64_t m, int64_t nb, int64_t g, const
   const int64_t cnt = std::min<int64_t>(kRows, p.n - n0);
   auto* o = static_cast<int32_t*>(p.out);
   for (int64_t r = 0; r < cnt; ++r) o[(m * p.n + n0 + r) * p.groups + g] = acc[r];
-}
-
-inline int32_t load4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
 }
 
 // ---------------------------------------------------------------- portable path
@@ -378,17 +354,6 @@ TileFn wide_tile_fn(int64_t isa) {
   return nullptr;
 }
 
-bool isa_supported(int64_t isa) {
-#ifdef ANYCHIP_X86
-  __builtin_cpu_init();
-  if (isa == kAvx512Vnni)
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-  if (isa == kAvx2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#endif
-  return isa == kPortable;
-}
-
 void check_isa(int64_t isa) {
   TORCH_CHECK(isa == kPortable || isa == kAvx2 || isa == kAvx512Vnni, "anychip: unknown ISA code ", isa);
   TORCH_CHECK(isa_supported(isa), "anychip: this CPU (or this build) lacks ISA code ", isa,
@@ -410,7 +375,8 @@ void check_isa(int64_t isa) {
 template <bool DOTS>
 void run(const Problem& p, int64_t isa) {
   const int64_t nblocks = (p.n + kRows - 1) / kRows;
-  const TileFn wide = p.m > 4 ? wide_tile_fn<DOTS>(isa) : nullptr;
+  // the wide tile always takes ANYCHIP_WIDE_TILE_M tokens: never hand it fewer (that would read and write past M)
+  const TileFn wide = p.m >= ANYCHIP_WIDE_TILE_M ? wide_tile_fn<DOTS>(isa) : nullptr;
   const int64_t mt = wide ? std::min<int64_t>(p.m, ANYCHIP_WIDE_TILE_M) : std::min(p.m, tile_m(isa));
   const int64_t panel = std::max<int64_t>(mt, (ANYCHIP_PANEL_BYTES / p.k) / mt * mt);
   const TileFn tile = tile_fn<DOTS>(isa, mt);
@@ -442,138 +408,7 @@ void run(const Problem& p, int64_t isa) {
   });
 }
 
-// ---------------------------------------------------------------- activation quantization
-// Bit-exact with quantize_activations_ref: scale = amax / 127 in fp32, q = round_half_even(x / scale) (a true
-// division, not a multiply by the reciprocal), clamped to [-127, 127]; an all-zero row gets scale 0 and q 0.
-
-template <typename T>
-inline float to_f(T v) {
-  return static_cast<float>(v);
-}
-
-template <typename T>
-void quantize_row_scalar(const T* x, int64_t k, int8_t* q, float* sx) {
-  float amax = 0.f;
-  for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(to_f(x[i])));
-  const float s = amax / 127.f;
-  *sx = s;
-  if (!(s > 0.f)) {
-    std::memset(q, 0, k);
-    return;
-  }
-  for (int64_t i = 0; i < k; ++i) {
-    const float v = std::nearbyint(to_f(x[i]) / s);
-    q[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
-  }
-}
-
-#ifdef ANYCHIP_X86
-template <typename T>
-ANYCHIP_AVX512 inline __m512 load16(const T* x, __mmask16 mask) {
-  if constexpr (std::is_same_v<T, float>) {
-    return _mm512_maskz_loadu_ps(mask, x);
-  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    const __m256i h = _mm256_maskz_loadu_epi16(mask, x);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  } else {
-    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, x));
-  }
-}
-
-template <typename T>
-ANYCHIP_AVX512 void quantize_row_avx512(const T* x, int64_t k, int8_t* q, float* sx) {
-  __m512 vmax = _mm512_setzero_ps();
-  for (int64_t i = 0; i < k; i += 16) {
-    const __mmask16 mask = k - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (k - i)) - 1);
-    vmax = _mm512_max_ps(vmax, _mm512_abs_ps(load16(x + i, mask)));
-  }
-  const float amax = _mm512_reduce_max_ps(vmax);
-  const float s = amax / 127.f;
-  *sx = s;
-  if (!(s > 0.f)) {
-    std::memset(q, 0, k);
-    return;
-  }
-  const __m512 vs = _mm512_set1_ps(s);
-  const __m512 lim = _mm512_set1_ps(127.f);
-  const __m512 nlim = _mm512_set1_ps(-127.f);
-  for (int64_t i = 0; i < k; i += 16) {
-    const __mmask16 mask = k - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (k - i)) - 1);
-    __m512 v = _mm512_div_ps(load16(x + i, mask), vs);
-    v = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    v = _mm512_min_ps(_mm512_max_ps(v, nlim), lim);
-    _mm512_mask_cvtsepi32_storeu_epi8(q + i, mask, _mm512_cvtps_epi32(v));
-  }
-}
-#endif
-
-template <typename T>
-void quantize_rows(const T* x, int64_t m, int64_t k, int8_t* q, float* sx, bool simd) {
-  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-#ifdef ANYCHIP_X86
-      if (simd) {
-        quantize_row_avx512<T>(x + r * k, k, q + r * k, sx + r);
-        continue;
-      }
-#endif
-      quantize_row_scalar<T>(x + r * k, k, q + r * k, sx + r);
-    }
-  });
-}
-
-bool quant_simd() {
-#ifdef ANYCHIP_X86
-  static const bool ok = isa_supported(kAvx512Vnni);
-  return ok;
-#else
-  return false;
-#endif
-}
-
-// (M, K) int8 -> (M, K / G) int32 group sums
-at::Tensor group_sums(const at::Tensor& xq, int64_t group_size) {
-  const int64_t m = xq.size(0), k = xq.size(1), groups = k / group_size;
-  at::Tensor out = at::empty({m, groups}, xq.options().dtype(at::kInt));
-  const int8_t* q = xq.data_ptr<int8_t>();
-  int32_t* o = out.data_ptr<int32_t>();
-  at::parallel_for(0, m, 64, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      for (int64_t g = 0; g < groups; ++g) {
-        const int8_t* p = q + r * k + g * group_size;
-        int32_t s = 0;
-        for (int64_t i = 0; i < group_size; ++i) s += p[i];
-        o[r * groups + g] = s;
-      }
-    }
-  });
-  return out;
-}
-
 // ---------------------------------------------------------------- torch-facing functions
-
-std::tuple<at::Tensor, at::Tensor> quantize_act(const at::Tensor& x_in) {
-  TORCH_CHECK(x_in.dim() == 2, "anychip quantize_act wants (M, K), got ", x_in.sizes());
-  const at::Tensor x = x_in.contiguous();
-  const int64_t m = x.size(0), k = x.size(1);
-  at::Tensor xq = at::empty({m, k}, x.options().dtype(at::kChar));
-  at::Tensor sx = at::empty({m, 1}, x.options().dtype(at::kFloat));
-  const bool simd = quant_simd();
-  switch (x.scalar_type()) {
-    case at::kFloat:
-      quantize_rows(x.data_ptr<float>(), m, k, xq.data_ptr<int8_t>(), sx.data_ptr<float>(), simd);
-      break;
-    case at::kBFloat16:
-      quantize_rows(x.data_ptr<c10::BFloat16>(), m, k, xq.data_ptr<int8_t>(), sx.data_ptr<float>(), simd);
-      break;
-    case at::kHalf:
-      quantize_rows(x.data_ptr<c10::Half>(), m, k, xq.data_ptr<int8_t>(), sx.data_ptr<float>(), simd);
-      break;
-    default:
-      TORCH_CHECK(false, "anychip quantize_act: activations must be fp32, bf16 or fp16, got ", x.scalar_type());
-  }
-  return {xq, sx};
-}
 
 Problem make_problem(const at::Tensor& xq, const at::Tensor& sx, const at::Tensor& xsum, const at::Tensor& weight,
                      const at::Tensor& scales, const c10::optional<at::Tensor>& bias, int64_t n, int64_t group_size) {
@@ -651,48 +486,6 @@ at::Tensor group_dots(const at::Tensor& xq_in, const at::Tensor& weight, const a
   return out;
 }
 
-// Streaming read of a large buffer (the benchmark's memory bandwidth probe); returns a checksum.
-#ifdef ANYCHIP_X86
-ANYCHIP_AVX512 uint64_t xor_range_avx512(const uint8_t* p, int64_t bytes) {
-  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
-  for (int64_t i = 0; i + 256 <= bytes; i += 256) {
-    a0 = _mm512_xor_si512(a0, _mm512_loadu_si512(p + i));
-    a1 = _mm512_xor_si512(a1, _mm512_loadu_si512(p + i + 64));
-    a2 = _mm512_xor_si512(a2, _mm512_loadu_si512(p + i + 128));
-    a3 = _mm512_xor_si512(a3, _mm512_loadu_si512(p + i + 192));
-  }
-  a0 = _mm512_xor_si512(_mm512_xor_si512(a0, a1), _mm512_xor_si512(a2, a3));
-  return static_cast<uint64_t>(_mm512_reduce_or_epi64(a0));
-}
-#endif
-
-uint64_t xor_range(const uint8_t* p, int64_t bytes) {
-  uint64_t a = 0;
-  for (int64_t i = 0; i + 8 <= bytes; i += 8) {
-    uint64_t v;
-    std::memcpy(&v, p + i, 8);
-    a ^= v;
-  }
-  return a;
-}
-
-int64_t read_bytes(const at::Tensor& buf) {
-  TORCH_CHECK(buf.is_contiguous() && buf.scalar_type() == at::kByte, "read_bytes wants contiguous uint8");
-  const uint8_t* p = buf.data_ptr<uint8_t>();
-  const int64_t pages = buf.numel() / 4096;
-  std::atomic<uint64_t> total{0};
-  at::parallel_for(0, pages, 64, [&](int64_t b, int64_t e) {
-#ifdef ANYCHIP_X86
-    if (quant_simd()) {
-      total ^= xor_range_avx512(p + b * 4096, (e - b) * 4096);
-      return;
-    }
-#endif
-    total ^= xor_range(p + b * 4096, (e - b) * 4096);
-  });
-  return static_cast<int64_t>(total.load() & 0x7FFFFFFF);
-}
-
 std::vector<std::string> cpu_isas() {
   std::vector<std::string> out;
   if (isa_supported(kAvx512Vnni)) out.push_back("avx512_vnni");
@@ -702,8 +495,10 @@ std::vector<std::string> cpu_isas() {
 }
 
 }  // namespace
+}  // namespace anychip
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace anychip;
   m.doc() = "anychip W4A8 CPU kernels";
   m.def("quantize_act", &quantize_act, "per-token symmetric INT8: x (M, K) -> (xq int8, sx (M, 1) fp32)");
   m.def("linear", &linear, "W4A8 linear, quantizing x inside");
