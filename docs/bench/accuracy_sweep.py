@@ -3,8 +3,9 @@
 Runs on any torch device through anychip.eval's TorchEngine: the BF16 model in bf16, and each W4A8 variant with
 its decoder linears on the reference arithmetic (INT4 weights dequantized, activations quantized per token to
 INT8; SimulatedW4A8Linear). Variants are named METHOD-gG[-sSAMPLES][-dDAMP][-mse][-gen][-wonly], e.g. rtn-g64,
-gptq-g32-s128-mse: -gen calibrates GPTQ on text sampled from the model itself, -mse searches each group's clipping (GPTQ's `mse` option; for RTN the same search), -wonly
-leaves activations in float (INT4 weights alone). `a8` keeps BF16 weights and quantizes activations only.
+gptq-g32-s128-mse. -mse searches each group's clipping (GPTQ's `mse` option; for RTN the same search); -gen
+calibrates GPTQ on text sampled from the model itself; -wonly leaves activations in float (INT4 weights alone).
+`a8` keeps BF16 weights and quantizes activations only.
 
     python docs/bench/accuracy_sweep.py --bf16 DIR --data shared/evaldata --out sweep.json \
         --variants bf16,rtn-g64,rtn-g32,gptq-g64-s128,gptq-g32-s128 --device cuda
