@@ -61,6 +61,7 @@ class ModelResult:
     tasks: dict[str, TaskScore] = field(default_factory=dict)
     ppl: dict[str, Any] | None = None
     seconds: dict[str, float] = field(default_factory=dict)
+    logliks: dict[str, list[list[float]]] = field(default_factory=dict)  # per task, per item, per choice
 
 
 def is_quantized(model_dir: Path) -> bool:
@@ -126,7 +127,8 @@ def evaluate_engine(engine, label: str, task_files: list[Path], text: str | None
         seqs, n_cont = zip(*(pair_sequence(p, settings.max_len) for p in plan.pairs))
         lps = engine.token_logprobs(seqs, desc=f"{short} {task.name}")
         pair_ll = [sum(lp[-n:]) for lp, n in zip(lps, n_cont)]
-        result.tasks[task.name] = score_task(plan.gather(pair_ll), [it.lengths for it in task.items],
+        result.logliks[task.name] = plan.gather(pair_ll)
+        result.tasks[task.name] = score_task(result.logliks[task.name], [it.lengths for it in task.items],
                                              [it.label for it in task.items])
         result.seconds[task.name] = time.perf_counter() - t0
     if text is not None:
