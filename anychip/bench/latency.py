@@ -103,7 +103,7 @@ def plan_systems(model: Path, config: dict[str, Any], with_peers: bool) -> list[
     return rows
 
 
-def _plugins_without_anychip() -> str:
+def plugins_without_anychip() -> str:
     """VLLM_PLUGINS value that loads every installed vLLM plugin except anychip ("" when there are none)."""
     names = set()
     for group in ("vllm.general_plugins", "vllm.platform_plugins"):
@@ -123,7 +123,7 @@ def system_env(system: System, threads: int, coverage: Path | None) -> dict[str,
             if coverage is not None:
                 env[envs.ANYCHIP_COVERAGE] = str(coverage)
         else:
-            env["VLLM_PLUGINS"] = _plugins_without_anychip()
+            env["VLLM_PLUGINS"] = plugins_without_anychip()
     return env
 
 

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from anychip.bench.latency import _plugins_without_anychip
+from anychip.bench.latency import plugins_without_anychip
 from anychip.serve import server_command
 from anychip.errors import AnychipError
 
@@ -45,7 +45,7 @@ def local_server(model: Path, *, plugin: bool = True, port: int | None = None, e
     cmd, profile_env = server_command(Path(model).resolve(), "127.0.0.1", port, list(extra or []))
     env = {**os.environ, **profile_env}
     if not plugin:
-        env["VLLM_PLUGINS"] = _plugins_without_anychip()
+        env["VLLM_PLUGINS"] = plugins_without_anychip()
     out = open(log, "w") if log else subprocess.DEVNULL
     proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
