@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from anychip.checkpoint import from_gguf
 from anychip.checkpoint.cache import marker_path
+from anychip.checkpoint.pack import unpack_int4
 from anychip.checkpoint.prepare import PrepareRecipe, prepare_default
 from anychip.checkpoint.quantize import choose_group_size
 from anychip.checkpoint.rtn import rtn_quantize
@@ -32,11 +33,12 @@ def _stat(directory: Path) -> dict[str, tuple[int, int]]:
 @pytest.mark.slow
 def test_default_model_is_prepared_and_verified(default_model):
     bf16, w4a8 = default_model.bf16_dir, default_model.w4a8_dir
-    group = choose_group_size(bf16)
-    assert group == 64  # hidden 576 is not a multiple of 128; nothing names the model
-    assert w4a8 == bf16.parent / f"w4a8-g{group}-rtn"
+    assert choose_group_size(bf16) == 64  # hidden 576 is not a multiple of 128; nothing names the model
+    recipe = PrepareRecipe()
+    group = recipe.group_size or choose_group_size(bf16)
+    assert w4a8 == bf16.parent / f"w4a8-g{group}-{recipe.method}"
     report = default_model.report
-    assert report.num_layers == 30 and report.linears_by_group_size == {64: 210} and report.dims.tied
+    assert report.num_layers == 30 and report.linears_by_group_size == {group: 210} and report.dims.tied
     assert report.provenance["source"] == str(bf16) and report.provenance["method"] == PrepareRecipe().method
     assert "quantization_config" not in json.loads((bf16 / "config.json").read_text())
     for d in (bf16, w4a8):
@@ -62,15 +64,23 @@ def test_cli_prepare_prints_the_w4a8_dir_last(default_model, capsys):
 
 @pytest.mark.slow
 def test_default_w4a8_reads_back_and_still_answers(default_model):
-    """compressed-tensors' decompression equals the RTN reference, and the dequantized model still knows Paris."""
+    """compressed-tensors' decompression equals our reading of the stored INT4 weights (and the RTN reference when
+    the recipe is RTN), and the dequantized model still knows Paris."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     bf16 = load_file(default_model.bf16_dir / "model.safetensors")
     weights = ct_decompress(default_model.w4a8_dir)
     assert len(weights) == 210
+    stored = {}
+    for shard in default_model.w4a8_dir.glob("*.safetensors"):
+        stored |= load_file(shard)
+    group = PrepareRecipe().group_size or 64
     for prefix in ("model.layers.0.self_attn.q_proj", "model.layers.29.mlp.down_proj"):
-        wq, scales = rtn_quantize(bf16[f"{prefix}.weight"], 64)
+        k = int(stored[f"{prefix}.weight_shape"][1])
+        wq, scales = unpack_int4(stored[f"{prefix}.weight_packed"], k), stored[f"{prefix}.weight_scale"]
         assert torch.equal(weights[prefix], dequantize_weight_ref(wq, scales, torch.bfloat16))
+        if PrepareRecipe().method == "rtn":
+            assert torch.equal(wq, rtn_quantize(bf16[f"{prefix}.weight"], group)[0])
     tok = AutoTokenizer.from_pretrained(default_model.w4a8_dir, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(default_model.bf16_dir, dtype=torch.bfloat16, local_files_only=True)
     model.load_state_dict({f"{p}.weight": w for p, w in weights.items()}, strict=False)
