@@ -184,3 +184,26 @@ def test_eval_default_model_through_vllm(default_model, tmp_path):
     assert cqa["n"] == 20 and 0.0 <= cqa["acc"] <= 1.0 and 0.0 <= cqa["acc_norm"] <= 1.0
     ppl = report["tasks"]["perplexity"]["bf16"]["ppl"]
     assert 1.0 < ppl < 200.0  # SmolLM2-135M reads English: far below the vocabulary size (49152)
+
+
+def test_torch_engine_on_a_w4a8_checkpoint_matches_the_reference_model(tmp_path):
+    """The simulated W4A8 linears (fp32 accumulation) agree with checkpoint.torch_model's exact INT32 reference."""
+    import torch
+    from conftest import write_tiny_llama
+
+    from anychip.checkpoint.quantize import quantize_checkpoint
+    from anychip.checkpoint.scheme import W4A8Scheme
+    from anychip.checkpoint.torch_model import load_reference_model
+    from anychip.eval.engines import TorchEngine
+
+    src = write_tiny_llama(tmp_path / "bf16")
+    dst = quantize_checkpoint(src, tmp_path / "w4a8", W4A8Scheme(group_size=32))
+    engine = TorchEngine.from_dir(dst, dtype=torch.float32)
+    seqs = [[3, 5, 7, 11, 13], [2, 4, 6]]
+    got = engine.token_logprobs(seqs, desc="tiny")
+    ref = load_reference_model(dst, dtype=torch.float32)
+    with torch.inference_mode():
+        for seq, lp in zip(seqs, got):
+            logits = ref(input_ids=torch.tensor([seq])).logits.float()
+            want = torch.log_softmax(logits[0, :-1], -1).gather(1, torch.tensor(seq[1:])[:, None])[:, 0]
+            assert lp == pytest.approx(want.tolist(), abs=1e-3)

@@ -141,7 +141,8 @@ def simulate_w4a8(model: torch.nn.Module, weights: dict[str, tuple[torch.Tensor,
         bias = getattr(old, "bias", None)
         new = (SimulatedW4A8Linear(old.weight.data, bias, quantize_activations) if wqs is None else
                SimulatedW4A8Linear.from_int4(*wqs, bias=bias, quantize_activations=quantize_activations))
-        setattr(model.get_submodule(parent), child, new.to(old.weight.device))
+        device = old.weight.device if wqs is None else wqs[0].device
+        setattr(model.get_submodule(parent), child, new.to(device))
     return model
 
 
