@@ -241,7 +241,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
     req = doc["requested"]
     lines = [f"# anychip bench latency: pp{req['pp']} / tg{req['tg']}", "",
              f"Command: `{doc['command']}`", "",
-             f"Machine: {doc['machine']['cpu']}, {doc['machine']['cpus']} CPUs, {doc['threads']} threads; "
+             f"Machine: {doc['machine']['cpu']}, {doc['machine']['cpus']} CPUs, {doc['threads']} thread(s) per system; "
              f"{doc['created']}. Tokens/s, mean ± sd over repetitions (llama-bench semantics: random token ids, "
              "empty KV cache per repetition).", ""]
     headers = ["system", "weights", f"pp{req['pp']} tok/s", f"tg{req['tg']} tok/s", "total tok/s", "reps",
@@ -333,6 +333,7 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
         if unknown:
             raise AnychipError(f"--systems {','.join(unknown)}: unknown; choose from {', '.join(SYSTEMS)}")
         systems = [s for s in systems if s.name in args.systems]
+    where = machine()  # before measuring: the source state is the one the engines load
     workdir = Path(tempfile.mkdtemp(prefix="anychip-bench-latency-"))
     print(f"anychip bench latency: {len(systems)} system(s), pp{args.pp} tg{args.tg} x{args.reps}, "
           f"{args.threads} threads; logs in {workdir}")
@@ -348,7 +349,7 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
         else:
             print(f"{row['status']}: {row.get('reason') or row.get('error')}")
     doc = {"benchmark": "latency", "command": command_line(getattr(args, "argv", None)), "created": now(),
-           "machine": machine(), "model": str(model), "threads": args.threads,
+           "machine": where, "model": str(model), "threads": args.threads,
            "requested": {"pp": args.pp, "tg": args.tg, "reps": args.reps}, "rows": rows,
            "targets": target_checks(rows)}
     for t in doc["targets"]:

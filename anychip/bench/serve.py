@@ -336,6 +336,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         raise AnychipError("give either a server URL or --launch MODEL (not both, not neither)")
     if (args.stock or args.server_arg) and not args.launch:
         raise AnychipError("--stock and --server-arg only apply with --launch MODEL")
+    where = machine()  # before measuring: the source state is the one the server loads
     if args.launch:
         rows = _launched(args)
     else:
@@ -344,7 +345,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     lo, hi = (args.vocab_range + [0, 0])[:2]
     command = command_line(getattr(args, "argv", None))
     rows = [dict(r, command=command) for r in rows]
-    doc = {"benchmark": "serve", "created": now(), "machine": machine(), "rows": rows,
+    doc = {"benchmark": "serve", "created": now(), "machine": where, "rows": rows,
            "settings": {"vocab_range": [lo, hi], "seed": args.seed, "preset": args.preset, "scale": args.scale,
                         "peak_tflops": args.peak_tflops, "peak_gbps": args.peak_gbps}}
     if args.json:
