@@ -133,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="random prompt token ids are drawn from LO,HI (default 1000,30000: no special tokens)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--timeout-s", type=float, default=600.0, help="per-request timeout")
+    b.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
+                   help="before each level, wait up to SECONDS for the CPUs to be nearly idle (shared machines; "
+                        "the server itself must be idle then)")
     b.add_argument("--json", help="write JSON here (Markdown and PNG beside it)")
     b.set_defaults(target="anychip.bench.serve:cmd_bench_serve")
 

@@ -23,8 +23,9 @@ from typing import Any
 
 from anychip import envs
 from anychip.bench import peers
+from anychip.bench.host import machine, wait_for_idle
 from anychip.bench.metrics import RepTiming, ratio, summarize_latency
-from anychip.bench.report import command_line, fmt, machine, markdown_table, now, source_notes, write_outputs
+from anychip.bench.report import command_line, fmt, markdown_table, now, source_notes, write_outputs
 from anychip.bench.runners import Engine, RunSpec
 from anychip.checkpoint.scheme import scheme_from_config
 from anychip.errors import AnychipError
@@ -157,28 +158,6 @@ def _coverage_summary(path: Path) -> dict[str, Any] | None:
     for layer in layers.values():
         routes[layer.get("route", "?")] = routes.get(layer.get("route", "?"), 0) + 1
     return {"linears": len(layers), "routes": routes, "file": str(path)}
-
-
-def cpu_busy(window_s: float = 3.0) -> float:
-    """Fraction of all CPUs busy over window_s, from /proc/stat (other processes: ours are idle between systems)."""
-    def sample() -> tuple[int, int]:
-        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-        return sum(fields[:8]), idle
-
-    total0, idle0 = sample()
-    time.sleep(window_s)
-    total1, idle1 = sample()
-    return 1.0 - (idle1 - idle0) / max(1, total1 - total0)
-
-
-def wait_for_idle(max_wait_s: float, busy_below: float = 0.25) -> float:
-    """Wait (at most max_wait_s) until the machine is nearly idle; returns the seconds waited. On a shared machine
-    this keeps other people's work out of the measurement; the row records the wait and its CPU share."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < max_wait_s and cpu_busy() >= busy_below:
-        time.sleep(5)
-    return time.monotonic() - t0
 
 
 def run_system(system: System, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:

@@ -8,60 +8,18 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import math
-import os
-import platform
 import shlex
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from anychip import __version__
 
 
 def command_line(argv: Sequence[str] | None = None) -> str:
     """The command as a user would type it: `anychip bench ...`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     return "anychip " + shlex.join(argv)
-
-
-def machine() -> dict[str, Any]:
-    """Where it ran: CPU model, core count, memory, Python and anychip versions."""
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cpus = os.cpu_count() or 1
-    mem_gib = None
-    try:
-        kib = next(int(x.split()[1]) for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("MemTotal"))
-        mem_gib = round(kib / 2**20, 1)
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": model, "arch": platform.machine(), "cpus": cpus, "memory_gib": mem_gib,
-            "python": platform.python_version(), "anychip": __version__, "source": source_state()}
-
-
-def source_state() -> dict[str, Any]:
-    """The anychip commit measured, and files under anychip/ that differ from it (work in progress measured)."""
-    import subprocess
-
-    root = Path(__file__).resolve().parents[2]
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                                timeout=10).stdout.strip()
-        status = subprocess.run(["git", "status", "--porcelain", "--", "anychip"], cwd=root, capture_output=True,
-                                text=True, timeout=10).stdout.splitlines()
-    except (OSError, subprocess.SubprocessError):
-        return {}
-    return {"commit": commit, "uncommitted": [line[3:] for line in status]}
 
 
 def source_notes(machine_doc: dict[str, Any]) -> list[str]:

@@ -22,8 +22,9 @@ from typing import Any
 
 import numpy as np
 
+from anychip.bench.host import machine, wait_for_idle
 from anychip.bench.metrics import RequestRecord, efficiency, ratio, summarize_serve
-from anychip.bench.report import command_line, fmt, machine, markdown_table, now, source_notes, write_outputs
+from anychip.bench.report import command_line, fmt, markdown_table, now, source_notes, write_outputs
 from anychip.errors import AnychipError
 
 #: The reference article's scenario: one card, 64 concurrent requests, 4k/16k/32k input, 1k output.
@@ -300,10 +301,12 @@ def measure_server(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
                           args.timeout_s, progress=False))
     rows = []
     for n, sc in enumerate(plan):
+        waited = wait_for_idle(args.wait_idle) if args.wait_idle else None
         load_before = os.getloadavg()[0]
         records, duration = asyncio.run(run_level(url, model, sc, (lo, hi), args.seed + n, args.timeout_s))
         row = row_for(label, url, model, sc, records, duration, args.peak_tflops, args.peak_gbps)
         row["loadavg"] = [load_before, os.getloadavg()[0]]
+        row["waited_for_idle_s"] = waited
         rows.append(row)
         print(f"  c={sc.concurrency:<3} in={sc.input_len:<6} out={sc.output_len:<5} {row['completed']}/"
               f"{sc.num_prompts} ok  TTFT {fmt(row['ttft']['mean_ms'])} ms  TPOT {fmt(row['tpot']['mean_ms'])} ms  "
