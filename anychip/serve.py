@@ -113,12 +113,21 @@ def cmd_serve(args) -> int:
                   f"\"max_tokens\": 64}}'\n  coverage report: {coverage}\n", flush=True)
 
     threading.Thread(target=announce, daemon=True).start()
+
+    def forward(signum: int, frame: object) -> None:  # stopping anychip serve stops the server it started
+        proc.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
-        return proc.wait()
-    except KeyboardInterrupt:
-        proc.send_signal(signal.SIGINT)
         try:
-            return proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            return 130
+            return proc.wait()
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

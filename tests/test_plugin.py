@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -152,7 +152,7 @@ def test_openai_server_chat_and_template_kwargs(default_model, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "anychip.cli", "serve", str(default_model.w4a8_dir),
                              "--port", str(port), "--coverage", str(cov), "--enforce-eager",
                              "--max-model-len", "1024", "--chat-template", str(template)],
-                            stdout=log, stderr=subprocess.STDOUT)
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="EMPTY", max_retries=0)
         deadline = time.time() + 400
@@ -177,9 +177,14 @@ def test_openai_server_chat_and_template_kwargs(default_model, tmp_path):
                             capture_output=True, text=True)
         assert rc.returncode == 0, rc.stdout
     finally:
-        proc.terminate()
+        proc.terminate()  # anychip serve forwards it to the vLLM server it started
         try:
-            proc.wait(timeout=30)
+            proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of the process group
+        except ProcessLookupError:
+            pass
         log.close()
+        assert proc.returncode is not None
