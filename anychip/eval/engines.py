@@ -163,7 +163,7 @@ def load_torch_model(model_dir: Path, dtype: torch.dtype) -> torch.nn.Module:
 class TorchEngine:
     """transformers forward passes in padded batches of about `batch_tokens` tokens, longest first."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer, max_len: int = 2048, batch_tokens: int = 16384,
+    def __init__(self, model: torch.nn.Module, tokenizer, max_len: int = 2048, batch_tokens: int = 8192,
                  name: str = "torch") -> None:
         self.name, self.model, self.tokenizer = name, model, tokenizer
         self.max_len, self.batch_tokens = max_len, batch_tokens
@@ -196,8 +196,10 @@ class TorchEngine:
                     ids[r, :len(seqs[j])] = torch.tensor(seqs[j])
                     mask[r, :len(seqs[j])] = 1
                 ids, mask = ids.to(self.device), mask.to(self.device)
-                logits = self.model(input_ids=ids, attention_mask=mask).logits.float()
-                lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(2, ids[:, 1:, None]).squeeze(2).cpu()
+                logits = self.model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()  # (B, T-1, V)
+                # logprob = logit of the target - logsumexp: one (B, T, V) fp32 tensor, not two
+                lp = (logits.gather(2, ids[:, 1:, None]).squeeze(2) - torch.logsumexp(logits, dim=-1)).cpu()
+                del logits
                 for r, j in enumerate(batch):
                     out[j] = lp[r, :len(seqs[j]) - 1].tolist()
                 bar.update(sum(len(seqs[j]) for j in batch))
