@@ -105,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "smaller pp/tg (recorded in the row)")
     b.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
                    help="before each system, wait up to SECONDS for the CPUs to be nearly idle (shared machines)")
+    b.add_argument("--append", action="store_true",
+                   help="merge into an existing --json: rows of the systems measured now replace theirs, the others "
+                        "stay (same model, threads, pp/tg/reps required)")
     b.set_defaults(target="anychip.bench.latency:cmd_bench_latency")
     b = bsub.add_parser("serve", help="streaming OpenAI client: TTFT, TPOT, ITL, throughput under concurrency")
     b.add_argument("url", nargs="?", help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")

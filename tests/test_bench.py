@@ -224,7 +224,7 @@ def test_latency_report_targets_and_files(tmp_path):
     assert checks[("tg128", "vllm-w8a8")]["met"] is False
     assert checks[("pp512", "vllm-bf16")]["met"] is True
     assert checks[("pp512", "llama.cpp-q4_1")]["same_size"] is False
-    doc = {"command": "anychip bench latency M --peers", "created": "now", "machine": {"cpu": "cpu", "cpus": 2},
+    doc = {"commands": ["anychip bench latency M --peers"], "created": "now", "machine": {"cpu": "cpu", "cpus": 2},
            "threads": 2, "requested": {"pp": 512, "tg": 128, "reps": 2}, "rows": rows,
            "targets": latency.target_checks(rows)}
     md = latency.render_markdown(doc)
@@ -236,6 +236,18 @@ def test_latency_report_targets_and_files(tmp_path):
     assert [p.suffix for p in written] == [".json", ".md", ".png"]
     back = json.loads((tmp_path / "lat.json").read_text())
     assert back["rows"][0]["pp_tps"]["mean"] == pytest.approx(2000)
+
+    # --append: a re-measured system replaces its row, the others stay; a different setup is refused
+    doc.update(model="M", threads=2)
+    write_outputs(tmp_path / "lat.json", doc, md)
+    again = dict(doc, rows=[_latency_row("vllm-bf16", 1200, 61)])
+    merged = latency.merge_into(tmp_path / "lat.json", again)
+    assert [r["system"] for r in merged["rows"]] == ["anychip-w4a8", "vllm-bf16", "vllm-w8a8", "vllm-w4a8-stock",
+                                                     "llama.cpp-q4_1"]
+    assert merged["rows"][1]["pp_tps"].mean == pytest.approx(1200)
+    assert merged["rows"][0]["pp_tps"].mean == pytest.approx(2000)
+    with pytest.raises(Exception, match="threads=2"):
+        latency.merge_into(tmp_path / "lat.json", dict(again, threads=1))
 
 
 # ---- the streaming client against a scripted server ----

@@ -24,7 +24,7 @@ from typing import Any
 from anychip import envs
 from anychip.bench import peers
 from anychip.bench.host import machine, wait_for_idle
-from anychip.bench.metrics import RepTiming, ratio, summarize_latency
+from anychip.bench.metrics import MeanSd, RepTiming, ratio, summarize_latency
 from anychip.bench.report import command_line, fmt, markdown_table, now, source_notes, write_outputs
 from anychip.bench.runners import Engine, RunSpec
 from anychip.checkpoint.scheme import scheme_from_config
@@ -218,11 +218,11 @@ def _size(row: dict[str, Any], key: str) -> str:
 
 def render_markdown(doc: dict[str, Any]) -> str:
     req = doc["requested"]
-    lines = [f"# anychip bench latency: pp{req['pp']} / tg{req['tg']}", "",
-             f"Command: `{doc['command']}`", "",
-             f"Machine: {doc['machine']['cpu']}, {doc['machine']['cpus']} CPUs, {doc['threads']} thread(s) per system; "
-             f"{doc['created']}. Tokens/s, mean ± sd over repetitions (llama-bench semantics: random token ids, "
-             "empty KV cache per repetition).", ""]
+    lines = [f"# anychip bench latency: pp{req['pp']} / tg{req['tg']}", "", "Commands:", ""]
+    lines += [f"- `{c}`" for c in doc["commands"]] + [""]
+    lines += [f"Machine: {doc['machine']['cpu']}, {doc['machine']['cpus']} CPUs, {doc['threads']} thread(s) per "
+              f"system; {doc['created']}. Tokens/s, mean ± sd over repetitions (llama-bench semantics: random token "
+              "ids, empty KV cache per repetition).", ""]
     headers = ["system", "weights", f"pp{req['pp']} tok/s", f"tg{req['tg']} tok/s", "total tok/s", "reps",
                "engine start s", "mode"]
     table = []
@@ -268,6 +268,10 @@ def render_markdown(doc: dict[str, Any]) -> str:
                      f"{settings['torch_threads']}, max_num_batched_tokens {settings['max_num_batched_tokens']}, "
                      f"prefix caching off, versions {settings['versions']}")
     notes += source_notes(doc["machine"])
+    for r in doc["rows"]:
+        if r.get("source") and r["source"] != doc["machine"].get("source"):
+            notes += [f"- {r['system']} (from an earlier run, {r.get('measured_at')}): "
+                      + n.removeprefix("- ") for n in source_notes({"source": r["source"]})]
     if notes:
         lines += ["", "## Notes", ""] + notes
     return "\n".join(lines)
@@ -293,6 +297,28 @@ def plot(doc: dict[str, Any], png: Path) -> None:
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
+
+
+_STATS = ("pp_tps", "tg_tps", "total_tps", "t_pp_s", "t_tg_s")
+
+
+def merge_into(path: Path, doc: dict[str, Any]) -> dict[str, Any]:
+    """--append: keep the rows of an existing report for the systems not measured now (same model, threads and
+    requested sizes, else an error), in SYSTEMS order."""
+    try:
+        old = json.loads(path.read_text())
+    except FileNotFoundError:
+        return doc
+    same = {k: (old.get(k), doc[k]) for k in ("model", "threads", "requested") if old.get(k) != doc[k]}
+    if same:
+        raise AnychipError(f"--append: {path} was measured with {', '.join(f'{k}={v[0]}' for k, v in same.items())}"
+                           f"; this run has {', '.join(f'{k}={v[1]}' for k, v in same.items())}: use another --json")
+    measured = {r["system"] for r in doc["rows"]}
+    kept = [{k: MeanSd(**v) if k in _STATS and isinstance(v, dict) else v for k, v in r.items()}
+            for r in old["rows"] if r["system"] not in measured]
+    order = {name: i for i, name in enumerate(SYSTEMS)}
+    doc["rows"] = sorted(kept + doc["rows"], key=lambda r: order.get(r["system"], len(order)))
+    return doc
 
 
 def _default_model() -> Path:
@@ -327,10 +353,15 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
                   f"   ({time.perf_counter() - t0:.0f} s)" + ("   [reduced]" if row["reduced"] else ""))
         else:
             print(f"{row['status']}: {row.get('reason') or row.get('error')}")
-    doc = {"benchmark": "latency", "command": command_line(getattr(args, "argv", None)), "created": now(),
-           "machine": where, "model": str(model), "threads": args.threads,
-           "requested": {"pp": args.pp, "tg": args.tg, "reps": args.reps}, "rows": rows,
-           "targets": target_checks(rows)}
+    command = command_line(getattr(args, "argv", None))
+    for row in rows:
+        row.update(command=command, measured_at=now(), source=where.get("source"))
+    doc = {"benchmark": "latency", "created": now(), "machine": where, "model": str(model), "threads": args.threads,
+           "requested": {"pp": args.pp, "tg": args.tg, "reps": args.reps}, "rows": rows}
+    if args.json and args.append:
+        doc = merge_into(Path(args.json), doc)
+    doc["commands"] = list(dict.fromkeys(r["command"] for r in doc["rows"] if r.get("command")))
+    doc["targets"] = target_checks(doc["rows"])
     for t in doc["targets"]:
         print(f"  {t['metric']:>6} vs {t['peer']:<16} {t['ratio']:.2f}x (target {t['target']:.1f}x) "
               f"{'met' if t['met'] else 'NOT met'}")
