@@ -136,12 +136,13 @@ def _run_child(spec: RunSpec, workdir: Path, timeout_s: float) -> dict[str, Any]
     cmd = [sys.executable, "-m", "anychip.bench.runners", str(spec_path), str(out_path)]
     with open(log_path, "w") as log:
         try:
-            subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, check=False)
+            proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, check=False)
         except subprocess.TimeoutExpired:
-            return {"ok": False, "error": f"timed out after {timeout_s:.0f} s (log: {log_path})"}
+            return {"ok": False, "timed_out": True, "error": f"timed out after {timeout_s:.0f} s (log: {log_path})"}
     if not out_path.exists():
-        tail = log_path.read_text().splitlines()[-15:]
-        return {"ok": False, "error": "runner died without a result: " + " / ".join(tail)}
+        errors = [ln for ln in log_path.read_text().splitlines() if "Error" in ln and "WARNING" not in ln]
+        return {"ok": False, "error": f"runner exited with {proc.returncode} without a result"
+                + (f": {errors[-1].strip()}" if errors else "") + f" (log: {log_path})"}
     result = json.loads(out_path.read_text())
     if not result.get("ok"):
         result["error"] = f"{result.get('error')} (log: {log_path})"
@@ -176,7 +177,7 @@ def run_system(system: System, args: argparse.Namespace, workdir: Path) -> dict[
                    reps=args.reps, threads=args.threads, eager=args.eager, budget_s=args.budget_s,
                    env=system_env(system, args.threads, coverage), notes=system.notes)
     result = _run_child(spec, workdir, timeout_s=args.budget_s + 900)
-    if not result.get("ok") and system.engine == "vllm" and not args.eager:
+    if not result.get("ok") and not result.get("timed_out") and system.engine == "vllm" and not args.eager:
         compiled_error = result.get("error")
         spec.eager = True
         result = _run_child(spec, workdir, timeout_s=args.budget_s + 900)

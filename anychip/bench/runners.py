@@ -192,14 +192,19 @@ def measure(engine: Timed, spec: RunSpec, probe: tuple[int, int] = (32, 4)) -> d
     spent = time.perf_counter() - t_start
     plan = plan_within_budget(spec.pp, spec.tg, spec.reps, s_pp, s_tg, spec.budget_s - spent)
     engine.prefill(ids(plan.pp)), engine.decode(ids(1)[0], plan.tg)  # warm-up at the measured sizes
-    timings, cpu_s = [], 0.0
-    for _ in range(plan.reps):
+    timings, cpu_s, reason = [], 0.0, plan.reason
+    for rep in range(plan.reps):
         cpu0 = _process_cpu_s()
         timings.append([engine.prefill(ids(plan.pp)), engine.decode(ids(1)[0], plan.tg)])
         cpu_s += _process_cpu_s() - cpu0
+        if rep + 1 < plan.reps and time.perf_counter() - t_start > 1.5 * spec.budget_s:
+            # the machine got slower than the probe said (other work): stop rather than run for hours
+            reason = (f"{reason + '; ' if reason else ''}stopped after {rep + 1} of {plan.reps} repetitions: "
+                      f"1.5x the {spec.budget_s:.0f} s budget spent")
+            break
     # CPU seconds this process got per wall second per thread: well below 1 means other work took the cores
     cpu_share = cpu_s / (sum(map(sum, timings)) * spec.threads)
-    return {"pp": plan.pp, "tg": plan.tg, "reps": plan.reps, "reduced": plan.reason, "timings": timings,
+    return {"pp": plan.pp, "tg": plan.tg, "reps": len(timings), "reduced": reason, "timings": timings,
             "probe_s_per_token": {"pp": s_pp, "tg": s_tg}, "loadavg": [load_before, os.getloadavg()[0]],
             "cpu_share": cpu_share}
 
