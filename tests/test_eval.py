@@ -207,3 +207,19 @@ def test_torch_engine_on_a_w4a8_checkpoint_matches_the_reference_model(tmp_path)
             logits = ref(input_ids=torch.tensor([seq])).logits.float()
             want = torch.log_softmax(logits[0, :-1], -1).gather(1, torch.tensor(seq[1:])[:, None])[:, 0]
             assert lp == pytest.approx(want.tolist(), abs=1e-3)
+
+
+@pytest.mark.slow
+def test_cli_eval_w4a8_with_compare_bf16(default_model, tmp_path, capsys):
+    """The front door end to end: the prepared W4A8 model through vLLM + the plugin, its BF16 source, a JSON report."""
+    from anychip.cli import main
+
+    out = tmp_path / "eval.json"
+    assert main(["eval", str(default_model.w4a8_dir), "--tasks", "commonsense_qa", "--limit", "5", "--compare-bf16",
+                 "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    entry = report["tasks"]["commonsense_qa"]
+    assert entry["w4a8"]["n"] == entry["bf16"]["n"] == 5
+    assert set(entry["delta"]) >= {"acc", "acc_norm", "acc_norm_ci95"}
+    assert report["models"] == {"w4a8": str(default_model.w4a8_dir), "bf16": str(default_model.bf16_dir)}
+    assert "delta" in capsys.readouterr().out
