@@ -117,7 +117,7 @@ class SimulatedW4A8Linear(torch.nn.Module):
 
         return cls(dequantize_weight_ref(wq, scales, torch.float32), bias, quantize_activations)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         from anychip.kernels.reference import quantize_activations_ref
 
         lead = x.shape[:-1]
@@ -141,8 +141,8 @@ def simulate_w4a8(model: torch.nn.Module, weights: dict[str, tuple[torch.Tensor,
         bias = getattr(old, "bias", None)
         new = (SimulatedW4A8Linear(old.weight.data, bias, quantize_activations) if wqs is None else
                SimulatedW4A8Linear.from_int4(*wqs, bias=bias, quantize_activations=quantize_activations))
-        device = old.weight.device if wqs is None else wqs[0].device
-        setattr(model.get_submodule(parent), child, new.to(device))
+        held = [*old.parameters(), *old.buffers()]  # nn.Linear has a weight, the reference linear buffers
+        setattr(model.get_submodule(parent), child, new.to(held[0].device if held else wqs[0].device))
     return model
 
 
