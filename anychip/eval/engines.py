@@ -10,14 +10,15 @@ torch device.
 from __future__ import annotations
 
 import json
-import os
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Protocol
 
 import torch
 from tqdm import tqdm
+
+from anychip.envs import patched_environ
 
 #: vLLM's process model: the engine core must run in this process (the uni executor, no engine subprocess).
 _VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2"}
@@ -47,20 +48,9 @@ def _prefix_id(tokenizer) -> int:
     raise ValueError("the tokenizer has neither a BOS nor an EOS token to prefix empty contexts with")
 
 
-@contextmanager
-def vllm_environment() -> Iterator[None]:
+def vllm_environment() -> AbstractContextManager[None]:
     """Set the variables vLLM reads at start-up (user values win) and restore the environment afterwards."""
-    saved = {k: os.environ.get(k) for k in _VLLM_ENV}
-    for k, v in _VLLM_ENV.items():
-        os.environ.setdefault(k, v)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return patched_environ(_VLLM_ENV, override=False)
 
 
 class VllmEngine:
