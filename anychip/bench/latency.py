@@ -315,7 +315,9 @@ def merge_into(path: Path, doc: dict[str, Any]) -> dict[str, Any]:
         raise AnychipError(f"--append: {path} was measured with {', '.join(f'{k}={v[0]}' for k, v in same.items())}"
                            f"; this run has {', '.join(f'{k}={v[1]}' for k, v in same.items())}: use another --json")
     measured = {r["system"] for r in doc["rows"]}
-    kept = [{k: MeanSd(**v) if k in _STATS and isinstance(v, dict) else v for k, v in r.items()}
+    earlier = {"command": old.get("command") or (old.get("commands") or [None])[0], "measured_at": old.get("created"),
+               "source": (old.get("machine") or {}).get("source")}
+    kept = [{**earlier, **{k: MeanSd(**v) if k in _STATS and isinstance(v, dict) else v for k, v in r.items()}}
             for r in old["rows"] if r["system"] not in measured]
     order = {name: i for i, name in enumerate(SYSTEMS)}
     doc["rows"] = sorted(kept + doc["rows"], key=lambda r: order.get(r["system"], len(order)))
