@@ -268,11 +268,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
         notes.append(f"- vLLM settings: executor {settings['executor']}, dtype {settings['dtype']}, torch threads "
                      f"{settings['torch_threads']}, max_num_batched_tokens {settings['max_num_batched_tokens']}, "
                      f"prefix caching off, versions {settings['versions']}")
-    notes += source_notes(doc["machine"])
-    for r in doc["rows"]:
-        if r.get("source") and r["source"] != doc["machine"].get("source"):
-            notes += [f"- {r['system']} (from an earlier run, {r.get('measured_at')}): "
-                      + n.removeprefix("- ") for n in source_notes({"source": r["source"]})]
+    notes += source_notes(doc["machine"], doc["rows"], "system")
     if notes:
         lines += ["", "## Notes", ""] + notes
     return "\n".join(lines)

@@ -22,14 +22,23 @@ def command_line(argv: Sequence[str] | None = None) -> str:
     return "anychip " + shlex.join(argv)
 
 
-def source_notes(machine_doc: dict[str, Any]) -> list[str]:
-    """A Markdown note naming the commit measured and any uncommitted anychip files."""
+def source_notes(machine_doc: dict[str, Any], rows: Sequence[dict[str, Any]] = (), name: str = "system") -> list[str]:
+    """Markdown notes naming the commit measured (and uncommitted anychip files), plus one per row that an earlier
+    run measured at another commit (rows merged with --append carry their own `source`)."""
+    def note(src: dict[str, Any]) -> str:
+        dirty = src.get("uncommitted") or []
+        return f"anychip at commit {src.get('commit')}" + (f", with uncommitted changes in {', '.join(dirty)}"
+                                                            if dirty else "")
+
     src = machine_doc.get("source") or {}
-    if not src:
-        return []
-    dirty = src.get("uncommitted") or []
-    return [f"- anychip at commit {src.get('commit')}" + (f", with uncommitted changes in {', '.join(dirty)}"
-                                                           if dirty else "")]
+    notes = [f"- {note(src)}"] if src else []
+    seen = set()
+    for r in rows:
+        key = (r.get(name), json.dumps(r.get("source"), sort_keys=True))
+        if r.get("source") and r["source"] != src and key not in seen:
+            seen.add(key)
+            notes.append(f"- {r.get(name)} (measured {r.get('measured_at')}): {note(r['source'])}")
+    return notes
 
 
 def now() -> str:

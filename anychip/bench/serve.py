@@ -236,13 +236,14 @@ def render_markdown(doc: dict[str, Any]) -> str:
     notes += [f"- {r['label']} c={r['concurrency']} in={r['input_len']}: {r['output_len_note']}"
               for r in doc["rows"] if r.get("output_len_note")]
     loads = [f"{r['label']} c={r['concurrency']}: {r['loadavg'][0]:.1f}/{r['loadavg'][1]:.1f}"
+             + (f", waited {r['waited_for_idle_s']:.0f} s for idle" if r.get("waited_for_idle_s") else "")
              for r in doc["rows"] if r.get("loadavg")]
     if loads:
         notes.append("- 1-minute load average before/after each level (other work on the machine shows here): "
                      + "; ".join(loads))
     notes += [f"- {r['label']} c={r['concurrency']} in={r['input_len']}: errors: {'; '.join(r['errors'])}"
               for r in doc["rows"] if r["errors"]]
-    notes += source_notes(doc["machine"])
+    notes += source_notes(doc["machine"], doc["rows"], "label")
     if notes:
         lines += ["", "## Notes", ""] + notes
     return "\n".join(lines)
@@ -347,7 +348,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         rows = measure_server(url if url.endswith("/v1") else url + "/v1", args)
     lo, hi = (args.vocab_range + [0, 0])[:2]
     command = command_line(getattr(args, "argv", None))
-    rows = [dict(r, command=command) for r in rows]
+    rows = [dict(r, command=command, measured_at=now(), source=where.get("source")) for r in rows]
     doc = {"benchmark": "serve", "created": now(), "machine": where, "rows": rows,
            "settings": {"vocab_range": [lo, hi], "seed": args.seed, "preset": args.preset, "scale": args.scale,
                         "peak_tflops": args.peak_tflops, "peak_gbps": args.peak_gbps}}
