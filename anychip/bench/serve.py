@@ -267,6 +267,8 @@ def plot(doc: dict[str, Any], png: Path) -> None:
             axes[1].plot(xs, [r["output_throughput"] for _, r in pts], marker="o", label=name)
     for ax, title in ((axes[0], "TTFT mean (ms, lower is better)"), (axes[1], "output tokens/s (higher is better)")):
         ax.set_xscale("log", base=2)
+        levels = sorted({r["concurrency"] for r in rows})
+        ax.set_xticks(levels, [str(c) for c in levels])
         ax.set_xlabel("concurrent requests")
         ax.set_title(title)
         ax.grid(alpha=0.3)
