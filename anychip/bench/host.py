@@ -67,9 +67,12 @@ def cpu_busy(window_s: float = 3.0) -> float:
 
 
 def wait_for_idle(max_wait_s: float, busy_below: float = 0.25) -> float:
-    """Wait (at most max_wait_s) until the machine is nearly idle; returns the seconds waited. On a shared machine
-    this keeps other people's work out of the measurement; the row records the wait and its CPU share."""
+    """Wait (at most max_wait_s) until the machine is nearly idle; returns the seconds waited beyond the first
+    3 s sample (0 when it was idle at once). On a shared machine this keeps other people's work out of the
+    measurement; the row records the wait."""
     t0 = time.monotonic()
+    if cpu_busy() < busy_below:
+        return 0.0
     while time.monotonic() - t0 < max_wait_s and cpu_busy() >= busy_below:
         time.sleep(5)
     return time.monotonic() - t0
