@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("dir")
     s.add_argument("--expect-sha256", action="append", default=[], metavar="FILE=HEX",
                    help="also require FILE to have this digest (repeatable)")
+    s.add_argument("--fast", action="store_true",
+                   help="skip the value pass (scales finite and > 0, INT4 in range, BF16 finite): checksums and "
+                        "headers only")
     s.set_defaults(target="anychip.checkpoint.verify:cmd_verify")
 
     s = sub.add_parser("profile", help="detect this CPU and print the vLLM settings that serve best here")

@@ -59,8 +59,13 @@ class TensorInfo:
         return ST_DTYPES.get(self.dtype)
 
 
+def _is_count(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
 def read_header(path: Path) -> dict[str, TensorInfo]:
-    """Parse one .safetensors header and check it against the file's size (catches truncation)."""
+    """Parse one .safetensors header and check it against the file's size (catches truncation) and its own
+    layout: the tensors' byte ranges, sorted by offset, tile the data section exactly (no gap, no overlap)."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -71,42 +76,73 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             if n > min(_MAX_HEADER, size - 8):
                 raise CheckpointFileError(f"{path}: header length {n} exceeds the file ({size} bytes): truncated?")
             header = json.loads(f.read(n))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise CheckpointFileError(f"{path}: unreadable safetensors header ({exc})") from exc
-    base, infos, end = 8 + n, {}, 0
+    if not isinstance(header, dict):
+        raise CheckpointFileError(f"{path}: the safetensors header is a JSON {type(header).__name__}, not an object")
+    base, infos = 8 + n, {}
     for name, h in header.items():
         if name == "__metadata__":
             continue
         try:
-            dtype, shape, (b, e) = h["dtype"], tuple(int(d) for d in h["shape"]), h["data_offsets"]
+            dtype, shape, (b, e) = h["dtype"], h["shape"], h["data_offsets"]
         except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointFileError(f"{path}: malformed header entry for {name}") from exc
+            raise CheckpointFileError(f"{path}: malformed header entry for {name}: want dtype, shape and "
+                                      "data_offsets [begin, end]; re-create the file") from exc
+        if (not isinstance(dtype, str) or not isinstance(shape, list) or not all(map(_is_count, shape))
+                or not _is_count(b) or not _is_count(e) or e < b):
+            raise CheckpointFileError(f"{path}: malformed header entry for {name} (dtype {dtype!r}, shape {shape!r}, "
+                                      f"data_offsets {h['data_offsets']!r}); re-create the file")
         count = 1
         for d in shape:
             count *= d
         if dtype in _ITEMSIZE and e - b != count * _ITEMSIZE[dtype]:
             raise CheckpointFileError(f"{path}: {name} spans {e - b} bytes but {dtype}{list(shape)} needs "
                                       f"{count * _ITEMSIZE[dtype]}")
-        infos[name] = TensorInfo(name, dtype, shape, path, base + b, base + e)
-        end = max(end, e)
-    if base + end != size:
-        raise CheckpointFileError(f"{path}: header describes {base + end} bytes but the file has {size}: "
-                                  f"{'truncated' if size < base + end else 'trailing bytes'}; re-create it")
+        infos[name] = TensorInfo(name, dtype, tuple(shape), path, base + b, base + e)
+    _check_tiling(path, infos, base, size)
     return infos
+
+
+def _check_tiling(path: Path, infos: dict[str, TensorInfo], base: int, size: int) -> None:
+    """Sorted by offset, each tensor must start where the previous one ends, from the data start to the end."""
+    at, prev = base, None
+    for info in sorted(infos.values(), key=lambda i: (i.start, i.end)):
+        if info.start != at:
+            where = f"after {prev.name}" if prev else "at the start of the data"
+            what = (f"overlaps {prev.name} by {at - info.start} bytes" if info.start < at
+                    else f"leaves a gap of {info.start - at} bytes {where}")
+            raise CheckpointFileError(f"{path}: header offsets of {info.name} {what} (data_offsets "
+                                      f"[{info.start - base}, {info.end - base}]): the header is corrupt; "
+                                      "re-create the file")
+        at, prev = info.end, info
+    if at != size:
+        raise CheckpointFileError(f"{path}: header describes {at} bytes but the file has {size}: "
+                                  f"{'truncated' if size < at else 'trailing bytes'}; re-create it")
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """The index's {tensor: shard file name}; shard names must be plain .safetensors names in the same folder."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, KeyError, TypeError, ValueError, RecursionError) as exc:
+        raise CheckpointFileError(f"{index}: malformed index ({exc}); re-create the checkpoint") from exc
+    if not isinstance(weight_map, dict):
+        raise CheckpointFileError(f"{index}: weight_map is a JSON {type(weight_map).__name__}, not an object")
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or not file.endswith(".safetensors") or Path(file).name != file:
+            raise CheckpointFileError(f"{index}: {name} maps to {file!r}, not a .safetensors file beside the index")
+    return weight_map
 
 
 def weight_files(directory: Path) -> list[Path]:
     """The safetensors files of a model directory: those the index names, else model.safetensors."""
     index = directory / INDEX
     if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, KeyError, TypeError, json.JSONDecodeError) as exc:
-            raise CheckpointFileError(f"{index}: malformed index ({exc})") from exc
-        files = [directory / f for f in sorted(set(weight_map.values()))]
+        files = [directory / f for f in sorted(set(_weight_map(index).values()))]
     else:
         files = [directory / SINGLE]
-    missing = [f.name for f in files if not f.exists()]
+    missing = [f.name for f in files if not f.is_file()]
     if missing:
         raise CheckpointFileError(f"{directory}: weights file(s) {', '.join(missing)} missing "
                                   "(safetensors weights are required; re-create the checkpoint)")
@@ -123,7 +159,7 @@ def read_tensor_infos(directory: Path) -> dict[str, TensorInfo]:
             infos[name] = info
     index = directory / INDEX
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = _weight_map(index)
         for name, info in infos.items():
             if weight_map.get(name) != info.file.name:
                 raise CheckpointFileError(f"{index}: {name} is in {info.file.name} but the index says "

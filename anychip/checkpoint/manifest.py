@@ -60,8 +60,12 @@ def read_manifest(directory: Path) -> dict[str, str]:
     if not path.is_file():
         raise ManifestError(f"{path} is missing: this directory was not written by anychip, or was changed "
                             "since (re-create it with `anychip quantize` or `anychip prepare --force`)")
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError as exc:
+        raise ManifestError(f"{path}: not a text file ({exc}): re-create it (`sha256sum` lines)") from exc
     entries = {}
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+    for lineno, line in enumerate(text.splitlines(), 1):
         hexd, sep, name = line.partition("  ")
         if not sep:
             hexd, sep, name = line.partition(" *")  # sha256sum's binary-mode marker

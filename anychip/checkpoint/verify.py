@@ -1,9 +1,10 @@
-"""`anychip verify DIR`: checksums, then the W4A8 checkpoint contract, from safetensors headers only.
+"""`anychip verify DIR`: checksums, the W4A8 checkpoint contract from the safetensors headers, then the values.
 
 The contract: a LlamaForCausalLM whose every decoder linear is stored exactly as `layout.linear_tensor_specs`
 says for the declared scheme; embedding, norms (and lm_head if present) BF16; config, tokenizer and weights
-of one model. The first violation raises ContractError (or ManifestError / CheckpointFileError) naming the
-file or tensor.
+of one model; a quantization_config that targets every Linear and ignores only lm_head. The value pass
+(values.py; skipped by `--fast`) then reads every scale, INT8-stored weight and BF16 tensor. The first violation
+raises ContractError (or ManifestError / CheckpointFileError) naming the file, and the tensor where there is one.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import torch
 from anychip.checkpoint.io import ST_CODES, TensorInfo, read_tensor, read_tensor_infos
 from anychip.checkpoint.layout import LlamaDims, TensorSpec, bf16_tensor_specs, linear_prefix, linear_tensor_specs
 from anychip.checkpoint.manifest import check_manifest, listed_files
-from anychip.checkpoint.scheme import DECODER_LINEARS, ContractError, W4A8Scheme, scheme_from_config
+from anychip.checkpoint.scheme import DECODER_LINEARS, IGNORED, ContractError, W4A8Scheme, scheme_from_config
+from anychip.checkpoint.values import check_values, rule_for
 from anychip.errors import AnychipError
 
 
@@ -40,6 +42,7 @@ class VerifyReport:
     checksums_verified: bool
     provenance: dict[str, Any] = field(default_factory=dict)
     synthetic: dict[str, Any] | None = None
+    value_bytes: int | None = None  # bytes the value pass read; None when it was skipped
 
     @property
     def num_layers(self) -> int:
@@ -79,6 +82,9 @@ class VerifyReport:
         lines.append("bytes by dtype   " + "  ".join(f"{k} {_mb(v)}" for k, v in sorted(self.bytes_by_dtype.items())))
         lines.append(f"total            {_mb(self.total_bytes)} in {self.files} files; "
                      + ("every sha256 matches SHA256SUMS" if self.checksums_verified else "checksums not checked"))
+        lines.append("values           " + ("not checked (--fast)" if self.value_bytes is None else
+                                            f"scales finite and > 0, INT4 in range, BF16 finite "
+                                            f"({_mb(self.value_bytes)} read)"))
         return "\n".join(lines)
 
 
@@ -94,20 +100,21 @@ def tokenizer_size(directory: Path) -> int | None:
     try:
         tok = json.loads(path.read_text())
         vocab = tok["model"]["vocab"]
-        top = (max(vocab.values()) if isinstance(vocab, dict) else len(vocab) - 1) if vocab else -1
+        top = (max(map(int, vocab.values())) if isinstance(vocab, dict) else len(vocab) - 1) if vocab else -1
         for added in tok.get("added_tokens") or []:
             top = max(top, int(added["id"]))
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as exc:
         raise ContractError(f"{path}: not a Hugging Face tokenizer.json ({exc})") from exc
     return top + 1
 
 
-def _expect(infos: dict[str, TensorInfo], spec: TensorSpec) -> TensorInfo:
+def _expect(infos: dict[str, TensorInfo], spec: TensorSpec, where: str) -> TensorInfo:
     info = infos.get(spec.name)
     if info is None:
-        raise ContractError(f"{spec.name} is missing from the weights: the checkpoint is incomplete")
+        raise ContractError(f"{spec.name} is missing from the weights ({where}) that config.json describes: the "
+                            "checkpoint is incomplete, or config.json belongs to another model")
     if info.dtype != ST_CODES[spec.dtype] or info.shape != spec.shape:
-        raise ContractError(f"{spec.name}: stored {info.dtype}{list(info.shape)}, the contract wants "
+        raise ContractError(f"{info.file}: {spec.name}: stored {info.dtype}{list(info.shape)}, the contract wants "
                             f"{ST_CODES[spec.dtype]}{list(spec.shape)} (from config.json: are config and weights "
                             f"from the same model?)")
     return info
@@ -121,15 +128,22 @@ def _check_group_size(infos: dict[str, TensorInfo], prefix: str, n: int, k: int,
     cols = info.shape[1]
     if k % declared or cols != k // declared:
         stored = f"group size {k // cols}" if k % cols == 0 else "no whole group size"
-        raise ContractError(f"{info.name}: {cols} scale columns for K={k} means {stored}, but config.json "
+        raise ContractError(f"{info.file}: {info.name}: {cols} scale columns for K={k} means {stored}, but config.json "
                             f"declares group size {declared}: config and weights disagree")
 
 
-def _check_tensors(infos: dict[str, TensorInfo], dims: LlamaDims, scheme: W4A8Scheme) -> Counter[int]:
+def _check_tensors(infos: dict[str, TensorInfo], dims: LlamaDims,
+                   scheme: W4A8Scheme) -> tuple[Counter[int], dict[str, TensorSpec]]:
+    """Every tensor the config implies, stored as the contract says, and nothing else; returns the linears per
+    group size and the accepted tensors."""
+    where = ", ".join(sorted({info.file.name for info in infos.values()}))
+    if dims.layers > len(infos):  # each layer holds many tensors: also bounds the loops below
+        raise ContractError(f"config.json: num_hidden_layers={dims.layers} but the weights ({where}) hold only "
+                            f"{len(infos)} tensors: config.json belongs to another model")
     expected: dict[str, TensorSpec] = {}
     for spec in bf16_tensor_specs(dims):
         expected[spec.name] = spec
-        _expect(infos, spec)
+        _expect(infos, spec, where)
     if dims.tied and "lm_head.weight" in infos:
         expected["lm_head.weight"] = TensorSpec("lm_head.weight", torch.bfloat16, (dims.vocab, dims.hidden))
     by_group: Counter[int] = Counter()
@@ -143,19 +157,20 @@ def _check_tensors(infos: dict[str, TensorInfo], dims: LlamaDims, scheme: W4A8Sc
             except ContractError as exc:
                 raise ContractError(f"config.json: {exc}") from None
             for spec in specs:
-                info = _expect(infos, spec)
+                info = _expect(infos, spec, where)
                 if spec.name.endswith(".weight_shape"):
                     stored = read_tensor(info).tolist()
                     if stored != [n, k]:
-                        raise ContractError(f"{spec.name} says {stored}, config.json implies [{n}, {k}]")
+                        raise ContractError(f"{info.file}: {spec.name} says {stored}, config.json implies "
+                                            f"[{n}, {k}]")
                 expected[spec.name] = spec
             bias = f"{prefix}.bias"
             if bias in infos:
                 expected[bias] = TensorSpec(bias, torch.bfloat16, (n,))
-                _expect(infos, expected[bias])
+                _expect(infos, expected[bias], where)
             by_group[scheme.group_size] += 1
     if "lm_head.weight" in expected:
-        _expect(infos, expected["lm_head.weight"])
+        _expect(infos, expected["lm_head.weight"], where)
     extra = sorted(set(infos) - set(expected))
     if extra:
         name = extra[0]
@@ -167,13 +182,79 @@ def _check_tensors(infos: dict[str, TensorInfo], dims: LlamaDims, scheme: W4A8Sc
             elif name.endswith("_proj.weight"):
                 hint = f"a {infos[name].dtype} weight where the {scheme.format} contract wants INT4"
         raise ContractError(f"unexpected tensor {name} in {infos[name].file.name}: {hint}")
-    return by_group
+    return by_group, expected
+
+
+_LLAMA_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+_OPTIONAL_LLAMA_FIELDS = ("num_key_value_heads", "head_dim")
+
+
+def _positive_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def _read_config(cfg_path: Path) -> dict[str, Any]:
+    if not cfg_path.is_file():
+        raise ContractError(f"{cfg_path} is missing")
+    try:
+        config = json.loads(cfg_path.read_text())
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ContractError(f"{cfg_path}: not valid JSON ({exc})") from exc
+    if not isinstance(config, dict):
+        raise ContractError(f"{cfg_path}: a JSON {type(config).__name__}, not an object: not a model config")
+    for key in _LLAMA_FIELDS + _OPTIONAL_LLAMA_FIELDS:
+        value = config.get(key)
+        if not _positive_int(value) and (key in _LLAMA_FIELDS or value is not None):
+            raise ContractError(f"{cfg_path}: {key}={value!r} is not a positive integer: restore the source "
+                                "model's config.json")
+    return config
+
+
+def check_quantization_scope(qc: Any, where: str) -> None:
+    """The parts of `quantization_config` that decide which layers vLLM quantizes, and how: one group that
+    targets every Linear, `ignore` exactly the contract's IGNORED, no output or KV-cache quantization. Also the
+    types scheme_from_config relies on."""
+    if qc is None:
+        return  # scheme_from_config names the missing block
+    if not isinstance(qc, dict):
+        raise ContractError(f"{where}: quantization_config is a JSON {type(qc).__name__}, not an object")
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not all(isinstance(g, dict) for g in groups.values()):
+        raise ContractError(f"{where}: quantization_config.config_groups must be an object of objects, got "
+                            f"{groups!r:.80}")
+    for name, group in groups.items():
+        at = f"{where}: quantization_config.config_groups.{name}"
+        for key in ("weights", "input_activations"):
+            if not isinstance(group.get(key), dict):
+                raise ContractError(f"{at}.{key} must be an object, got {group.get(key)!r:.80}")
+        size = group["weights"].get("group_size")
+        if not isinstance(size, int) or isinstance(size, bool):
+            raise ContractError(f"{at}.weights.group_size={size!r} is not an integer")
+        if group.get("targets") != ["Linear"]:
+            raise ContractError(f"{at}.targets={group.get('targets')!r}: the W4A8 contract quantizes every "
+                                'Linear (targets ["Linear"]); layers left out would load as BF16 weights the '
+                                "checkpoint does not hold")
+        if group.get("output_activations") is not None:
+            raise ContractError(f"{at}.output_activations is set: W4A8 quantizes weights and input activations only")
+        fmt, top = group.get("format"), qc.get("format")
+        if fmt is not None and top is not None and fmt != top:
+            raise ContractError(f"{at}.format={fmt!r} but quantization_config.format={top!r}: they must agree")
+    ignore = qc.get("ignore")
+    if (not isinstance(ignore, list) or not all(isinstance(x, str) for x in ignore)
+            or sorted(set(ignore)) != sorted(IGNORED)):
+        raise ContractError(f"{where}: quantization_config.ignore={ignore!r:.120}: the W4A8 contract keeps exactly "
+                            f"{list(IGNORED)} in BF16 and every decoder linear INT4; a decoder linear in ignore "
+                            "would be loaded as BF16 weights the checkpoint does not hold")
+    if qc.get("kv_cache_scheme") is not None:
+        raise ContractError(f"{where}: quantization_config.kv_cache_scheme is set: the W4A8 contract has no KV-cache "
+                            "quantization (and stores no KV scales)")
 
 
 def verify_checkpoint(path: Path, expect_sha256: dict[str, str] | None = None, *,
-                      checksums: bool = True) -> VerifyReport:
-    """Verify a W4A8 directory: SHA256SUMS (every file listed and matching, plus `expect_sha256`), then the
-    contract. Raises AnychipError (ManifestError, ContractError, CheckpointFileError) on the first violation."""
+                      checksums: bool = True, values: bool = True) -> VerifyReport:
+    """Verify a W4A8 directory: SHA256SUMS (every file listed and matching, plus `expect_sha256`), the contract,
+    then (unless `values` is False) every stored value. Raises AnychipError (ManifestError, ContractError,
+    CheckpointFileError) on the first violation."""
     path = Path(path).absolute()
     if not path.is_dir():
         raise AnychipError(f"{path} is not a directory (make a W4A8 checkpoint with `anychip prepare` or "
@@ -181,19 +262,18 @@ def verify_checkpoint(path: Path, expect_sha256: dict[str, str] | None = None, *
     if checksums:
         check_manifest(path, expect_sha256)
     cfg_path = path / "config.json"
-    if not cfg_path.is_file():
-        raise ContractError(f"{cfg_path} is missing")
-    try:
-        config = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ContractError(f"{cfg_path}: not valid JSON ({exc})") from exc
+    config = _read_config(cfg_path)
     archs = config.get("architectures") or []
     if archs != ["LlamaForCausalLM"]:
         raise ContractError(f"{cfg_path}: architectures {archs}, the W4A8 contract covers LlamaForCausalLM only")
-    scheme = scheme_from_config(config)
+    check_quantization_scope(config.get("quantization_config"), str(cfg_path))
+    try:
+        scheme = scheme_from_config(config)
+    except ContractError as exc:
+        raise ContractError(f"{cfg_path}: {exc}") from None
     dims = LlamaDims.from_config(config, where=str(cfg_path))
     infos = read_tensor_infos(path)
-    by_group = _check_tensors(infos, dims, scheme)
+    by_group, accepted = _check_tensors(infos, dims, scheme)
     tok = tokenizer_size(path)
     if tok is None and not (path / "tokenizer.model").is_file():
         raise ContractError(f"{path}: no tokenizer (tokenizer.json or tokenizer.model): copy the source model's "
@@ -201,18 +281,25 @@ def verify_checkpoint(path: Path, expect_sha256: dict[str, str] | None = None, *
     if tok is not None and tok > dims.vocab:
         raise ContractError(f"{path}/tokenizer.json produces ids up to {tok - 1} but vocab_size is {dims.vocab}: "
                             "tokenizer and weights belong to different models")
+    value_bytes = None
+    if values:
+        value_bytes = check_values((infos[name], rule) for name, spec in accepted.items()
+                                   if (rule := rule_for(name, spec.dtype)) is not None)
     bytes_by_dtype: Counter[str] = Counter()
     for info in infos.values():
         bytes_by_dtype[info.dtype] += info.nbytes
     files = listed_files(path)
     qc = config.get("quantization_config") or {}
+    provenance = qc.get("anychip")
+    synthetic = config.get("anychip_synthetic")
     return VerifyReport(
         path=path, architecture=archs[0], dims=dims, scheme=scheme, tokenizer_size=tok,
         linears_by_group_size=dict(by_group), bytes_by_dtype=dict(bytes_by_dtype),
         total_bytes=sum((path / f).stat().st_size for f in files) + ((path / "SHA256SUMS").stat().st_size
                                                                       if (path / "SHA256SUMS").exists() else 0),
         files=len(files) + int((path / "SHA256SUMS").exists()), checksums_verified=checksums,
-        provenance=dict(qc.get("anychip") or {}), synthetic=config.get("anychip_synthetic"),
+        provenance=dict(provenance) if isinstance(provenance, dict) else {},
+        synthetic=synthetic if isinstance(synthetic, dict) else None, value_bytes=value_bytes,
     )
 
 
@@ -227,6 +314,6 @@ def _parse_expect(pairs: list[str]) -> dict[str, str]:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    report = verify_checkpoint(Path(args.dir), _parse_expect(args.expect_sha256))
+    report = verify_checkpoint(Path(args.dir), _parse_expect(args.expect_sha256), values=not args.fast)
     print(report.summary())
     return 0
