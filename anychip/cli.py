@@ -76,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--dry-run", action="store_true", help="print the vLLM command and settings, start nothing")
+    s.add_argument("--verify", choices=["full", "fast", "none"], default="full",
+                   help="check a W4A8 MODEL first: full (checksums, contract, every value; default), fast (no value "
+                        "pass), none")
+    s.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1 routes (default: "
+                   "$ANYCHIP_API_KEY); given to vLLM in its environment, not on its command line")
+    s.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without an API key")
     s.set_defaults(target="anychip.serve:cmd_serve", passthrough=True)
 
     s = sub.add_parser("coverage", help="coverage report tools")

@@ -25,6 +25,8 @@ ANYCHIP_BUILD_DIR = "ANYCHIP_BUILD_DIR"
 ANYCHIP_STRICT = "ANYCHIP_STRICT"
 #: Folder of *.jsonl multiple-choice tasks for `anychip eval` when --data is not given.
 ANYCHIP_EVALDATA = "ANYCHIP_EVALDATA"
+#: The key `anychip serve` requires on /v1 routes when --api-key is not given (passed to vLLM as VLLM_API_KEY).
+ANYCHIP_API_KEY = "ANYCHIP_API_KEY"
 
 
 def _flag(name: str, default: bool) -> bool:

@@ -7,6 +7,7 @@ profile's choice for the same flag.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import shlex
@@ -19,6 +20,7 @@ import urllib.request
 from pathlib import Path
 
 from anychip import envs
+from anychip.errors import AnychipError
 from anychip.profile import build_profile
 
 
@@ -55,11 +57,79 @@ def server_command(model: Path, host: str, port: int, extra: list[str]) -> tuple
     return cmd, env
 
 
-def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> bool:
+def is_loopback(host: str) -> bool:
+    """True for 'localhost' and loopback addresses (127.0.0.0/8, ::1); a name is not resolved."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def api_key(flag: str | None) -> tuple[str | None, str]:
+    """The key the server will require, and where it came from: --api-key, $ANYCHIP_API_KEY, or $VLLM_API_KEY
+    (which vLLM reads by itself)."""
+    for value, source in ((flag, "--api-key"), (os.environ.get(envs.ANYCHIP_API_KEY), envs.ANYCHIP_API_KEY),
+                          (os.environ.get("VLLM_API_KEY"), "VLLM_API_KEY")):
+        if value:
+            return value, source
+    return None, ""
+
+
+def check_exposure(host: str, key: str | None, insecure: bool) -> None:
+    """Refuse to listen beyond this machine without a key, unless the user says so."""
+    if not key and not insecure and not is_loopback(host):
+        raise AnychipError(f"--host {host} accepts connections from other machines, and no API key is set: anyone "
+                           f"who can reach it could use the server. Pass --api-key KEY (or set "
+                           f"{envs.ANYCHIP_API_KEY}), serve on --host 127.0.0.1, or pass --insecure to accept the risk")
+
+
+def served_name(model: Path, extra: list[str]) -> str:
+    """The model name clients must send: the first --served-model-name the user passed, else the folder name."""
+    for i, arg in enumerate(extra):
+        if arg == "--served-model-name" and i + 1 < len(extra) and not extra[i + 1].startswith("--"):
+            return extra[i + 1]
+        if arg.startswith("--served-model-name="):
+            return arg.split("=", 1)[1].split()[0] if arg.split("=", 1)[1].strip() else model.name
+    return model.name
+
+
+def ready_message(url: str, name: str, key_source: str, coverage: Path) -> str:
+    auth = ""
+    if key_source:
+        key = f"${key_source}" if key_source != "--api-key" else "KEY"  # never print the key itself
+        auth = f' -H "Authorization: Bearer {key}"'
+    return (f"\nanychip serve: ready at {url}/v1 (model name {name!r})\n"
+            f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d "
+            f"'{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
+            f"\"max_tokens\": 64}}'\n  coverage report: {coverage}\n")
+
+
+def exit_reason(rc: int, asked_to_stop: bool) -> str | None:
+    """What to tell the user when the server exits: None for a stop they asked for."""
+    if asked_to_stop and rc in (0, -signal.SIGTERM, -signal.SIGINT, -signal.SIGHUP):
+        return None
+    if rc < 0:
+        how = f"was killed by {signal.Signals(-rc).name}" if -rc in signal.valid_signals() else f"died ({rc})"
+    elif rc == 0:
+        how = "exited with status 0 before anything asked it to stop"
+    else:
+        how = f"exited with status {rc}"
+        if rc > 128 and rc - 128 in signal.valid_signals():
+            how += f" (a process it depends on was killed by {signal.Signals(rc - 128).name}?)"
+        elif rc == 247:
+            how += " (its engine process was killed, e.g. by SIGKILL or the out-of-memory killer)"
+    return (f"the vLLM server {how}: the engine died or failed to start; the log above names the cause "
+            "(look for EngineDeadError, 'killed' or a Python traceback)")
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout: float, key: str | None = None) -> bool:
     deadline = time.monotonic() + timeout
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     while time.monotonic() < deadline and proc.poll() is None:
         try:
-            with urllib.request.urlopen(f"{url}/v1/models", timeout=2) as r:
+            with urllib.request.urlopen(urllib.request.Request(f"{url}/v1/models", headers=headers), timeout=2) as r:
                 if r.status == 200:
                     return True
         except OSError:
@@ -80,12 +150,17 @@ def cmd_serve(args) -> int:
     if not (model / "config.json").exists():
         print(f"anychip serve: {model} has no config.json: pass a Hugging Face model directory", file=sys.stderr)
         return 2
-    if _is_w4a8(model):
+    secret, secret_source = api_key(args.api_key)
+    check_exposure(args.host, secret, args.insecure)
+    if _is_w4a8(model) and args.verify == "none":
+        print(f"verify    skipped (--verify none): {model} is served unchecked")
+    elif _is_w4a8(model):
         from anychip.checkpoint.verify import verify_checkpoint
 
-        report = report or verify_checkpoint(model)
+        report = report or verify_checkpoint(model, values=args.verify == "full")
         print(f"verified  {model}: {report.num_layers} layers, {report.num_linears} W4A8 linears "
-              f"G{report.group_size} {report.format}, {report.total_bytes / 1e6:.0f} MB, checksums OK")
+              f"G{report.group_size} {report.format}, {report.total_bytes / 1e6:.0f} MB, checksums OK, "
+              + ("values OK" if report.value_bytes is not None else "values not checked (--verify fast)"))
     else:
         print(f"note      {model} is not a compressed-tensors checkpoint: served by stock vLLM routes")
     coverage = Path(args.coverage) if args.coverage else envs.cache_dir() / "coverage" / f"{model.name}.json"
@@ -98,29 +173,37 @@ def cmd_serve(args) -> int:
         print(f"env       {key}={value}")
     print(f"strict    {'on: the engine refuses to start if any quantized linear lacks a fast kernel' if strict else 'off: reference route allowed, counted in coverage'}")
     print(f"coverage  {coverage}")
+    if secret:  # vLLM reads VLLM_API_KEY itself: the key stays out of the process list and of this output
+        print(f"api key   required on /v1 routes (from {secret_source}; passed to vLLM as VLLM_API_KEY)")
+    elif not is_loopback(args.host):
+        print(f"api key   NONE on {args.host} (--insecure): anyone who can reach port {args.port} can use it")
     print(f"command   {shlex.join(cmd)}")
     if args.dry_run:
         return 0
-    proc = subprocess.Popen(cmd, env={**os.environ, **env})
+    secrets = {"VLLM_API_KEY": secret} if secret else {}
+    proc = subprocess.Popen(cmd, env={**os.environ, **env, **secrets})
     url = f"http://{args.host}:{args.port}"
 
     def announce() -> None:
-        if _wait_ready(url, proc, timeout=900):
-            name = model.name
-            print(f"\nanychip serve: ready at {url}/v1 (model name {name!r})\n"
-                  f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d "
-                  f"'{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
-                  f"\"max_tokens\": 64}}'\n  coverage report: {coverage}\n", flush=True)
+        if _wait_ready(url, proc, timeout=900, key=secret):
+            print(ready_message(url, served_name(model, args.extra), secret_source, coverage), flush=True)
 
     threading.Thread(target=announce, daemon=True).start()
+    stop_requested: list[int] = []
 
     def forward(signum: int, frame: object) -> None:  # stopping anychip serve stops the server it started
+        stop_requested.append(signum)
         proc.send_signal(signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
         try:
-            return proc.wait()
+            rc = proc.wait()
+            reason = exit_reason(rc, bool(stop_requested))
+            if reason:
+                print(f"anychip serve: error: {reason}", file=sys.stderr, flush=True)
+                return rc if rc > 0 else 128 - rc if rc < 0 else 1
+            return 0
         finally:
             if proc.poll() is None:
                 proc.terminate()

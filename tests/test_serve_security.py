@@ -1,0 +1,154 @@
+"""`anychip serve`'s guards, without vLLM: API keys, the non-loopback refusal, --verify modes, the ready message,
+and what it says when the server dies (a stand-in server process plays the dying engine)."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from anychip import envs, serve
+from anychip.checkpoint.io import read_tensor_infos
+from anychip.checkpoint.manifest import write_manifest
+from anychip.checkpoint.quantize import quantize_checkpoint
+from anychip.checkpoint.scheme import W4A8Scheme
+from anychip.cli import main
+
+KEY = "k3y-that-must-not-leak-0123"
+
+
+@pytest.fixture(autouse=True)
+def no_ambient_keys(monkeypatch):
+    for name in (envs.ANYCHIP_API_KEY, "VLLM_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(scope="module")
+def bf16(tiny_llama) -> Path:
+    return tiny_llama()  # not compressed-tensors: serve skips verify and goes straight to the command
+
+
+@pytest.fixture(scope="module")
+def w4a8(tiny_llama, tmp_path_factory) -> Path:
+    return quantize_checkpoint(tiny_llama(), tmp_path_factory.mktemp("serve") / "w4a8", W4A8Scheme(64))
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.168.1.20", "my-host.example"])
+def test_non_loopback_without_key_is_refused(bf16, capsys, host):
+    assert main(["serve", str(bf16), "--host", host, "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert f"--host {host}" in err and "--api-key KEY" in err and "--insecure" in err
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "localhost", "::1"])
+def test_loopback_needs_no_key(bf16, capsys, host):
+    assert main(["serve", str(bf16), "--host", host, "--dry-run"]) == 0
+    assert "api key" not in capsys.readouterr().out
+
+
+def test_insecure_opt_in_is_announced(bf16, capsys):
+    assert main(["serve", str(bf16), "--host", "0.0.0.0", "--insecure", "--dry-run"]) == 0
+    assert "api key   NONE on 0.0.0.0 (--insecure)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("how", ["flag", "anychip-env", "vllm-env"])
+def test_key_allows_any_host_and_never_prints(bf16, capsys, monkeypatch, how):
+    argv = ["serve", str(bf16), "--host", "0.0.0.0", "--dry-run"]
+    if how == "flag":
+        argv += ["--api-key", KEY]
+    else:
+        monkeypatch.setenv(envs.ANYCHIP_API_KEY if how == "anychip-env" else "VLLM_API_KEY", KEY)
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "api key   required on /v1 routes" in out and KEY not in out
+
+
+class FakeProc:
+    """Stands in for the vLLM server: records how it was started, exits at once with `rc`."""
+
+    started: list[tuple[list[str], dict[str, str]]] = []
+
+    def __init__(self, cmd, env=None):
+        FakeProc.started.append((cmd, env))
+        self.returncode = 0
+
+    def wait(self, timeout=None):
+        return self.returncode
+
+    def poll(self):
+        return self.returncode
+
+    def send_signal(self, signum):
+        pass
+
+
+def test_key_reaches_vllm_in_its_environment_only(bf16, monkeypatch, capsys):
+    FakeProc.started.clear()
+    monkeypatch.setattr(serve.subprocess, "Popen", FakeProc)
+    monkeypatch.setattr(serve, "_wait_ready", lambda *a, **k: False)
+    assert main(["serve", str(bf16), "--host", "0.0.0.0", "--api-key", KEY]) == 1  # exit 0 unasked: reported
+    ((cmd, env),) = FakeProc.started
+    assert env["VLLM_API_KEY"] == KEY
+    assert KEY not in " ".join(cmd) and "--api-key" not in cmd  # argv is readable by every user (ps)
+    assert KEY not in capsys.readouterr().out
+
+
+def _damaged(w4a8: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    import torch
+
+    d = tmp_path / "w4a8-nan-scale"
+    shutil.copytree(w4a8, d)
+    info = read_tensor_infos(d)["model.layers.0.mlp.up_proj.weight_scale"]
+    with open(info.file, "r+b") as f:
+        f.seek(info.start)
+        f.write(torch.tensor([float("nan")], dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes())
+    write_manifest(d)  # checksums agree with the damage: only the value pass sees it
+    return d
+
+
+def test_verify_modes(w4a8, tmp_path, capsys):
+    assert main(["serve", str(w4a8), "--dry-run"]) == 0
+    assert "checksums OK, values OK" in capsys.readouterr().out
+    bad = _damaged(w4a8, tmp_path)
+    assert main(["serve", str(bad), "--dry-run"]) == 2  # full by default
+    assert "model.layers.0.mlp.up_proj.weight_scale[0, 0] = nan" in capsys.readouterr().err
+    assert main(["serve", str(bad), "--dry-run", "--verify", "fast"]) == 0
+    assert "values not checked (--verify fast)" in capsys.readouterr().out
+    assert main(["serve", str(bad), "--dry-run", "--verify", "none"]) == 0
+    assert "verify    skipped (--verify none)" in capsys.readouterr().out
+
+
+def test_ready_message_uses_served_model_name_and_key_header():
+    cov = Path("/tmp/cov.json")
+    assert serve.served_name(Path("/m/w4a8-g32"), []) == "w4a8-g32"
+    assert serve.served_name(Path("/m/w4a8-g32"), ["--served-model-name", "smol", "other"]) == "smol"
+    assert serve.served_name(Path("/m/w4a8-g32"), ["--enforce-eager", "--served-model-name=smol"]) == "smol"
+    msg = serve.ready_message("http://127.0.0.1:8000", "smol", "", cov)
+    assert '"model": "smol"' in msg and "Authorization" not in msg
+    msg = serve.ready_message("http://127.0.0.1:8000", "smol", envs.ANYCHIP_API_KEY, cov)
+    assert '-H "Authorization: Bearer $ANYCHIP_API_KEY"' in msg
+    assert '-H "Authorization: Bearer KEY"' in serve.ready_message("http://h:1", "smol", "--api-key", cov)
+
+
+@pytest.mark.parametrize("code, rc, words", [
+    ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", 128 + signal.SIGKILL, "was killed by SIGKILL"),
+    ("raise SystemExit(247)", 247, "exited with status 247 (its engine process was killed"),
+    ("raise SystemExit(3)", 3, "exited with status 3"),
+    ("pass", 1, "exited with status 0 before anything asked it to stop"),
+])
+def test_server_death_is_named(bf16, monkeypatch, capsys, code, rc, words):
+    monkeypatch.setattr(serve, "server_command", lambda *a, **k: ([sys.executable, "-c", code], {}))
+    monkeypatch.setattr(serve, "_wait_ready", lambda *a, **k: False)
+    assert main(["serve", str(bf16), "--port", "9"]) == rc
+    err = capsys.readouterr().err
+    assert "anychip serve: error: the vLLM server " + words in err and "log above names the cause" in err
+
+
+def test_exit_after_a_requested_stop_is_quiet():
+    assert serve.exit_reason(0, asked_to_stop=True) is None
+    assert serve.exit_reason(-signal.SIGTERM, asked_to_stop=True) is None
+    assert serve.exit_reason(1, asked_to_stop=True) is not None  # a failed shutdown is still reported
