@@ -83,6 +83,8 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
     base, infos = 8 + n, {}
     for name, h in header.items():
         if name == "__metadata__":
+            if not isinstance(h, dict) or not all(isinstance(v, str) for v in h.values()):
+                raise CheckpointFileError(f"{path}: __metadata__ must map strings to strings, got {h!r:.80}")
             continue
         try:
             dtype, shape, (b, e) = h["dtype"], h["shape"], h["data_offsets"]

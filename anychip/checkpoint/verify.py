@@ -210,6 +210,24 @@ def _read_config(cfg_path: Path) -> dict[str, Any]:
     return config
 
 
+#: The fields of compressed-tensors' QuantizationArgs (extra="forbid"; the version vLLM 0.32 pins): vLLM refuses any
+#: other key in `weights` or `input_activations` when it loads the model.
+_QUANT_ARGS_KEYS = frozenset({"num_bits", "type", "symmetric", "group_size", "strategy", "block_structure", "dynamic",
+                              "actorder", "scale_dtype", "zp_dtype", "observer", "observer_kwargs"})
+
+
+def _check_quant_args(args: dict[str, Any], at: str) -> None:
+    unknown = sorted(map(str, set(args) - _QUANT_ARGS_KEYS))
+    if unknown:
+        raise ContractError(f"{at}: unknown key {unknown[0]!r} (compressed-tensors, and so vLLM, refuses it): "
+                            "remove it")
+    if not isinstance(args.get("observer"), str | None) or not isinstance(args.get("observer_kwargs", {}), dict):
+        raise ContractError(f"{at}: observer must be a string or null and observer_kwargs an object")
+    for key in ("scale_dtype", "zp_dtype", "block_structure"):  # the contract stores BF16 scales and no zero points
+        if args.get(key) is not None:
+            raise ContractError(f"{at}.{key}={args[key]!r}: the W4A8 contract stores none (null)")
+
+
 def check_quantization_scope(qc: Any, where: str) -> None:
     """The parts of `quantization_config` that decide which layers vLLM quantizes, and how: one group that
     targets every Linear, `ignore` exactly the contract's IGNORED, no output or KV-cache quantization. Also the
@@ -227,9 +245,20 @@ def check_quantization_scope(qc: Any, where: str) -> None:
         for key in ("weights", "input_activations"):
             if not isinstance(group.get(key), dict):
                 raise ContractError(f"{at}.{key} must be an object, got {group.get(key)!r:.80}")
-        size = group["weights"].get("group_size")
+        weights, acts = group["weights"], group["input_activations"]
+        size = weights.get("group_size")
         if not isinstance(size, int) or isinstance(size, bool):
             raise ContractError(f"{at}.weights.group_size={size!r} is not an integer")
+        _check_quant_args(weights, f"{at}.weights")
+        _check_quant_args(acts, f"{at}.input_activations")
+        # Layout-changing options the contract writes as off: activation reordering stores a g_idx per weight,
+        # dynamic weights have no stored scales.
+        for key, value in (("weights.actorder", weights.get("actorder")),
+                           ("input_activations.group_size", acts.get("group_size"))):
+            if value is not None:
+                raise ContractError(f"{at}.{key}={value!r}: the W4A8 contract stores none (null)")
+        if weights.get("dynamic", False) is not False:
+            raise ContractError(f"{at}.weights.dynamic={weights['dynamic']!r}: W4A8 weights are static (false)")
         if group.get("targets") != ["Linear"]:
             raise ContractError(f"{at}.targets={group.get('targets')!r}: the W4A8 contract quantizes every "
                                 'Linear (targets ["Linear"]); layers left out would load as BF16 weights the '
