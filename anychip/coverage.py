@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from anychip import __version__
+from anychip.formats import GROUP_SIZES
 
 SCHEMA_VERSION = 1
 PHASES = ("prefill", "decode")
@@ -28,7 +29,7 @@ class LayerRoute:
     """How one vLLM linear (dotted prefix, e.g. model.layers.3.self_attn.qkv_proj) is served."""
 
     name: str
-    route: str  # e.g. "anychip.cpu.w4a8.avx512_vnni" or "anychip.reference"
+    route: str  # the route id, e.g. "cpu.avx512_vnni" or "reference"; "vllm.<Scheme>" for vLLM's own
     kernel: str
     isa: str
     group_size: int
@@ -37,6 +38,7 @@ class LayerRoute:
     checkpoint_format: str
     fallback: bool = False
     reason: str | None = None  # why a fallback was taken
+    bit_exact: bool | None = None  # whether the route computes the checkpoint's numerics exactly (None: unknown)
     calls: Counter = field(default_factory=Counter)  # phase -> calls
     tokens: Counter = field(default_factory=Counter)  # phase -> tokens
 
@@ -51,6 +53,7 @@ class LayerRoute:
             "checkpoint_format": self.checkpoint_format,
             "fallback": self.fallback,
             "reason": self.reason,
+            "bit_exact": self.bit_exact,
             "calls": dict(self.calls),
             "tokens": dict(self.tokens),
         }
@@ -64,6 +67,7 @@ class Coverage:
         self.fallback_allowed = fallback_allowed
         self.platform = platform_info
         self.vllm_version: str | None = None
+        self.vllm_tested: bool | None = None
         self.model: str | None = None
         self.attention_backend: str | None = None
         self.head_route: dict[str, Any] | None = None
@@ -92,7 +96,7 @@ class Coverage:
 
     def route_stats(self) -> dict[str, Any]:
         by_group = Counter(layer.group_size for layer in self.layers if not layer.fallback)
-        stats: dict[str, Any] = {f"prepared_g{g}_linears": by_group.get(g, 0) for g in (32, 64, 128)}
+        stats: dict[str, Any] = {f"prepared_g{g}_linears": by_group.get(g, 0) for g in GROUP_SIZES}
         for g, count in by_group.items():
             stats[f"prepared_g{g}_linears"] = count
         stats["prepared_linears"] = sum(by_group.values())
@@ -107,6 +111,7 @@ class Coverage:
                 "schema_version": SCHEMA_VERSION,
                 "anychip_version": __version__,
                 "vllm_version": self.vllm_version,
+                "vllm_tested": self.vllm_tested,
                 "model": self.model,
                 "platform": self.platform,
                 "strict": self.strict,
@@ -183,7 +188,7 @@ def check(document: dict[str, Any], expect_linears: int | None = None, group_siz
         if wrong:
             problems.append(f"{len(wrong)} linears are not G{group_size}, e.g. {wrong[0]} is "
                             f"G{layers[wrong[0]].get('group_size')}")
-        for g in (32, 64, 128):
+        for g in GROUP_SIZES:
             if g != group_size and stats.get(f"prepared_g{g}_linears", 0):
                 problems.append(f"prepared_g{g}_linears={stats[f'prepared_g{g}_linears']}, expected 0")
     for name, layer in layers.items():

@@ -11,18 +11,27 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from anychip.kernels.policy import KernelPolicy
+
+#: What anychip sets for the vLLM engines it starts (bench, eval, tests; a user's own value wins): the engine core
+#: in-process, so a decode step pays no inter-process round trip (twice the decode speed on a 2-core CPU).
+VLLM_STARTUP: dict[str, str] = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
 #: Where prepared models are cached (the directory that holds `smollm2-135m-instruct/...`).
 ANYCHIP_CACHE = "ANYCHIP_CACHE"
 #: Path of the coverage report that the vLLM plugin writes (set by `anychip serve --coverage`).
 ANYCHIP_COVERAGE = "ANYCHIP_COVERAGE"
 #: "1" allows the torch reference route for linears that no fast kernel can serve; counted in the report.
 ANYCHIP_ALLOW_FALLBACK = "ANYCHIP_ALLOW_FALLBACK"
-#: Forces one CPU kernel path: "avx512_vnni", "avx2", "portable", "reference" (tests use it).
+#: Forces one kernel route by id (`anychip routes` lists them): "cpu.avx512_vnni", "cpu.avx2", "cpu.portable",
+#: "cuda.triton", "reference", ...; the short names "avx2", "portable", ... are accepted too.
 ANYCHIP_KERNEL_ISA = "ANYCHIP_KERNEL_ISA"
 #: Where the compiled C++ extension is cached (default: ~/.cache/anychip/torch_extensions).
 ANYCHIP_BUILD_DIR = "ANYCHIP_BUILD_DIR"
 #: "0" disables strict mode in the plugin (same as ANYCHIP_ALLOW_FALLBACK=1).
 ANYCHIP_STRICT = "ANYCHIP_STRICT"
+#: "1" lets the plugin run under a vLLM version it was not tested with (a warning; `vllm_tested: false` in coverage).
+ANYCHIP_ALLOW_UNTESTED_VLLM = "ANYCHIP_ALLOW_UNTESTED_VLLM"
 #: Folder of *.jsonl multiple-choice tasks for `anychip eval` when --data is not given.
 ANYCHIP_EVALDATA = "ANYCHIP_EVALDATA"
 #: The key `anychip serve` requires on /v1 routes when --api-key is not given (passed to vLLM as VLLM_API_KEY).
@@ -62,6 +71,17 @@ def fallback_allowed() -> bool:
 
 def forced_isa() -> str | None:
     return os.environ.get(ANYCHIP_KERNEL_ISA) or None
+
+
+def allow_untested_vllm() -> bool:
+    return _flag(ANYCHIP_ALLOW_UNTESTED_VLLM, False)
+
+
+def kernel_policy(allow_fallback: bool | None = None) -> KernelPolicy:
+    """The kernel policy from the environment (ANYCHIP_KERNEL_ISA, ANYCHIP_ALLOW_FALLBACK / ANYCHIP_STRICT,
+    ANYCHIP_BUILD_DIR); `allow_fallback` overrides the environment's answer (a CLI flag)."""
+    return KernelPolicy(route=forced_isa(), build_dir=build_dir(),
+                        allow_fallback=fallback_allowed() if allow_fallback is None else allow_fallback)
 
 
 @contextmanager

@@ -11,6 +11,8 @@ import platform
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from anychip.envs import VLLM_STARTUP
+
 # Features that matter to our kernels, by architecture (names as /proc/cpuinfo spells them).
 _X86_FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8", "avx2", "fma")
 _ARM_FEATURES = ("asimd", "asimddp", "i8mm", "bf16", "sve", "sve2")
@@ -170,8 +172,8 @@ def build_profile(cpu: CpuInfo | None = None) -> Profile:
         Setting("VLLM_CPU_KVCACHE_SPACE", str(kv_gib),
                 f"KV cache of {kv_gib} GiB (a quarter of {cpu.memory_gib} GiB RAM, at most 16): vLLM otherwise "
                 "sizes it from NUMA node memory", "env"),
-        Setting("VLLM_ENABLE_V1_MULTIPROCESSING", "0",
-                "engine core in the server process: no IPC hop per step (doubled decode speed on 2 cores)", "env"),
+        *(Setting(name, value, "engine core in the server process: no IPC hop per step (doubled decode speed on "
+                  "2 cores)", "env") for name, value in VLLM_STARTUP.items()),
         Setting("--distributed-executor-backend", "uni", "single process executor: one CPU socket, no tensor "
                 "parallel workers"),
         Setting("--max-num-batched-tokens", "2048" if n <= 8 else "4096",

@@ -8,7 +8,6 @@ profile's choice for the same flag.
 from __future__ import annotations
 
 import ipaddress
-import json
 import os
 import shlex
 import signal
@@ -20,20 +19,13 @@ import urllib.request
 from pathlib import Path
 
 from anychip import envs
+from anychip.checkpoint.model_dir import ModelDir
 from anychip.errors import AnychipError
 from anychip.profile import build_profile
 
 
 def _user_flags(extra: list[str]) -> set[str]:
     return {arg.split("=", 1)[0] for arg in extra if arg.startswith("--")}
-
-
-def _is_w4a8(model: Path) -> bool:
-    try:
-        qc = json.loads((model / "config.json").read_text()).get("quantization_config") or {}
-    except (OSError, ValueError):
-        return False
-    return qc.get("quant_method") == "compressed-tensors"
 
 
 def server_command(model: Path, host: str, port: int, extra: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -147,14 +139,12 @@ def cmd_serve(args) -> int:
         print("anychip serve: no MODEL given, using the embedded default model (anychip prepare)")
         prepared = prepare_default()  # verified as it is prepared or reused
         model, report = prepared.w4a8_dir, prepared.report
-    if not (model / "config.json").exists():
-        print(f"anychip serve: {model} has no config.json: pass a Hugging Face model directory", file=sys.stderr)
-        return 2
+    is_w4a8 = ModelDir.open(model).scheme is not None  # ModelDirError (exit 2) when it is no model directory
     secret, secret_source = api_key(args.api_key)
     check_exposure(args.host, secret, args.insecure)
-    if _is_w4a8(model) and args.verify == "none":
+    if is_w4a8 and args.verify == "none":
         print(f"verify    skipped (--verify none): {model} is served unchecked")
-    elif _is_w4a8(model):
+    elif is_w4a8:
         from anychip.checkpoint.verify import verify_checkpoint
 
         report = report or verify_checkpoint(model, values=args.verify == "full")

@@ -17,6 +17,7 @@ import torch
 
 from anychip.bench import latency, metrics, peers, serve
 from anychip.bench.metrics import MeanSd, RepTiming, RequestRecord
+from anychip.checkpoint.model_dir import ModelDir
 from anychip.cli import main
 
 # ---- latency arithmetic ----
@@ -154,14 +155,14 @@ def test_w8a8_copy_is_per_channel_int8(tiny_llama, tmp_path):
 
 def test_int_quantized_copy_holds_the_same_weights(tiny_llama, tmp_path):
     from anychip.checkpoint.io import read_tensor, read_tensor_infos
-    from anychip.checkpoint.pack import unpack_int4
     from anychip.checkpoint.quantize import quantize_checkpoint
     from anychip.checkpoint.scheme import W4A8Scheme
+    from anychip.formats import unpack_int4
 
     w4a8 = quantize_checkpoint(tiny_llama(), tmp_path / "w4a8", W4A8Scheme(group_size=32))
     out = peers.make_int_quantized(w4a8)
     assert out == w4a8.with_name("w4a8-int")
-    assert peers.model_kind(json.loads((out / "config.json").read_text())) == "w4a8"
+    assert ModelDir.open(out).kind == "w4a8"
     packed, unpacked = read_tensor_infos(w4a8), read_tensor_infos(out)
     for name in ("model.layers.1.self_attn.q_proj", "model.layers.0.mlp.down_proj"):
         q = read_tensor(unpacked[f"{name}.weight"])
@@ -175,19 +176,19 @@ def test_plan_systems_reports_every_peer(tiny_llama, tmp_path):
     from anychip.checkpoint.scheme import W4A8Scheme
 
     w4a8 = quantize_checkpoint(tiny_llama(), tmp_path / "w4a8", W4A8Scheme(group_size=32))
-    rows = latency.plan_systems(w4a8, peers.read_config(w4a8), with_peers=True)
+    rows = latency.plan_systems(ModelDir.open(w4a8), with_peers=True)
     assert [r.name for r in rows] == list(latency.SYSTEMS)
     assert rows[0].plugin and not any(r.plugin for r in rows[1:])
     gguf = rows[-1]
     assert gguf.skipped and ("different model" in gguf.skipped or "not installed" in gguf.skipped)
-    synthetic = dict(peers.read_config(w4a8))
+    synthetic = dict(ModelDir.open(w4a8).config)
     synthetic["quantization_config"] = dict(synthetic["quantization_config"],
                                             anychip={"source": "synthetic", "method": "random"})
-    rows = latency.plan_systems(w4a8, synthetic, with_peers=True)
+    rows = latency.plan_systems(ModelDir(w4a8, synthetic), with_peers=True)
     by = {r.name: r for r in rows}
     assert "random weights" in by["vllm-bf16"].skipped and "BF16 source" in by["vllm-w8a8"].skipped
     assert by["anychip-w4a8"].notes and by["vllm-w4a8-stock"].skipped is None
-    assert [r.name for r in latency.plan_systems(w4a8, synthetic, with_peers=False)] == ["anychip-w4a8"]
+    assert [r.name for r in latency.plan_systems(ModelDir(w4a8, synthetic), with_peers=False)] == ["anychip-w4a8"]
 
 
 def test_stock_systems_leave_the_plugin_out(monkeypatch):

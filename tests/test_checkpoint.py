@@ -9,20 +9,20 @@ import types
 
 import pytest
 import torch
+from conftest import ct_decompress
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 from anychip.checkpoint.io import INDEX, read_tensor_infos
-from anychip.checkpoint.pack import pack_int4, unpack_int4
 from anychip.checkpoint.quantize import choose_group_size, quantize_checkpoint
 from anychip.checkpoint.rtn import rtn_quantize
 from anychip.checkpoint.scheme import DECODER_LINEARS, ContractError, W4A8Scheme, scheme_from_config
 from anychip.cli import main
 from anychip.errors import AnychipError
+from anychip.formats import pack_int4, unpack_int4
 from anychip.kernels.reference import dequantize_weight_ref
-from conftest import ct_decompress
 
 LINEAR_NAMES = [f"model.layers.{i}.{lin}" for i in range(2) for lin in DECODER_LINEARS]
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ct_decompress, model_cache
 from safetensors.torch import load_file
 
 from anychip.checkpoint import from_gguf
 from anychip.checkpoint.cache import marker_path
-from anychip.checkpoint.pack import unpack_int4
 from anychip.checkpoint.prepare import PrepareRecipe, prepare_default
 from anychip.checkpoint.quantize import choose_group_size
 from anychip.checkpoint.rtn import rtn_quantize
@@ -22,8 +22,8 @@ from anychip.checkpoint.synthetic import PRESETS, SyntheticShape, make_synthetic
 from anychip.checkpoint.verify import verify_checkpoint
 from anychip.cli import main
 from anychip.errors import AnychipError
+from anychip.formats import unpack_int4
 from anychip.kernels.reference import dequantize_weight_ref
-from conftest import ct_decompress, model_cache
 
 
 def _stat(directory: Path) -> dict[str, tuple[int, int]]:

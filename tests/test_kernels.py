@@ -14,14 +14,15 @@ import pytest
 import torch
 
 from anychip import envs
-from anychip.checkpoint.pack import pack_int4
 from anychip.errors import AnychipError
-from anychip.kernels import cpu_ext, dispatch, hooks
-from anychip.kernels.dispatch import NoKernelRoute
-from anychip.kernels.prepare import Route, prepare_w4a8, w4a8_linear
+from anychip.formats import pack_int4
+from anychip.kernels import cpu_ext, hooks, machine, routes
+from anychip.kernels.policy import KernelPolicy
+from anychip.kernels.prepare import prepare_w4a8, w4a8_linear
 from anychip.kernels.reference import group_dot_ref, quantize_activations_ref, w4a8_linear_dynamic_ref
+from anychip.kernels.routes import NoKernelRoute
 
-ISAS = dispatch.available_isas()
+ISAS = [r.id for r in routes.available("cpu")]  # route ids, best first
 
 # (M, K, N, G, bias, dtype): every M in {1,3,7,64,512}, K in {576,1536,2048,6144}, N in {1,17,100,576,1536},
 # G in {32,64,128}, with and without bias, bf16 and fp32.
@@ -93,13 +94,13 @@ def _assert_close(y: torch.Tensor, ref: torch.Tensor) -> None:
     c[0], c[1], c[2], c[3], "bias" if c[4] else "nobias", str(c[5]).split(".")[-1]))
 def test_linear_matches_reference(isa: str, case: tuple) -> None:
     m, k, n, g, with_bias, dtype = case
-    if isa == "portable" and m * n * k > 1 << 28:
+    if isa == "cpu.portable" and m * n * k > 1 << 28:
         pytest.skip("portable C++ on a 2^28-MAC shape: covered by the same code at smaller N")
     wq, sw = _weights(n, k, g, seed=m + k + n)
     x = _acts(m, k, dtype, seed=m * k)
     bias = (torch.randn(n) * 0.1).to(dtype) if with_bias else None
-    prepared = prepare_w4a8(wq, sw, g, packed=False, isa=isa)
-    assert prepared.route == Route(kernel="w4a8_cpu", isa=isa, group_size=g, device="cpu")
+    prepared = prepare_w4a8(wq, sw, g, packed=False, route=isa)
+    assert prepared.route.id == isa and prepared.route.kernel == "w4a8_cpu" and prepared.group_size == g
     y = w4a8_linear(x, prepared, bias)
     assert y.dtype == dtype and y.shape == (m, n)
     _assert_close(y, _reference(x, wq, sw, bias))
@@ -112,7 +113,7 @@ def test_group_dots_exact(isa: str, case: tuple) -> None:
     wq, sw = _weights(n, k, g, seed=n)
     xq, _ = quantize_activations_ref(_acts(m, k, torch.float32, seed=k))
     xq[0, :g] = -127  # extremes: the largest |dot| a group can reach
-    p = prepare_w4a8(wq, sw, g, packed=False, isa=isa)
+    p = prepare_w4a8(wq, sw, g, packed=False, route=isa)
     dots = torch.ops.anychip.w4a8_group_dots(xq, p.weight, p.scales, n, k, g, isa)
     assert dots.dtype == torch.int32 and dots.shape == (m, n, k // g)
     expected = group_dot_ref(xq, wq, g) if m * n * k <= 1 << 24 else _group_dots64(xq, wq, g).to(torch.int32)
@@ -127,7 +128,7 @@ def test_linear_exact_with_power_of_two_scales(isa: str) -> None:
     sw = (2.0 ** -torch.randint(0, 6, (n, 1)).float()).expand(n, k // g).contiguous()
     xq, _ = quantize_activations_ref(_acts(m, k, torch.float32, seed=4))
     sx = 2.0 ** -torch.randint(0, 4, (m, 1)).float()
-    p = prepare_w4a8(wq, sw, g, packed=False, isa=isa)
+    p = prepare_w4a8(wq, sw, g, packed=False, route=isa)
     y = torch.ops.anychip.w4a8_linear_q(xq, sx, p.weight, p.scales, None, n, k, g, isa, -1, torch.float32)
     ref = (group_dot_ref(xq, wq, g).double() * sw.double()).sum(2) * sx.double()
     assert torch.equal(y.double(), ref)
@@ -175,25 +176,28 @@ def test_leading_dims_and_empty_batch() -> None:
 def test_env_switch_forces_isa(monkeypatch: pytest.MonkeyPatch) -> None:
     wq, sw = _weights(17, 576, 32, seed=9)
     for isa in ISAS:
-        monkeypatch.setenv(envs.ANYCHIP_KERNEL_ISA, isa)
-        p = prepare_w4a8(wq, sw, 32, packed=False)
-        assert p.route.isa == isa and p.route.name == f"anychip.cpu.w4a8.{isa}"
+        for name in (isa, isa.split(".")[1]):  # the route id, and the short name older settings used
+            monkeypatch.setenv(envs.ANYCHIP_KERNEL_ISA, name)
+            p = prepare_w4a8(wq, sw, 32, packed=False, policy=envs.kernel_policy())
+            assert p.route.id == isa and p.route.isa == isa.split(".")[1]
     monkeypatch.setenv(envs.ANYCHIP_KERNEL_ISA, "reference")
-    p = prepare_w4a8(wq, sw, 32, packed=False)
-    assert p.route.is_fallback
+    p = prepare_w4a8(wq, sw, 32, packed=False, policy=envs.kernel_policy())
+    assert p.route is routes.REFERENCE
     x = _acts(3, 576, torch.bfloat16, seed=3)
     assert torch.equal(w4a8_linear(x, p), w4a8_linear_dynamic_ref(x, wq, sw))
     monkeypatch.setenv(envs.ANYCHIP_KERNEL_ISA, "no_such_isa")
     with pytest.raises(NoKernelRoute, match="ANYCHIP_KERNEL_ISA"):
-        prepare_w4a8(wq, sw, 32, packed=False)
+        prepare_w4a8(wq, sw, 32, packed=False, policy=envs.kernel_policy())
 
 
 def test_unavailable_isa_is_an_error() -> None:
     wq, sw = _weights(17, 576, 32, seed=9)
-    missing = [i for i in ("avx512_vnni", "avx2", "kleidiai") if i not in ISAS]
+    missing = [i for i in ("cpu.avx512_vnni", "cpu.avx2", "arm.kleidiai") if i not in ISAS]
     for isa in missing:
         with pytest.raises(NoKernelRoute, match="not available"):
-            prepare_w4a8(wq, sw, 32, packed=False, isa=isa)
+            prepare_w4a8(wq, sw, 32, packed=False, route=isa)
+    with pytest.raises(NoKernelRoute, match="serves cuda tensors"):
+        prepare_w4a8(wq, sw, 32, packed=False, route="cuda.triton")
 
 
 def test_no_fast_route_errors_say_how_to_fix(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -206,19 +210,21 @@ def test_no_fast_route_errors_say_how_to_fix(monkeypatch: pytest.MonkeyPatch) ->
     wq16, sw16 = _weights(17, 576, 16, seed=11)
     with pytest.raises(NoKernelRoute, match="re-quantize"):
         prepare_w4a8(wq16, sw16, 16, packed=False)
-    p = prepare_w4a8(wq16, sw16, 16, packed=False, allow_fallback=True)
-    assert p.route.is_fallback and p.route.kernel == "reference"
+    p = prepare_w4a8(wq16, sw16, 16, packed=False, policy=KernelPolicy(allow_fallback=True))
+    assert p.route is routes.REFERENCE and p.route.kernel == "reference"
     with pytest.raises(NoKernelRoute, match="packed=False"):
         prepare_w4a8(wq, sw, 64, packed=True)
 
 
-def test_dispatch_table() -> None:
-    assert dispatch.best_isa() == ISAS[0]
-    assert "reference" not in ISAS and set(ISAS) <= set(dispatch.ISAS)
-    assert {row.isa for row in dispatch.TABLE} == set(dispatch.ISAS)
-    if dispatch.is_x86():
-        assert "kleidiai" not in ISAS and ISAS[-1] == "portable"
-        assert list(ISAS) == cpu_ext.load().cpu_isas()  # /proc/cpuinfo agrees with __builtin_cpu_supports
+def test_route_registry() -> None:
+    ids = routes.route_ids()
+    assert len(set(ids)) == len(ids) and "reference" in ids and "reference" not in ISAS
+    assert set(ISAS) <= set(ids) and ISAS == [r.id for r in routes.preferred("cpu") if r.unavailable() is None]
+    assert routes.get("avx2").id == "cpu.avx2" and routes.get("cpu.avx2") is routes.get("avx2")
+    if machine.is_x86():
+        assert "arm.kleidiai" not in ISAS and ISAS[-1] == "cpu.portable"
+        # /proc/cpuinfo agrees with __builtin_cpu_supports
+        assert [routes.get(i).isa for i in ISAS] == cpu_ext.load().cpu_isas()
 
 
 class _Tiny(torch.nn.Module):

@@ -16,12 +16,12 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device: the Triton W4A8 kernels run on NVIDIA GPUs only", allow_module_level=True)
 pytest.importorskip("triton", reason="triton is not installed (CUDA builds of torch ship it)")
 
-from anychip.checkpoint.pack import pack_int4  # noqa: E402
+from anychip.formats import pack_int4  # noqa: E402
 from anychip.kernels import hooks  # noqa: E402
-from anychip.kernels.dispatch import NoKernelRoute  # noqa: E402
 from anychip.kernels.gpu import launch, unavailable_reason  # noqa: E402
 from anychip.kernels.prepare import prepare_w4a8, w4a8_linear  # noqa: E402
 from anychip.kernels.reference import group_dot_ref, quantize_activations_ref, w4a8_linear_ref  # noqa: E402
+from anychip.kernels.routes import NoKernelRoute  # noqa: E402
 
 DEV = torch.device("cuda")
 if reason := unavailable_reason(DEV):
@@ -107,7 +107,7 @@ def test_group_dots_extremes_through_op() -> None:
     xq[1::2] = -127
     s = torch.ones(n, k // g)
     p = prepare_w4a8(q.to(DEV), s.to(DEV), g, packed=False)
-    got = OPS.w4a8_group_dots(xq.to(DEV), p.weight, p.scales, n, k, g, p.route.isa)
+    got = OPS.w4a8_group_dots(xq.to(DEV), p.weight, p.scales, n, k, g, p.route.id)
     assert torch.equal(got.cpu(), group_dot_ref(xq, q, g))
     assert got.abs().max().item() == 127 * 8 * g
 
@@ -175,7 +175,7 @@ def test_linear_op_matches_reference(m: int, k: int, n: int, g: int, has_bias: b
     p = prepare_w4a8(pack_int4(q).to(DEV), s.to(DEV), g, packed=True)
     assert p.route.kernel == "triton" and p.route.device == "cuda" and p.weight.is_cuda
     y = OPS.w4a8_linear(x.to(DEV), p.weight, p.scales, None if bias is None else bias.to(DEV), n, k, g,
-                        p.route.isa, -1)
+                        p.route.id, -1)
     assert y.dtype == dtype and y.shape == (m, n)
     xq, sx = quantize_activations_ref(x)
     assert_close(y, w4a8_linear_ref(xq, sx, q, s, bias, out_dtype=torch.float64))
@@ -217,7 +217,7 @@ class _Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         p = self.p
         y = torch.ops.anychip.w4a8_linear(x, self.weight, self.scales, self.bias, p.n, p.k, p.group_size,
-                                          p.route.isa, 3)
+                                          p.route.id, 3)
         return torch.nn.functional.silu(y) * 2
 
 
@@ -268,7 +268,7 @@ def test_reference_route_and_wrong_route_on_cuda() -> None:
     n, k, g = 17, 576, 64
     q, s = weights(n, k, g, seed=8)
     x = activations(3, k, torch.float32, seed=9)
-    ref = prepare_w4a8(q.to(DEV), s.to(DEV), g, packed=False, isa="reference")
+    ref = prepare_w4a8(q.to(DEV), s.to(DEV), g, packed=False, route="reference")
     assert ref.route.kernel == "reference" and ref.weight.is_cuda
     xq, sx = quantize_activations_ref(x)
     assert_close(w4a8_linear(x.to(DEV), ref), w4a8_linear_ref(xq, sx, q, s, None, out_dtype=torch.float64))

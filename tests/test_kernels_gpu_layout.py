@@ -8,10 +8,15 @@ import sys
 import pytest
 import torch
 
-from anychip.checkpoint.pack import pack_int4
-from anychip.kernels.dispatch import NoKernelRoute
+from anychip.formats import pack_int4
 from anychip.kernels.gpu import unavailable_reason
-from anychip.kernels.gpu.prepare import pack_nibbles, triton_layout, unpack_nibbles
+from anychip.kernels.gpu.layout import pack_nibbles, triton_layout, unpack_nibbles
+from anychip.kernels.routes import NoKernelRoute
+from anychip.kernels.routes.base import CheckpointWeights
+
+
+def _layout(wq: torch.Tensor, scales: torch.Tensor, g: int, packed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return triton_layout(CheckpointWeights(wq, scales, g, packed=packed))
 
 
 def _q(n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -31,8 +36,8 @@ def test_nibbles_round_trip_every_value() -> None:
 def test_packed_checkpoint_converts_to_the_same_layout(g: int) -> None:
     q = _q(17, 384, seed=g)
     s = torch.rand(17, 384 // g)
-    w_packed, s_packed = triton_layout(pack_int4(q), s, g, packed=True)
-    w_int8, s_int8 = triton_layout(q, s, g, packed=False)
+    w_packed, s_packed = _layout(pack_int4(q), s, g, packed=True)
+    w_int8, s_int8 = _layout(q, s, g, packed=False)
     assert torch.equal(w_packed, w_int8) and torch.equal(unpack_nibbles(w_packed), q)
     assert s_packed.shape == (384 // g, 17) and torch.equal(s_packed, s.t())
 
@@ -40,19 +45,19 @@ def test_packed_checkpoint_converts_to_the_same_layout(g: int) -> None:
 @pytest.mark.parametrize("dtype,kept", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
                                         (torch.float32, torch.float32), (torch.float64, torch.float32)])
 def test_scale_dtype(dtype: torch.dtype, kept: torch.dtype) -> None:
-    _, sw = triton_layout(_q(4, 64), torch.rand(4, 2, dtype=dtype), 32, packed=False)
+    _, sw = _layout(_q(4, 64), torch.rand(4, 2, dtype=dtype), 32, packed=False)
     assert sw.dtype == kept and sw.is_contiguous()
 
 
 def test_layout_errors_say_how_to_fix() -> None:
     with pytest.raises(NoKernelRoute, match="group size"):
-        triton_layout(_q(4, 96), torch.rand(4, 1), 64, packed=False)
+        _layout(_q(4, 96), torch.rand(4, 1), 64, packed=False)
     with pytest.raises(NoKernelRoute, match=r"outside \[-8, 7\]"):
-        triton_layout(torch.full((4, 64), 9, dtype=torch.int8), torch.rand(4, 2), 32, packed=False)
+        _layout(torch.full((4, 64), 9, dtype=torch.int8), torch.rand(4, 2), 32, packed=False)
     with pytest.raises(NoKernelRoute, match="packed=False"):
-        triton_layout(_q(4, 64), torch.rand(4, 2), 32, packed=True)
+        _layout(_q(4, 64), torch.rand(4, 2), 32, packed=True)
     with pytest.raises(NoKernelRoute, match="scales"):
-        triton_layout(_q(4, 64), torch.rand(4, 3), 32, packed=False)
+        _layout(_q(4, 64), torch.rand(4, 3), 32, packed=False)
 
 
 def test_cpu_tensors_are_not_for_the_triton_route() -> None:
@@ -63,10 +68,12 @@ def test_kernels_import_and_cpu_prepare_without_triton() -> None:
     code = (
         "import sys; sys.modules['triton'] = None\n"  # any `import triton` now raises ImportError
         "import torch\n"
-        "import anychip.kernels.ops, anychip.kernels.gpu.cuda_ops, anychip.kernels.gpu.prepare\n"
+        "import anychip.kernels.ops, anychip.kernels.routes, anychip.kernels.gpu.layout\n"
         "from anychip.kernels.prepare import prepare_w4a8\n"
         "p = prepare_w4a8(torch.zeros(8, 64, dtype=torch.int8), torch.ones(8, 2), 32, packed=False, "
-        "isa='reference')\n"
-        "assert p.route.device == 'cpu', p.route\n"
+        "route='reference')\n"
+        "assert p.route.id == 'reference' and p.weight.device.type == 'cpu', p.route\n"
+        "p = prepare_w4a8(torch.zeros(8, 64, dtype=torch.int8), torch.ones(8, 2), 32, packed=False)\n"
+        "assert p.route.device == 'cpu', p.route.id\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)

@@ -41,7 +41,7 @@ def served(default_model, tmp_path_factory):
     return json.loads((tmp / "out.json").read_text()), json.loads(cov.read_text())
 
 
-def test_llm_claims_w4a8_and_reports_coverage(served, default_model):
+def test_llm_claims_w4a8_and_reports_coverage(served, default_model, tmp_path):
     out, cov = served
     assert out["quantization"] == "anychip-w4a8"
     assert all(row["token_ids"] for row in out["outputs"])
@@ -55,14 +55,24 @@ def test_llm_claims_w4a8_and_reports_coverage(served, default_model):
     assert cov["attention_backend"] == "CPUAttentionBackend"
     assert cov["route_stats"][f"prepared_g{group}_linears"] == 4 * layers
     assert cov["route_stats"]["fallback_linears"] == 0
-    assert all(r.startswith("anychip.cpu") for r in cov["route_stats"]["by_route"])
+    assert all(r.startswith("cpu.") for r in cov["route_stats"]["by_route"])
+    assert all(layer["bit_exact"] is True for layer in cov["layers"].values())
+    assert cov["vllm_tested"] is True
     assert cov["head_route"]["route"] and cov["head_route"]["quantized"] is False
     name = "model.layers.0.self_attn.qkv_proj"
     assert cov["layers"][name]["calls"]["prefill"] >= 1 and cov["layers"][name]["calls"]["decode"] >= 1
-    # the command agrees, and fails on a wrong expectation
-    ok = subprocess.run([sys.executable, "-m", "anychip.cli", "coverage", "check", "-", "--expect-linears",
-                         str(4 * layers)], capture_output=True, text=True)
-    assert ok.returncode != 0  # '-' is not a file
+    # the command agrees on this report, and fails on a wrong expectation about it
+    path = tmp_path / "coverage.json"
+    path.write_text(json.dumps(cov))
+
+    def cli_check(*flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "anychip.cli", "coverage", "check", str(path), *flags],
+                              capture_output=True, text=True)
+
+    ok = cli_check("--expect-linears", str(4 * layers), "--group-size", str(group))
+    assert ok.returncode == 0 and "PASSED" in ok.stdout, ok.stdout + ok.stderr
+    wrong = cli_check("--expect-linears", str(4 * layers + 1))
+    assert wrong.returncode == 1 and f"expected {4 * layers + 1}" in wrong.stdout, wrong.stdout + wrong.stderr
 
 
 def test_greedy_agrees_with_torch_reference(served, default_model):
@@ -108,7 +118,7 @@ def test_strict_refuses_unservable_layer_and_fallback_opt_in(served, default_mod
     assert proc.returncode == 0, proc.stderr[-4000:]
     doc = json.loads(cov.read_text())
     assert doc["strict"] is False and doc["fallback_allowed"] is True
-    reference = sum(v for k, v in doc["route_stats"]["by_route"].items() if k.endswith(".reference"))
+    reference = sum(v for k, v in doc["route_stats"]["by_route"].items() if k == "reference")
     assert doc["route_stats"]["fallback_linears"] == reference
     assert doc["route_stats"]["fallback_linears"] > 0
     assert check(doc) != [] and check(doc, allow_fallback=True) == []

@@ -76,7 +76,7 @@ def test_channelwise_scales_are_served_as_repeated_groups():
     layer = torch.nn.Module()
     scheme = _scheme(strategy="channel")
     scheme.create_weights(layer, 48, 256, [48], 256, torch.bfloat16, weight_loader=lambda *a: None)
-    from anychip.checkpoint.pack import pack_int4
+    from anychip.formats import pack_int4
 
     wq = torch.randint(-8, 8, (48, 256), dtype=torch.int8)
     scale = torch.rand(48, 1, dtype=torch.bfloat16)

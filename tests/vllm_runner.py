@@ -11,7 +11,10 @@ import json
 import os
 import time
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+from anychip.envs import VLLM_STARTUP
+
+for _name, _value in VLLM_STARTUP.items():
+    os.environ.setdefault(_name, _value)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 

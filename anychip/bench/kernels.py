@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from anychip.kernels import cpu_ext, dispatch
+from anychip import envs
+from anychip.kernels import cpu_ext, routes
 from anychip.kernels.prepare import prepare_w4a8, w4a8_linear
 
 SHAPES: tuple[tuple[int, int], ...] = ((2048, 6144), (6144, 2048), (2048, 2048), (576, 1536), (1536, 576))
@@ -59,7 +60,7 @@ def read_bandwidth_gbs(
 ) -> dict[str, float]:
     """Streaming read bandwidth: the C++ probe (xor-reduce of 64-byte vectors) and torch.sum on fp32."""
     buf = torch.ones(size, dtype=torch.uint8)
-    ext = cpu_ext.load()
+    ext = cpu_ext.load(envs.build_dir())
 
     def best(fn: Callable[[], object]) -> float:
         fn()
@@ -120,12 +121,14 @@ def bench_shape(
     row: dict[str, object] = {"M": m, "K": k, "N": n, "G": g}
 
     # ours: the op vLLM calls (quantize + GEMM + dequant, output bf16)
-    ours = prepare_w4a8(wq, sw, g, packed=False)
+    policy = envs.kernel_policy()
+    ours = prepare_w4a8(wq, sw, g, packed=False, policy=policy)
     ours_bytes = ours.weight.numel() + ours.scales.numel() * 4
-    preps = [ours] + [prepare_w4a8(wq, sw, g, packed=False) for _ in range(_copies(ours_bytes, llc) - 1)]
+    preps = [ours] + [prepare_w4a8(wq, sw, g, packed=False, policy=policy) for _ in range(_copies(ours_bytes, llc) - 1)]
     row["anychip_ms"] = time_ms([lambda p=p: w4a8_linear(x, p) for p in preps], budget_s, clock=clock)
     row["weight_bytes"] = ours_bytes
     row["isa"] = ours.route.isa
+    row["route"] = ours.route.id
     del preps
 
     wdq = (wq.float().view(n, k // g, g) * sw.unsqueeze(2)).reshape(n, k)
@@ -289,7 +292,8 @@ def cmd_bench_kernels(args: argparse.Namespace) -> int:
         "command": "anychip bench kernels" + (" --quick" if quick else "") + (f" --json {args.json}" if args.json else ""),
         "cpu": _cpu_name(),
         "cores": os.cpu_count(),
-        "isa": dispatch.best_isa(),
+        "isa": routes.available("cpu")[0].isa,
+        "route": routes.available("cpu")[0].id,
         "threads": threads,
         "torch": torch.__version__,
         "llc_bytes": llc,

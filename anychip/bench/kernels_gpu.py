@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import anychip.kernels.ops  # noqa: F401  (registers torch.ops.anychip.*)
+from anychip import envs
 from anychip.kernels.prepare import prepare_w4a8
 
 SHAPES: tuple[tuple[int, int], ...] = ((2048, 6144), (6144, 2048), (4096, 4096), (4096, 14336))  # (K, N)
@@ -83,15 +84,16 @@ def bench_shape(m: int, k: int, n: int, g: int) -> dict[str, object]:
     flops = 2.0 * m * n * k
     row: dict[str, object] = {"m": m, "k": k, "n": n, "group_size": g}
 
-    prepared = prepare_w4a8(q, s, g, packed=False)
+    policy = envs.kernel_policy()
+    prepared = prepare_w4a8(q, s, g, packed=False, policy=policy)
     w4_bytes = prepared.weight.numel() + prepared.scales.numel() * prepared.scales.element_size()
-    preps = [prepared] + [prepare_w4a8(q, s, g, packed=False) for _ in range(_copies(w4_bytes) - 1)]
+    preps = [prepared] + [prepare_w4a8(q, s, g, packed=False, policy=policy) for _ in range(_copies(w4_bytes) - 1)]
     ops = torch.ops.anychip
-    row["w4a8_ms"] = graph_ms([lambda p=p: ops.w4a8_linear(x, p.weight, p.scales, None, n, k, g, p.route.isa, -1)
+    row["w4a8_ms"] = graph_ms([lambda p=p: ops.w4a8_linear(x, p.weight, p.scales, None, n, k, g, p.route.id, -1)
                                for p in preps])
     xq, sx = ops.quantize_act(x)
     row["w4a8_gemm_ms"] = graph_ms([lambda p=p: ops.w4a8_linear_q(xq, sx, p.weight, p.scales, None, n, k, g,
-                                                                  p.route.isa, -1, torch.bfloat16) for p in preps])
+                                                                  p.route.id, -1, torch.bfloat16) for p in preps])
     from anychip.kernels.gpu import launch
 
     row["w4a8_config"] = str(launch.config_for(m, n, k, g, x.device))
@@ -125,7 +127,8 @@ def compile_reports(k: int = 4096, n: int = 4096, g: int = 128) -> list[dict[str
     from anychip.kernels.gpu import launch
 
     q = torch.randint(-8, 8, (n, k), device="cuda", dtype=torch.int8)
-    p = prepare_w4a8(q, torch.rand(n, k // g, device="cuda").to(torch.bfloat16), g, packed=False)
+    scales = torch.rand(n, k // g, device="cuda").to(torch.bfloat16)
+    p = prepare_w4a8(q, scales, g, packed=False, policy=envs.kernel_policy())
     out = []
     for m in (1, 64, 4096):
         xq, sx = torch.ops.anychip.quantize_act(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))

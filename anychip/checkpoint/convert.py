@@ -1,40 +1,90 @@
 """Re-write a W4A8 checkpoint in the other compressed-tensors format (pack-quantized <-> int-quantized) with the
-very same INT4 values and scales: the quantize pipeline, fed the stored weights instead of a quantizer."""
+very same INT4 values and scales, streamed tensor by tensor (no BF16 source needed)."""
 
 from __future__ import annotations
 
-import json
+import copy
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from anychip.checkpoint.quantize import WeightQuantizer, quantize_checkpoint
-from anychip.checkpoint.scheme import Format, W4A8Scheme, scheme_from_config
-from anychip.checkpoint.torch_model import read_quantized_linears
-from anychip.errors import AnychipError
+import torch
+
+from anychip.checkpoint.io import TensorInfo, read_tensor, read_tensor_infos
+from anychip.checkpoint.layout import TensorSpec
+from anychip.checkpoint.model_dir import ModelDir
+from anychip.checkpoint.rewrite import rewrite_checkpoint
+from anychip.checkpoint.scheme import Format
+from anychip.formats import FORMATS, PACK_FACTOR, pack_int4, unpack_int4
 
 
-def stored_quantizer(w4a8_dir: Path) -> WeightQuantizer:
-    """A WeightQuantizer that returns the (wq, scales) already stored in `w4a8_dir`."""
-    linears, _ = read_quantized_linears(w4a8_dir)
+def convert_format(w4a8_dir: Path, dst: Path, fmt: Format, *, overwrite: bool = False) -> Path:
+    """`dst` = `w4a8_dir` in format `fmt` (SHA256SUMS written, contract-verified); `dst` is `w4a8_dir` itself
+    when it is in that format already."""
+    from anychip.checkpoint.verify import verify_checkpoint
 
-    def quantize(prefix: str, weight):
-        if prefix not in linears:
-            raise AnychipError(f"{w4a8_dir} has no quantized weights for {prefix}")
-        return linears[prefix]
+    md = ModelDir.open(w4a8_dir)
+    scheme = md.require_scheme()
+    if fmt not in FORMATS:
+        raise ValueError(f"format {fmt!r}: use one of {FORMATS}")
+    if scheme.format == fmt:
+        return md.path
+    infos = read_tensor_infos(md.path)
+    qc = copy.deepcopy(md.quantization_config)
+    qc["format"] = fmt
+    for group in qc["config_groups"].values():
+        group["format"] = fmt
+    to_int = fmt == "int-quantized"
+    plan, values = _unpacking(infos) if to_int else _packing()
+    out = rewrite_checkpoint(md.path, Path(dst), f"w4a8-{fmt}", dict(md.config, quantization_config=qc), plan,
+                             values, overwrite=overwrite)
+    verify_checkpoint(out)
+    return out
 
-    return quantize
+
+def _unpacking(infos: dict[str, TensorInfo]) -> tuple[Callable, Callable]:
+    def plan(info: TensorInfo) -> list[TensorSpec]:
+        if info.name.endswith(".weight_shape"):
+            return []
+        if info.name.endswith(".weight_packed"):
+            return [TensorSpec(info.name.removesuffix("_packed"), torch.int8, _weight_shape(infos, info))]
+        return [TensorSpec(info.name, info.torch_dtype, info.shape)]
+
+    def values(info: TensorInfo, get: Callable[[str], torch.Tensor]) -> Iterator[torch.Tensor]:
+        if info.name.endswith(".weight_shape"):
+            return
+        t = get(info.name)
+        yield unpack_int4(t, k=_weight_shape(infos, info)[1]) if info.name.endswith(".weight_packed") else t
+
+    return plan, values
 
 
-def convert_format(w4a8_dir: Path, dst: Path, fmt: Format) -> Path:
-    """`dst` = `w4a8_dir` in format `fmt`; needs the BF16 source recorded in its provenance (for the unquantized
-    tensors and side files, which quantize copies)."""
-    w4a8_dir = Path(w4a8_dir)
-    qc = json.loads((w4a8_dir / "config.json").read_text())
-    scheme = scheme_from_config(qc)
-    provenance = qc["quantization_config"].get("anychip") or {}
-    source = provenance.get("source")
-    if not source or not Path(source).exists():
-        raise AnychipError(f"{w4a8_dir}: its BF16 source {source!r} (quantization_config.anychip.source) is not "
-                           "available; convert needs it for the unquantized tensors")
-    target = W4A8Scheme(group_size=scheme.group_size, format=fmt, ignore=scheme.ignore)
-    return quantize_checkpoint(Path(source), dst, target, stored_quantizer(w4a8_dir),
-                               method=provenance.get("method", "rtn"))
+def _packing() -> tuple[Callable, Callable]:
+    def is_int4(info: TensorInfo) -> bool:  # int-quantized INT4 weights are the int8 `.weight` tensors
+        return info.name.endswith(".weight") and info.torch_dtype == torch.int8
+
+    def plan(info: TensorInfo) -> list[TensorSpec]:
+        if is_int4(info):
+            n, k = info.shape
+            base = info.name.removesuffix(".weight")
+            return [TensorSpec(f"{base}.weight_packed", torch.int32, (n, k // PACK_FACTOR)),
+                    TensorSpec(f"{base}.weight_shape", torch.int64, (2,))]
+        return [TensorSpec(info.name, info.torch_dtype, info.shape)]
+
+    def values(info: TensorInfo, get: Callable[[str], torch.Tensor]) -> Iterator[torch.Tensor]:
+        t = get(info.name)
+        if is_int4(info):
+            yield pack_int4(t)
+            yield torch.tensor(list(t.shape), dtype=torch.int64)
+        else:
+            yield t
+
+    return plan, values
+
+
+def _weight_shape(infos: dict[str, TensorInfo], packed: TensorInfo) -> tuple[int, int]:
+    shape = infos.get(packed.name.replace("weight_packed", "weight_shape"))
+    if shape is None:
+        n, words = packed.shape
+        return n, words * PACK_FACTOR
+    n, k = (int(v) for v in read_tensor(shape).tolist())
+    return n, k

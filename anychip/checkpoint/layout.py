@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from anychip.checkpoint.pack import PACK_FACTOR
 from anychip.checkpoint.scheme import DECODER_LINEARS, GROUP_SIZES, ContractError, W4A8Scheme
+from anychip.formats import PACK_FACTOR
 
 #: "model.layers.3.mlp.down_proj.weight" -> layer 3, linear "mlp.down_proj".
 _LINEAR_WEIGHT = re.compile(r"^model\.layers\.(\d+)\.(" + "|".join(map(re.escape, DECODER_LINEARS)) + r")\.weight$")

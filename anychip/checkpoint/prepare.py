@@ -10,15 +10,16 @@ a random-weight checkpoint instead (see synthetic.py).
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from anychip.checkpoint.cache import cache_lock, clear_done, is_done, mark_done
-from anychip.checkpoint.from_gguf import convert_gguf, find_default_gguf, model_slug
-from anychip.checkpoint.manifest import check_manifest, sha256_file
+from anychip.checkpoint.default_bf16 import bf16_step, log
+from anychip.checkpoint.from_gguf import find_default_gguf, model_slug
+from anychip.checkpoint.manifest import sha256_file
 from anychip.checkpoint.quantize import METHODS, choose_group_size, make_quantizer, quantize_checkpoint
 from anychip.checkpoint.scheme import FORMATS, GROUP_SIZES, ContractError, Format, W4A8Scheme
+from anychip.checkpoint.synthetic import make_synthetic, parse_shape
 from anychip.checkpoint.verify import VerifyReport, verify_checkpoint
 from anychip.envs import cache_dir
 
@@ -66,44 +67,13 @@ class PreparedModel:
     reused: bool
 
 
-def _log(msg: str) -> None:
-    print(f"anychip prepare: {msg}", file=sys.stderr, flush=True)
-
-
-def _verify_bf16(directory: Path) -> None:
-    check_manifest(directory)
-    if not (directory / "config.json").is_file():
-        raise ContractError(f"{directory}/config.json is missing")
-
-
-def prepare_bf16(cache: Path | None = None, force: bool = False) -> Path:
-    """The default model as a BF16 Hugging Face directory in the cache (converted from the GGUF once)."""
-    gguf = find_default_gguf()
-    root = (cache or cache_dir()).expanduser().absolute() / model_slug(gguf)
-    with cache_lock(root):
-        return _bf16_step(gguf, root, force)[0]
-
-
-def _bf16_step(gguf: Path, root: Path, force: bool) -> tuple[Path, bool]:
-    bf16 = root / "bf16"
-    recipe = {"step": "bf16", "gguf": gguf.name, "gguf_sha256": sha256_file(gguf)}
-    if not force and is_done(bf16, recipe, _verify_bf16):
-        _log(f"reusing {bf16}")
-        return bf16, True
-    _log(f"converting {gguf.name} to BF16 in {bf16} (about half a minute)")
-    clear_done(bf16)
-    convert_gguf(gguf, bf16, overwrite=True)
-    mark_done(bf16, recipe)
-    return bf16, False
-
-
 def prepare_default(cache: Path | None = None, force: bool = False,
                     recipe: PrepareRecipe = DEFAULT_RECIPE) -> PreparedModel:
     """GGUF -> BF16 -> W4A8 in `cache` (default: $ANYCHIP_CACHE or ~/.cache/anychip/models), reusing verified work."""
     gguf = find_default_gguf()
     root = (cache or cache_dir()).expanduser().absolute() / model_slug(gguf)
     with cache_lock(root):
-        bf16, bf16_reused = _bf16_step(gguf, root, force)
+        bf16, bf16_reused = bf16_step(gguf, root, force)
         group = recipe.group_size or choose_group_size(bf16)
         scheme = W4A8Scheme(group_size=group, format=recipe.format)
         suffix = "" if recipe.format == "pack-quantized" else "-int"
@@ -113,9 +83,9 @@ def prepare_default(cache: Path | None = None, force: bool = False,
         reports: list[VerifyReport] = []
         reused = not force and is_done(w4a8, step, lambda d: reports.append(verify_checkpoint(d)))
         if reused:
-            _log(f"reusing {w4a8}")
+            log(f"reusing {w4a8}")
         else:
-            _log(f"quantizing to W4A8 ({recipe.method}, group size {group}) in {w4a8}")
+            log(f"quantizing to W4A8 ({recipe.method}, group size {group}) in {w4a8}")
             clear_done(w4a8)
             options = {"samples": recipe.gptq_samples} if recipe.method == "gptq" else {}
             quantizer = make_quantizer(recipe.method, bf16, scheme, **options)
@@ -130,8 +100,6 @@ def prepare_default(cache: Path | None = None, force: bool = False,
 def cmd_prepare(args: argparse.Namespace) -> int:
     cache = Path(args.cache) if args.cache else None
     if args.synthetic:
-        from anychip.checkpoint.synthetic import make_synthetic, parse_shape
-
         report = make_synthetic(parse_shape(args.synthetic), cache=cache, force=args.force)
         print(report.summary())
         print(report.path)

@@ -18,15 +18,27 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from anychip import __version__
-from anychip.checkpoint.io import MAX_SHARD_BYTES, ShardedWriter, TensorInfo, atomic_directory, copy_side_files, \
-    read_tensor_infos
-from anychip.checkpoint.layout import TensorSpec, group_size_error, linear_tensor_specs, parse_linear_weight, \
-    tensor_order
+from anychip.checkpoint.io import (
+    MAX_SHARD_BYTES,
+    ShardedWriter,
+    TensorInfo,
+    atomic_directory,
+    copy_side_files,
+    read_tensor_infos,
+)
+from anychip.checkpoint.layout import (
+    TensorSpec,
+    group_size_error,
+    linear_tensor_specs,
+    parse_linear_weight,
+    tensor_order,
+)
 from anychip.checkpoint.manifest import write_manifest
-from anychip.checkpoint.pack import pack_int4
+from anychip.checkpoint.model_dir import ModelDir
 from anychip.checkpoint.rtn import rtn_quantize
-from anychip.checkpoint.scheme import GROUP_SIZES, ContractError, W4A8Scheme
+from anychip.checkpoint.scheme import ContractError, W4A8Scheme
 from anychip.errors import AnychipError
+from anychip.formats import GROUP_SIZES, pack_int4
 
 #: (linear prefix, BF16 weight (N, K)) -> (wq (N, K) int8 in [-8, 7], scales (N, K // G)). Scales are stored
 #: BF16: a quantizer should compute q against BF16-rounded scales so that q * scale is what readers see.
@@ -56,20 +68,10 @@ def make_quantizer(method: str, src: Path, scheme: W4A8Scheme, **options: Any) -
     raise AnychipError(f"--method {method!r} is not known: use one of {', '.join(METHODS)}")
 
 
-def read_config(directory: Path) -> dict[str, Any]:
-    path = directory / "config.json"
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise AnychipError(f"{path} is missing: {directory} is not a Hugging Face model directory") from None
-    except json.JSONDecodeError as exc:
-        raise AnychipError(f"{path}: not valid JSON ({exc})") from exc
-
-
 def check_source(src: Path, scheme: W4A8Scheme) -> tuple[dict[str, Any], list[tuple[TensorInfo, list[TensorSpec]]]]:
     """Check that `src` is a BF16 Llama that `scheme` can quantize (headers only, cheap); returns its config and
     the write plan. Raises ContractError naming the first layer whose K the group size does not divide."""
-    config = read_config(src)
+    config = ModelDir.open(src).config
     archs = config.get("architectures") or []
     if "LlamaForCausalLM" not in archs:
         raise ContractError(f"{src}/config.json: architectures {archs} — anychip quantizes LlamaForCausalLM only")

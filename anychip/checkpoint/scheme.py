@@ -7,10 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from anychip.errors import AnychipError
+from anychip.formats import FORMATS, GROUP_SIZES
 
 Format = Literal["pack-quantized", "int-quantized"]
-FORMATS: tuple[str, ...] = ("pack-quantized", "int-quantized")
-GROUP_SIZES: tuple[int, ...] = (32, 64, 128)
 #: Linear modules of a Llama decoder layer that carry INT4 weights.
 DECODER_LINEARS: tuple[str, ...] = (
     "self_attn.q_proj",

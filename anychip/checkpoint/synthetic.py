@@ -20,9 +20,16 @@ from tqdm import tqdm
 
 from anychip import __version__
 from anychip.checkpoint.cache import cache_lock, clear_done, is_done, mark_done
+from anychip.checkpoint.default_bf16 import prepare_bf16
 from anychip.checkpoint.io import ShardedWriter, atomic_directory, copy_side_files
-from anychip.checkpoint.layout import LlamaDims, TensorSpec, bf16_tensor_specs, linear_prefix, \
-    linear_tensor_specs, tensor_order
+from anychip.checkpoint.layout import (
+    LlamaDims,
+    TensorSpec,
+    bf16_tensor_specs,
+    linear_prefix,
+    linear_tensor_specs,
+    tensor_order,
+)
 from anychip.checkpoint.manifest import sha256_file, write_manifest
 from anychip.checkpoint.scheme import DECODER_LINEARS, FORMATS, GROUP_SIZES, ContractError, Format, W4A8Scheme
 from anychip.checkpoint.verify import VerifyReport, tokenizer_size, verify_checkpoint
@@ -178,8 +185,6 @@ def _readme(shape: SyntheticShape) -> str:
 def make_synthetic(shape: SyntheticShape, cache: Path | None = None, force: bool = False,
                    seed: int = 0) -> VerifyReport:
     """Build (or reuse) `<cache>/synthetic/<shape.dirname>` and return its verification report."""
-    from anychip.checkpoint.prepare import prepare_bf16
-
     cache = (cache or cache_dir()).expanduser().absolute()
     tokenizer_dir = prepare_bf16(cache)
     tok = tokenizer_size(tokenizer_dir)

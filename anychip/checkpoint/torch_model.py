@@ -6,14 +6,13 @@ involved (activations quantized per token by reference.quantize_activations_ref,
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from anychip.checkpoint.pack import unpack_int4
-from anychip.checkpoint.scheme import scheme_from_config
+from anychip.checkpoint.model_dir import ModelDir
+from anychip.formats import unpack_int4
 from anychip.kernels.reference import w4a8_linear_dynamic_ref
 
 
@@ -60,8 +59,7 @@ def load_reference_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloa
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_dir = Path(model_dir)
-    raw = json.loads((model_dir / "config.json").read_text())
-    scheme_from_config(raw)  # refuses non-W4A8 checkpoints with a clear message
+    ModelDir.open(model_dir).require_scheme()  # refuses non-W4A8 checkpoints with a clear message
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     if hasattr(config, "quantization_config"):
         del config.quantization_config

@@ -9,7 +9,6 @@ torch device.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -18,10 +17,11 @@ from typing import Protocol
 import torch
 from tqdm import tqdm
 
-from anychip.envs import patched_environ
+from anychip.checkpoint.model_dir import ModelDir
+from anychip.envs import VLLM_STARTUP, patched_environ
 
 #: vLLM's process model: the engine core must run in this process (the uni executor, no engine subprocess).
-_VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2"}
+_VLLM_ENV = {**VLLM_STARTUP, "VLLM_CPU_KVCACHE_SPACE": "2"}
 #: Sequences per LLM.generate call: big enough to keep vLLM's batches full, small enough for a live progress bar.
 VLLM_CHUNK = 512
 
@@ -57,11 +57,12 @@ class VllmEngine:
     """vLLM LLM on `model_dir`; create it inside `vllm_environment()`."""
 
     def __init__(self, model_dir: str | Path, max_len: int = 2048) -> None:
-        from vllm import LLM
+        from anychip.vllm_plugin import offline
 
+        self._offline = offline
         self.name = "vllm"
         self.max_len = max_len
-        self.llm = LLM(model=str(model_dir), dtype="bfloat16", max_model_len=max_len, enforce_eager=True,
+        self.llm = offline.make_llm(model=str(model_dir), dtype="bfloat16", max_model_len=max_len, enforce_eager=True,
                        distributed_executor_backend="uni", gpu_memory_utilization=0.5, seed=0)
         self.tokenizer = self.llm.get_tokenizer()
         self.prefix_id = _prefix_id(self.tokenizer)
@@ -70,9 +71,7 @@ class VllmEngine:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def token_logprobs(self, seqs: Sequence[Sequence[int]], desc: str) -> list[list[float]]:
-        from vllm import SamplingParams
-
-        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        params = self._offline.sampling_params(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
         out: list[list[float]] = []
         with tqdm(total=sum(len(s) for s in seqs), desc=desc, unit="tok", unit_scale=True) as bar:
             for i in range(0, len(seqs), VLLM_CHUNK):
@@ -138,8 +137,7 @@ def simulate_w4a8(model: torch.nn.Module, weights: dict[str, tuple[torch.Tensor,
 
 def load_torch_model(model_dir: Path, dtype: torch.dtype) -> torch.nn.Module:
     """transformers model; a W4A8 directory gets SimulatedW4A8Linear for each quantized linear."""
-    config = json.loads((model_dir / "config.json").read_text())
-    if not config.get("quantization_config"):
+    if ModelDir.open(model_dir).kind == "bf16":
         from transformers import AutoModelForCausalLM
 
         return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True).eval()

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from anychip.errors import AnychipError
+from anychip.checkpoint.model_dir import ModelDir, ModelDirError
 from anychip.eval.requests import PairEncoder, pair_sequence, plan_requests, rolling_windows
 from anychip.eval.scoring import TaskScore, compare, perplexity, score_task
 from anychip.eval.tasks import PERPLEXITY, EvalDataError, load_task, load_text, resolve_data_dir, select_tasks
@@ -64,33 +64,12 @@ class ModelResult:
     logliks: dict[str, list[list[float]]] = field(default_factory=dict)  # per task, per item, per choice
 
 
-def is_quantized(model_dir: Path) -> bool:
-    return bool(_config(model_dir).get("quantization_config"))
-
-
-def _config(model_dir: Path) -> dict[str, Any]:
-    path = model_dir / "config.json"
-    if not path.is_file():
-        raise AnychipError(f"{model_dir}: no config.json; pass a Hugging Face model directory "
-                           "(for the default model: `anychip prepare` prints it)")
-    return json.loads(path.read_text())
-
-
 def bf16_source(model_dir: Path) -> Path:
     """The BF16 directory a W4A8 checkpoint was quantized from (recorded by `anychip quantize`)."""
-    qc = _config(model_dir).get("quantization_config")
-    if not qc:
-        raise AnychipError(f"--compare-bf16: {model_dir} is not quantized (no quantization_config); evaluate the "
-                           "W4A8 directory instead")
-    src = (qc.get("anychip") or {}).get("source")
-    if not src:
-        raise AnychipError(f"--compare-bf16: {model_dir}/config.json records no source model "
-                           "(quantization_config.anychip.source); re-create it with `anychip quantize SRC DST`")
-    path = Path(src)
-    if not (path / "config.json").is_file():
-        raise AnychipError(f"--compare-bf16: the source model {path} recorded in {model_dir}/config.json is gone; "
-                           "re-run `anychip prepare` or `anychip quantize`")
-    return path
+    try:
+        return ModelDir.open(model_dir).bf16_source()
+    except ModelDirError as exc:
+        raise ModelDirError(f"--compare-bf16: {exc}") from None
 
 
 def make_engine(model_dir: Path, settings: EvalSettings):
@@ -213,7 +192,7 @@ def run_eval(model: Path, task_names: list[str] | None, data: str | None, settin
     data_dir = resolve_data_dir(data) if needs_data else None
     task_files, want_ppl = select_tasks(task_names, data_dir)
     text_file, text = load_text(text_path) if want_ppl else (None, None)
-    models = {"w4a8" if is_quantized(model) else "bf16": model}
+    models = {"bf16" if ModelDir.open(model).kind == "bf16" else "w4a8": model}
     if compare_bf16:
         models["bf16"] = bf16_source(model)
     results = {label: evaluate_isolated(path, task_files, text, settings) for label, path in models.items()}

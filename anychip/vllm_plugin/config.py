@@ -11,12 +11,12 @@ from typing import Any
 from compressed_tensors.quantization import QuantizationArgs
 
 from anychip.errors import AnychipError
+from anychip.formats import FORMATS
 from anychip.vllm_plugin import compat
 from anychip.vllm_plugin.recorder import get_recorder
 from anychip.vllm_plugin.scheme import AnychipW4A8Scheme, ForeignScheme
 
 NAME = "anychip-w4a8"
-FORMATS = ("pack-quantized", "int-quantized")
 
 
 class StrictModeError(AnychipError, RuntimeError):

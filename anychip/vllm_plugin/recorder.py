@@ -1,5 +1,10 @@
 """The process-wide coverage recorder: layers register their route when prepared; the kernels' call hook
-counts calls per phase; a daemon thread writes coverage.json atomically while the engine runs."""
+counts calls per phase; a daemon thread writes coverage.json atomically while the engine runs.
+
+Layers on a route that counts on the device (the CUDA route: CUDA graphs replay without Python) get a row of a
+per-device int64 table that their kernel bumps at the phase slot the step hook writes before every model-runner
+step; the table is read when the report is written. Other layers are counted in Python, per call.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +12,16 @@ import atexit
 import logging
 import threading
 import weakref
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from anychip import envs
 from anychip.coverage import Coverage, LayerRoute, platform_summary, write_atomic
-from anychip.kernels import hooks
+from anychip.kernels import hooks, routes
+from anychip.kernels.policy import KernelPolicy
 from anychip.vllm_plugin import compat
 
 logger = logging.getLogger("anychip")
@@ -20,14 +29,21 @@ FLUSH_SECONDS = 0.5
 
 
 class Recorder:
-    def __init__(self, path: Path | None, strict: bool) -> None:
+    def __init__(self, path: Path | None, policy: KernelPolicy) -> None:
         self.path = path
+        self.policy = policy  # built once for the engine process, passed to every layer's prepare
+        strict = not policy.allow_fallback
         self.coverage = Coverage(strict=strict, fallback_allowed=not strict, platform_info=platform_summary())
         self.coverage.vllm_version = compat.vllm_version()
+        self.coverage.vllm_tested = compat.VLLM_TESTED
         self._phase = "warmup"
         self._embeddings: dict[str, weakref.ref] = {}  # prefix -> VocabParallelEmbedding / ParallelLMHead
         self._head_name: str | None = None
         self._stop = threading.Event()
+        self._tables: dict[torch.device, _DeviceTable] = {}
+        self._counters: dict[int, hooks.DeviceCounter | None] = {}  # layer id -> its row (None: counted here)
+        self._steps: dict[str, Counter] = {}  # phase -> forward passes, tokens (device-counted engines)
+        self._device_dirty = False
         hooks.install(self.on_call)
         if path is not None:
             thread = threading.Thread(target=self._flush_loop, name="anychip-coverage", daemon=True)
@@ -57,7 +73,12 @@ class Recorder:
                 "tied_to": tied_to, "quantized": False, "route": compat.head_gemm_route(head)}
 
     # -- at run time, from inside the anychip ops --
-    def on_call(self, layer_id: int, tokens: int) -> None:
+    def on_call(self, layer_id: int, tokens: int) -> hooks.DeviceCounter | None:
+        counter = self._counters[layer_id] if layer_id in self._counters else self._device_counter(layer_id)
+        if counter is not None:  # the kernel counts (also at every CUDA-graph replay); nothing to count here
+            if layer_id == 0 and self.coverage.attention_backend is None:
+                self.coverage.attention_backend = compat.attention_backend_name()
+            return counter
         forward_tokens = None
         if layer_id == 0:  # the first quantized linear of every forward pass
             self._phase, forward_tokens = compat.current_phase()
@@ -65,10 +86,59 @@ class Recorder:
             if self.coverage.attention_backend is None:
                 self.coverage.attention_backend = compat.attention_backend_name()
         self.coverage.record(layer_id, self._phase, tokens, forward_tokens)
+        return None
+
+    def _device_counter(self, layer_id: int) -> hooks.DeviceCounter | None:
+        """The layer's row of its device's table, allocated at the first call (every layer is prepared by then,
+        and vLLM's first forward pass is eager, never a CUDA-graph capture); None to count in Python."""
+        layer = self.coverage.layers[layer_id]
+        route = routes.get(layer.route) if not layer.route.startswith("vllm.") else None
+        counter = None
+        if getattr(route, "counts_on_device", False) and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+            table = self._tables.get(device)
+            if table is None and not torch.cuda.is_current_stream_capturing():
+                table = self._tables[device] = _DeviceTable(len(self.coverage.layers), device)
+                if not compat.install_step_hook(self.on_step):
+                    logger.warning("anychip: this vLLM has no GPU model runner to hook: coverage phases on %s "
+                                   "are all counted as warmup", device)
+            if table is not None and layer_id < table.layers:
+                counter = hooks.DeviceCounter(table.counts[layer_id], table.slot)
+            else:
+                logger.warning("anychip: layer %s is counted in Python: its calls inside CUDA graphs are missed",
+                               layer.name)
+        self._counters[layer_id] = counter
+        return counter
+
+    def on_step(self, phase: str, tokens: int) -> None:
+        """Before every model-runner step (compat.install_step_hook): the phase slot the kernels count at."""
+        counts = self._steps.setdefault(phase, Counter())
+        counts["forward_passes"] += 1
+        counts["tokens"] += tokens
+        for table in self._tables.values():
+            table.set_phase(phase)
+        self._device_dirty = True
 
     def document(self) -> dict[str, Any]:
         self.coverage.head_route = self.head_route()
-        return self.coverage.snapshot()
+        doc = self.coverage.snapshot()
+        if self._tables:
+            self._device_dirty = False
+            self._merge_device_counts(doc)
+        return doc
+
+    def _merge_device_counts(self, doc: dict[str, Any]) -> None:
+        """Device-counted layers' calls and rows, and the step hook's passes and tokens per phase, into `doc`."""
+        tables = {device: table.read() for device, table in self._tables.items()}
+        for layer_id, counter in self._counters.items():
+            if counter is None:
+                continue
+            counts = tables[counter.cell.device][layer_id]  # (slots, 2)
+            entry = doc["layers"][self.coverage.layers[layer_id].name]
+            entry["calls"] = {p: int(counts[i, 0]) for i, p in enumerate(hooks.SLOTS) if counts[i, 0]}
+            entry["tokens"] = {p: int(counts[i, 1]) for i, p in enumerate(hooks.SLOTS) if counts[i, 0]}
+        doc["phases"] = {p: {"forward_passes": c["forward_passes"], "tokens": c["tokens"]}
+                         for p, c in self._steps.items()}
 
     def flush(self) -> None:
         if self.path is not None:
@@ -79,8 +149,38 @@ class Recorder:
 
     def _flush_loop(self) -> None:
         while not self._stop.wait(FLUSH_SECONDS):
-            if self.coverage.dirty:
+            if self.coverage.dirty or self._device_dirty:
                 self.flush()
+
+
+class _DeviceTable:
+    """counts (layers, len(SLOTS), 2) int64 [calls, rows] and slot (1,) int32 on one device, for the process
+    lifetime: CUDA graphs hold their addresses."""
+
+    def __init__(self, layers: int, device: torch.device) -> None:
+        self.layers = layers
+        self.counts = torch.zeros((layers, len(hooks.SLOTS), 2), dtype=torch.int64, device=device)
+        self.slot = torch.zeros(1, dtype=torch.int32, device=device)
+        self._phase = hooks.SLOTS[0]
+        self._host = torch.empty(self.counts.shape, dtype=torch.int64, pin_memory=True)
+        self._stream: torch.cuda.Stream | None = None
+        self._read_lock = threading.Lock()
+
+    def set_phase(self, phase: str) -> None:
+        """Written on the current stream, so it lands between the previous step's kernels and the next's."""
+        if phase != self._phase and not torch.cuda.is_current_stream_capturing():
+            self.slot.fill_(hooks.SLOTS.index(phase))
+            self._phase = phase
+
+    def read(self) -> torch.Tensor:
+        """A host copy of counts, made on a side stream so that the engine's stream never waits for it."""
+        with self._read_lock:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(self.counts.device)
+            with torch.cuda.stream(self._stream):
+                self._host.copy_(self.counts, non_blocking=True)
+            self._stream.synchronize()
+            return self._host.clone()
 
 
 _recorder: Recorder | None = None
@@ -91,5 +191,5 @@ def get_recorder() -> Recorder:
     global _recorder
     with _lock:
         if _recorder is None:
-            _recorder = Recorder(envs.coverage_path(), strict=not envs.fallback_allowed())
+            _recorder = Recorder(envs.coverage_path(), envs.kernel_policy())
         return _recorder

@@ -8,6 +8,7 @@ the kernel that serves this CPU and records the route; apply_weights calls the o
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
@@ -17,14 +18,13 @@ import anychip.kernels.ops  # noqa: F401  (registers torch.ops.anychip.*)
 from anychip import envs
 from anychip.coverage import LayerRoute
 from anychip.errors import AnychipError
+from anychip.formats import GROUP_SIZES
+from anychip.kernels import routes
 from anychip.kernels.prepare import prepare_w4a8
 from anychip.vllm_plugin import compat
 
 if TYPE_CHECKING:
     from anychip.vllm_plugin.recorder import Recorder
-
-SUPPORTED_GROUPS = (128, 64, 32)
-
 
 class LayerPrepareError(AnychipError, RuntimeError):
     pass
@@ -32,7 +32,7 @@ class LayerPrepareError(AnychipError, RuntimeError):
 
 def _channel_group(k: int) -> int | None:
     """Per-channel scales are per-group scales repeated: serve them with the largest kernel group dividing K."""
-    return next((g for g in SUPPORTED_GROUPS if k % g == 0), None)
+    return next((g for g in sorted(GROUP_SIZES, reverse=True) if k % g == 0), None)
 
 
 class AnychipW4A8Scheme(compat.CompressedTensorsScheme):
@@ -94,11 +94,13 @@ class AnychipW4A8Scheme(compat.CompressedTensorsScheme):
             group = _channel_group(self.k) or self.k
             scales = scales.expand(self.n, self.k // group).contiguous() if group != self.k else scales
         fallback_reason = None
+        policy = self.recorder.policy
         try:
             # the plugin owns the fallback policy: never let prepare degrade silently
-            prepared = prepare_w4a8(wq, scales, group, packed=packed, isa=envs.forced_isa(), allow_fallback=False)
-            if prepared.route.is_fallback:
-                raise LayerPrepareError(f"{envs.ANYCHIP_KERNEL_ISA}={envs.forced_isa()} forces the reference route")
+            prepared = prepare_w4a8(wq, scales, group, packed=packed,
+                                    policy=replace(policy, allow_fallback=False))
+            if prepared.route is routes.REFERENCE:
+                raise LayerPrepareError(f"{envs.ANYCHIP_KERNEL_ISA}={policy.route} forces the reference route")
         except AnychipError as exc:
             if self.recorder.coverage.strict:
                 raise LayerPrepareError(
@@ -107,24 +109,24 @@ class AnychipW4A8Scheme(compat.CompressedTensorsScheme):
                     "allow the torch reference route (anychip serve --allow-fallback, or ANYCHIP_ALLOW_FALLBACK=1): "
                     "slow, and counted as fallback in the coverage report.") from exc
             fallback_reason = str(exc)
-            prepared = prepare_w4a8(wq, scales, group, packed=packed, isa="reference", allow_fallback=True)
+            prepared = prepare_w4a8(wq, scales, group, packed=packed, route=routes.REFERENCE.id, policy=policy)
         for name in ("weight_packed", "weight_shape", "weight", "weight_scale"):
             if hasattr(layer, name):
                 delattr(layer, name)
         layer.anychip_weight = torch.nn.Parameter(prepared.weight, requires_grad=False)
         layer.anychip_scales = torch.nn.Parameter(prepared.scales, requires_grad=False)
         route = prepared.route
-        self.isa, self.group = route.isa, prepared.group_size
+        self.route_id, self.group = route.id, prepared.group_size
         self.layer_id = self.recorder.add_layer(LayerRoute(
-            name=self.layer_name, route=route.name, kernel=route.kernel, isa=route.isa,
+            name=self.layer_name, route=route.id, kernel=route.kernel, isa=route.isa,
             group_size=-1 if self.channelwise else prepared.group_size,
-            n=self.n, k=self.k, checkpoint_format=self.format, fallback=route.is_fallback,
-            reason=fallback_reason))
+            n=self.n, k=self.k, checkpoint_format=self.format, fallback=route is routes.REFERENCE,
+            reason=fallback_reason, bit_exact=route.bit_exact))
 
     def apply_weights(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
                       ) -> torch.Tensor:
         return torch.ops.anychip.w4a8_linear(x, layer.anychip_weight, layer.anychip_scales, bias, self.n, self.k,
-                                             self.group, self.isa, self.layer_id)
+                                             self.group, self.route_id, self.layer_id)
 
 
 class ForeignScheme(compat.CompressedTensorsScheme):

@@ -1,9 +1,9 @@
-"""NVIDIA GPU route for W4A8: Triton kernels (INT8 tensor-core dots on INT4 weights unpacked in registers).
+"""The Triton kernels behind the `cuda.triton` route (routes/cuda_triton.py): INT8 tensor-core dots on INT4
+weights unpacked in registers.
 
-    prepare.py       the offline half: route choice for CUDA tensors and the Triton weight layout
+    layout.py        the weight layout the route prepares
     launch.py        tile configs, split-K and the small tuner around the kernels
-    triton_w4a8.py   the kernels and their launchers (imports triton; loaded on the first CUDA call only)
-    cuda_ops.py      CUDA implementations of the torch.ops.anychip.* ops
+    triton_w4a8.py   the kernels (imports triton; loaded on the first CUDA call only)
 
 Nothing here imports triton at import time, so `import anychip.kernels` works on machines without it.
 """

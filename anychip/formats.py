@@ -1,6 +1,9 @@
-"""INT4 packing in the compressed-tensors pack-quantized layout.
+"""The W4A8 formats anychip reads and writes, declared once: group sizes, checkpoint formats, INT4 packing.
 
-Eight signed 4-bit values a little-endian int32 word, each stored with offset +8 (so -8..7 becomes 0..15),
+The lowest module of the package (imports nothing of anychip): the checkpoint room, the kernels and the plugin
+all take these facts from here.
+
+Pack-quantized INT4: eight signed 4-bit values a little-endian int32 word, each stored with offset +8 (so -8..7 becomes 0..15),
 the lowest K index in the lowest bits. Identical to compressed_tensors' pack_to_int32(num_bits=4).
 """
 
@@ -8,6 +11,10 @@ from __future__ import annotations
 
 import torch
 
+#: Input channels per weight scale that the kernels serve and `quantize` writes.
+GROUP_SIZES: tuple[int, ...] = (32, 64, 128)
+#: compressed-tensors formats of the INT4 weights: int32 words of 8 nibbles, or one int8 per weight.
+FORMATS: tuple[str, ...] = ("pack-quantized", "int-quantized")
 PACK_FACTOR = 8  # int4 values per int32 word
 _SHIFTS = torch.arange(PACK_FACTOR, dtype=torch.int32) * 4
 

@@ -1,0 +1,47 @@
+"""Facts about the machine that decide which routes can run: architecture and CPU feature flags."""
+
+from __future__ import annotations
+
+import functools
+import platform
+from pathlib import Path
+
+
+@functools.cache
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """CPU feature flags from /proc/cpuinfo (`flags` on x86, `Features` on aarch64); empty if unreadable."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def is_x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def is_arm() -> bool:
+    return platform.machine().lower() in ("aarch64", "arm64")
+
+
+def describe() -> dict[str, object]:
+    """What `anychip routes` prints about this machine."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    return {
+        "machine": platform.machine(),
+        "system": platform.system(),
+        "cpu_flags": sorted(cpu_flags() & _INTERESTING),
+        "torch": torch.__version__,
+        "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else [],
+    }
+
+
+_INTERESTING = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+                          "asimd", "asimddp", "i8mm", "sve", "sve2", "bf16"})

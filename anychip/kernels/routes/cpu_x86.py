@@ -1,0 +1,95 @@
+"""The C++ extension's routes for x86 CPUs (AVX512-VNNI, AVX2) and its portable path (any CPU).
+
+Layout (csrc/w4a8_cpu.cpp reads it):
+    weight (NB, K/8, 64) uint8, NB = ceil(N/16) blocks of 16 output rows; byte r*4+j of chunk c holds
+           w[r, 8c+j] + 8 in its low nibble and w[r, 8c+4+j] + 8 in its high nibble; padded rows are zero.
+    scales (NB, K/G, 16) fp32.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from anychip.kernels import cpu_ext, machine
+from anychip.kernels.policy import KernelPolicy
+from anychip.kernels.routes.base import CheckpointWeights, LinearProblem, NoKernelRoute, Route
+
+ROWS = 16  # output rows per weight block
+
+
+def blocked_layout(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) int8, (N, K/G) -> weight (NB, K/8, 64) uint8, scales (NB, K/G, 16) fp32, NB = ceil(N/16)."""
+    n, k = q.shape
+    if k % 8:
+        raise NoKernelRoute(f"K={k} is not a multiple of 8: the CPU kernels read 8 input channels per vector")
+    nb = -(-n // ROWS)
+    pad = nb * ROWS - n
+    u = torch.nn.functional.pad(q, (0, 0, 0, pad)).to(torch.int16).add_(8).to(torch.uint8)
+    u = u.view(nb, ROWS, k // 8, 2, 4)  # [block, row, chunk, lo/hi, j]
+    byte = u[:, :, :, 0, :] | (u[:, :, :, 1, :] << 4)  # (NB, 16, K/8, 4)
+    weight = byte.permute(0, 2, 1, 3).reshape(nb, k // 8, 64).contiguous()
+    s = torch.nn.functional.pad(scales.float(), (0, 0, 0, pad))
+    sw = s.view(nb, ROWS, -1).permute(0, 2, 1).contiguous()
+    return weight, sw
+
+
+class CppRoute(Route):
+    """A path of the C++ extension; `code` is its value in the C++ `Isa` enum (csrc/cpu_common.h)."""
+
+    device = "cpu"
+    kernel = "w4a8_cpu"
+    bit_exact = True
+    code: ClassVar[int]
+    #: /proc/cpuinfo flags the path needs (x86 names).
+    flags: ClassVar[tuple[str, ...]] = ()
+
+    def unavailable(self) -> str | None:
+        if not self.flags:
+            return None
+        if not machine.is_x86():
+            return "not an x86 CPU"
+        missing = [f for f in self.flags if f not in machine.cpu_flags()]
+        return f"this CPU lacks {', '.join(missing)}" if missing else None
+
+    def rejects(self, problem: LinearProblem) -> str | None:
+        if why := super().rejects(problem):
+            return why
+        return f"K={problem.k} is not a multiple of 8" if problem.k % 8 else None
+
+    def prepare(self, weights: CheckpointWeights, policy: KernelPolicy) -> tuple[torch.Tensor, torch.Tensor]:
+        cpu_ext.load(policy.build_dir)  # compile now, at load, not on the first request
+        return blocked_layout(weights.int8().cpu(), weights.scales.cpu())
+
+    def linear(self, x, weight, scales, bias, n, k, group_size):
+        return cpu_ext.load().linear(x, weight, scales, bias, n, group_size, self.code)
+
+    def linear_q(self, xq, sx, weight, scales, bias, n, k, group_size, out_dtype):
+        return cpu_ext.load().linear_q(xq, sx, weight, scales, bias, n, group_size, self.code, out_dtype)
+
+    def group_dots(self, xq, weight, scales, n, k, group_size):
+        return cpu_ext.load().group_dots(xq, weight, scales, n, group_size, self.code)
+
+
+class Avx512Vnni(CppRoute):
+    id = "cpu.avx512_vnni"
+    aliases = ("avx512_vnni",)
+    code = 2
+    flags = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+    summary = "C++ vpdpbusd u4 x s8, 16 rows per zmm"
+
+
+class Avx2(CppRoute):
+    id = "cpu.avx2"
+    aliases = ("avx2",)
+    code = 1
+    flags = ("avx2", "fma")
+    summary = "C++ vpmaddubsw + vpmaddwd, 8 rows per ymm"
+
+
+class Portable(CppRoute):
+    id = "cpu.portable"
+    aliases = ("portable",)
+    code = 0
+    summary = "C++ scalar, any CPU the compiler targets"

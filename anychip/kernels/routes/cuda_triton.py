@@ -1,0 +1,58 @@
+"""NVIDIA GPUs: Triton kernels with INT8 tensor-core dots on INT4 weights unpacked in registers (kernels/gpu).
+
+Layout (gpu/layout.py): weight (N, K/2) int8 two's-complement nibbles, scales (K/G, N). Triton is imported on
+the first call, never at import time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from anychip.kernels import gpu, hooks
+from anychip.kernels.policy import KernelPolicy
+from anychip.kernels.routes.base import CheckpointWeights, LinearProblem, Route
+
+
+def _launch():
+    from anychip.kernels.gpu import launch
+
+    return launch
+
+
+class CudaTriton(Route):
+    id = "cuda.triton"
+    aliases = ("triton",)
+    device = "cuda"
+    kernel = "triton"
+    bit_exact = True
+    summary = "Triton INT8 tensor-core dots, INT4 unpacked in registers, split-K for decode"
+    #: The GEMM launch bumps the coverage counter itself (hooks.DeviceCounter): counts survive CUDA-graph replay.
+    counts_on_device = True
+
+    def unavailable(self) -> str | None:
+        if not torch.cuda.is_available():
+            return "no CUDA device"
+        return gpu.unavailable_reason(torch.device("cuda"))
+
+    def rejects(self, problem: LinearProblem) -> str | None:
+        if why := super().rejects(problem):
+            return why
+        return f"K={problem.k} is odd (INT4 weights pack two per byte)" if problem.k % 2 else None
+
+    def prepare(self, weights: CheckpointWeights, policy: KernelPolicy) -> tuple[torch.Tensor, torch.Tensor]:
+        from anychip.kernels.gpu.layout import triton_layout
+
+        return triton_layout(weights)
+
+    def linear(self, x, weight, scales, bias, n, k, group_size):
+        launch = _launch()
+        counter = hooks.take_device_counter(x.device)
+        xq, sx = launch.quantize_act(x)
+        return launch.w4a8_linear_q(xq, sx, weight, scales, bias, n, k, group_size, x.dtype, counter=counter)
+
+    def linear_q(self, xq, sx, weight, scales, bias, n, k, group_size, out_dtype):
+        counter = hooks.take_device_counter(xq.device)
+        return _launch().w4a8_linear_q(xq, sx, weight, scales, bias, n, k, group_size, out_dtype, counter=counter)
+
+    def group_dots(self, xq, weight, scales, n, k, group_size):
+        return _launch().group_dots(xq, weight, n, k, group_size)

@@ -1,0 +1,96 @@
+"""`anychip routes [MODEL] [--json]`: every kernel route, whether it can serve on this machine (and why not),
+whether it is bit-exact with the reference; with MODEL, the route each quantized linear would get in strict mode,
+from the checkpoint's headers alone (no vLLM, no weights read)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from anychip import envs
+from anychip.checkpoint.io import read_tensor_infos
+from anychip.checkpoint.model_dir import ModelDir
+from anychip.formats import PACK_FACTOR
+from anychip.kernels import machine, routes
+from anychip.kernels.policy import KernelPolicy
+from anychip.kernels.routes import LinearProblem, NoKernelRoute
+
+
+def quantized_linears(md: ModelDir) -> list[tuple[str, int, int]]:
+    """(name, N, K) of every quantized linear as the checkpoint stores it, in file order of names."""
+    infos = read_tensor_infos(md.path)
+    out = []
+    for name in sorted(infos):
+        if not name.endswith(".weight_scale"):
+            continue
+        prefix = name.removesuffix(".weight_scale")
+        if (packed := infos.get(f"{prefix}.weight_packed")) is not None:
+            n, k = packed.shape[0], packed.shape[1] * PACK_FACTOR
+        elif (weight := infos.get(f"{prefix}.weight")) is not None:
+            n, k = weight.shape[0], weight.shape[1]
+        else:
+            continue
+        out.append((prefix, n, k))
+    return out
+
+
+def plan_layers(md: ModelDir, policy: KernelPolicy, device: str) -> list[dict[str, Any]]:
+    """The strict-mode route of every quantized linear (route None and the reason when none can serve)."""
+    scheme = md.require_scheme()
+    strict = replace(policy, allow_fallback=False)
+    rows = []
+    for name, n, k in quantized_linears(md):
+        problem = LinearProblem(n, k, scheme.group_size, device)
+        try:
+            route, reason = routes.select(problem, strict).id, None
+        except NoKernelRoute as exc:
+            route, reason = None, str(exc)
+        rows.append({"name": name, "n": n, "k": k, "group_size": scheme.group_size, "route": route,
+                     "reason": reason})
+    return rows
+
+
+def report(model: Path | None, policy: KernelPolicy, device: str) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "machine": machine.describe() | {"forced_route": policy.route},
+        "routes": [{k: v for k, v in r.describe().items() if k != "summary"} | {"summary": r.summary}
+                   for r in routes.ROUTES],
+    }
+    if model is not None:
+        md = ModelDir.open(model)
+        doc["model"] = {"path": str(md.path), "kind": md.kind, "device": device}
+        doc["layers"] = plan_layers(md, policy, device)
+    return doc
+
+
+def format_text(doc: dict[str, Any]) -> str:
+    m = doc["machine"]
+    lines = [f"machine: {m['machine']} {m['system']}, torch {m['torch']}, CPU features "
+             f"{' '.join(m['cpu_flags']) or 'none of note'}, CUDA devices: {', '.join(m['cuda_devices']) or 'none'}"
+             + (f"; forced route {m['forced_route']}" if m["forced_route"] else "")]
+    lines.append(f"{'route':<17}{'device':<8}{'here':<6}{'bit-exact':<11}")
+    for r in doc["routes"]:
+        why = "" if r["available"] else f"  {r['id']}: {r['reason']}"
+        note = " (fallback only)" if r["fallback_only"] else ""
+        lines.append(f"{r['id']:<17}{r['device']:<8}{'yes' if r['available'] else 'no':<6}"
+                     f"{'yes' if r['bit_exact'] else 'no':<11}{r['summary']}{note}{why}")
+    if "layers" in doc:
+        layers = doc["layers"]
+        counts = Counter(layer["route"] or "NONE" for layer in layers)
+        lines.append(f"\n{doc['model']['path']} ({doc['model']['kind']}), strict mode on {doc['model']['device']}: "
+                     f"{len(layers)} quantized linears: "
+                     + ", ".join(f"{route} {count}" for route, count in sorted(counts.items())))
+        for layer in layers:
+            lines.append(f"  {layer['name']:<44} N={layer['n']:<6} K={layer['k']:<6} G{layer['group_size']:<4} "
+                         f"{layer['route'] or 'no route: ' + str(layer['reason'])}")
+    return "\n".join(lines)
+
+
+def cmd_routes(args: argparse.Namespace) -> int:
+    doc = report(Path(args.model) if args.model else None, envs.kernel_policy(allow_fallback=False), args.device)
+    print(json.dumps(doc, indent=1) if args.json else format_text(doc))
+    return 1 if any(layer["route"] is None for layer in doc.get("layers", [])) else 0

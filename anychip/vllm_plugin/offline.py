@@ -1,0 +1,30 @@
+"""vLLM's public offline API (`LLM`, `SamplingParams`) for anychip's own runners: `anychip bench` and
+`anychip eval` start engines through this module, so vLLM's names stay in this room."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import vllm
+from vllm import LLM, SamplingParams
+
+
+def make_llm(**kwargs: Any) -> LLM:
+    """vllm.LLM(**kwargs); the anychip plugin joins through vLLM's entry point unless VLLM_PLUGINS leaves it out."""
+    return LLM(**kwargs)
+
+
+def sampling_params(**kwargs: Any) -> SamplingParams:
+    return SamplingParams(**kwargs)
+
+
+def version() -> str:
+    return vllm.__version__
+
+
+def compile_mode(llm: LLM, eager: bool) -> str:
+    """How the engine runs the model: "eager" or "compiled (<mode>, <backend>)"."""
+    if eager:
+        return "eager"
+    cc = llm.llm_engine.vllm_config.compilation_config
+    return f"compiled ({cc.mode.name}, {cc.backend})"

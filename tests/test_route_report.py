@@ -1,0 +1,63 @@
+"""`anychip routes`: every route with availability and reason, and the strict-mode route of each linear."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from anychip.checkpoint.quantize import quantize_checkpoint
+from anychip.checkpoint.scheme import W4A8Scheme
+from anychip.cli import main
+from anychip.kernels import routes
+
+
+@pytest.fixture(scope="module")
+def w4a8(tiny_llama, tmp_path_factory):
+    return quantize_checkpoint(tiny_llama(), tmp_path_factory.mktemp("routes") / "w4a8", W4A8Scheme(group_size=32))
+
+
+def _json(capsys, *argv: str) -> tuple[int, dict]:
+    rc = main(["routes", *argv, "--json"])
+    return rc, json.loads(capsys.readouterr().out)
+
+
+def test_routes_lists_every_route_with_a_reason(capsys, monkeypatch):
+    monkeypatch.delenv("ANYCHIP_KERNEL_ISA", raising=False)
+    rc, doc = _json(capsys)
+    assert rc == 0 and set(doc) == {"machine", "routes"}
+    assert [r["id"] for r in doc["routes"]] == list(routes.route_ids())
+    for r in doc["routes"]:
+        assert set(r) >= {"id", "device", "available", "reason", "bit_exact"}
+        assert (r["reason"] is None) == r["available"]
+    by = {r["id"]: r for r in doc["routes"]}
+    assert by["arm.kleidiai"]["bit_exact"] is False and by["cpu.portable"]["available"]
+    if not by["cuda.triton"]["available"]:
+        assert by["cuda.triton"]["reason"]
+
+
+def test_routes_for_a_model_follow_strict_selection(capsys, monkeypatch, w4a8):
+    monkeypatch.delenv("ANYCHIP_KERNEL_ISA", raising=False)
+    rc, doc = _json(capsys, str(w4a8))
+    best = routes.available("cpu")[0].id
+    assert rc == 0 and doc["model"]["kind"] == "w4a8"
+    assert len(doc["layers"]) == 2 * 7  # tiny: 2 layers, 7 linears each as the checkpoint stores them
+    assert {layer["route"] for layer in doc["layers"]} == {best}
+    assert doc["layers"][0]["name"].startswith("model.layers.") and doc["layers"][0]["group_size"] == 32
+    # a forced route that cannot run here: every layer says why, and the command fails
+    unavailable = next((r.id for r in routes.preferred("cpu") if r.unavailable()), None)
+    if unavailable is None:
+        pytest.skip("every CPU route runs on this machine")
+    monkeypatch.setenv("ANYCHIP_KERNEL_ISA", unavailable)
+    rc, doc = _json(capsys, str(w4a8))
+    assert rc == 1 and all(layer["route"] is None and "not available" in layer["reason"] for layer in doc["layers"])
+    rc = main(["routes", str(w4a8)])
+    assert rc == 1 and "no route" in capsys.readouterr().out
+
+
+def test_routes_cuda_device_without_a_gpu(capsys, monkeypatch, w4a8):
+    monkeypatch.delenv("ANYCHIP_KERNEL_ISA", raising=False)
+    if routes.get("cuda.triton").unavailable() is None:
+        pytest.skip("this machine has a GPU")
+    rc, doc = _json(capsys, str(w4a8), "--device", "cuda")
+    assert rc == 1 and all("no CUDA device" in layer["reason"] for layer in doc["layers"])
