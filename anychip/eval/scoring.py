@@ -2,7 +2,8 @@
 
 Definitions follow lm-evaluation-harness's multiple-choice metrics:
   acc       = [argmax_i loglik_i == label]
-  acc_norm  = [argmax_i loglik_i / len_bytes(choice_i) == label]   (len in UTF-8 bytes of the choice string)
+  acc_norm  = [argmax_i loglik_i / len_i == label]   (len_i: the item's Item.lengths; for built-in tasks lm-eval's
+              length in characters of the choice as doc_to_choice returns it, else the scored string's UTF-8 bytes)
   stderr    = sample standard deviation (ddof=1) / sqrt(n), as lm-eval's mean_stderr
 Ties pick the first maximum (numpy.argmax), as lm-eval does.
 """
@@ -29,7 +30,7 @@ def argmax(values: Sequence[float]) -> int:
 
 
 def item_correct(logliks: Sequence[float], lengths: Sequence[int], label: int) -> tuple[float, float]:
-    """(acc, acc_norm) of one item, each 0.0 or 1.0. `lengths`: the byte length of each choice."""
+    """(acc, acc_norm) of one item, each 0.0 or 1.0. `lengths`: each choice's acc_norm denominator."""
     if len(logliks) != len(lengths):
         raise ValueError(f"{len(logliks)} logliks but {len(lengths)} choice lengths")
     if not 0 <= label < len(logliks):
@@ -76,7 +77,7 @@ class TaskScore:
 
 def score_task(logliks: Sequence[Sequence[float]], lengths: Sequence[Sequence[int]],
                labels: Sequence[int]) -> TaskScore:
-    """Per-item logliks (one list per item), choice byte lengths and labels -> TaskScore."""
+    """Per-item logliks (one list per item), choice lengths (acc_norm denominators) and labels -> TaskScore."""
     if not len(logliks) == len(lengths) == len(labels):
         raise ValueError(f"{len(logliks)} items of logliks, {len(lengths)} of lengths, {len(labels)} labels")
     pairs = [item_correct(ll, n, y) for ll, n, y in zip(logliks, lengths, labels)]
