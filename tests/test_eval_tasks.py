@@ -11,7 +11,7 @@ import pytest
 
 from anychip.eval import builders, datasets
 from anychip.eval.builders import DEFAULT_TASKS, RECIPES
-from anychip.eval.tasks import EvalDataError, load_task, parse_item, resolve_data_dir, select_tasks
+from anychip.eval.tasks import EvalDataError, data_source, load_task, parse_item, resolve_data_dir, select_tasks
 
 #: Validation (MMLU: test) sizes of the public sets, as their papers and dataset cards give them.
 ITEMS = {"hellaswag": 10042, "truthfulqa_mc1": 817, "winogrande": 1267, "commonsense_qa": 1221,
@@ -182,6 +182,10 @@ def test_builtin_tasks_are_the_default_without_data(tmp_path, monkeypatch):
     files, ppl = select_tasks(None, None)
     assert [p.stem for p in files] == list(DEFAULT_TASKS) and ppl
     assert all(p.parent == tmp_path / "tasks" for p in files)
+    source = data_source(None, files)  # what the report records for built-in tasks
+    assert source["winogrande"]["items"] == 1267 and source["winogrande"]["package_version"] == "0.9.0"
+    assert source["truthfulqa_mc1"]["sha256"] == datasets.sha256_file(tmp_path / "tasks" / "truthfulqa_mc1.jsonl")
+    assert data_source(tmp_path, files) == str(tmp_path)
     files, ppl = select_tasks(["mmlu", "perplexity"], None)
     assert [p.stem for p in files] == ["mmlu"] and ppl
     with pytest.raises(EvalDataError, match="no such built-in task; available: hellaswag, truthfulqa_mc1"):

@@ -17,14 +17,15 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from anychip.envs import ANYCHIP_EVALDATA
 from anychip.eval.builders import DEFAULT_TASKS, RECIPES
-from anychip.eval.datasets import built_task
+from anychip.eval.datasets import built_task, task_meta
 from anychip.eval.errors import EvalDataError
 
-__all__ = ["EvalDataError", "Item", "Task", "load_task", "load_text", "parse_item", "resolve_data_dir",
-           "select_tasks", "PERPLEXITY", "DEFAULT_TEXT"]
+__all__ = ["EvalDataError", "Item", "Task", "data_source", "load_task", "load_text", "parse_item",
+           "resolve_data_dir", "select_tasks", "PERPLEXITY", "DEFAULT_TEXT"]
 
 #: The task name that selects perplexity instead of a *.jsonl file.
 PERPLEXITY = "perplexity"
@@ -160,6 +161,16 @@ def select_tasks(names: list[str] | None, data_dir: Path | None) -> tuple[list[P
         raise EvalDataError(f"--tasks {','.join(missing)}: no such file in {data_dir}; available: "
                             f"{', '.join(list(files) + [PERPLEXITY])}")
     return [files[n] for n in mc], want_ppl
+
+
+def data_source(data_dir: Path | None, task_files: list[Path]) -> str | dict[str, Any] | None:
+    """What the report records as the tasks' origin: the --data folder, or each built-in task's cache record
+    (package and version, source digest, sha256 of the built file, item count)."""
+    if data_dir is not None:
+        return str(data_dir)
+    if not task_files:
+        return None
+    return {p.stem: task_meta(p.stem, p.parent) for p in task_files}
 
 
 def load_text(path: str | Path | None) -> tuple[Path, str]:
