@@ -170,6 +170,10 @@ def cmd_serve(args) -> int:
     print(f"command   {shlex.join(cmd)}")
     if args.dry_run:
         return 0
+    if not args.coverage:  # the default report goes into the user's cache: user-only, like the models there
+        from anychip.checkpoint.cache import private_dir
+
+        private_dir(coverage.parent)
     secrets = {"VLLM_API_KEY": secret} if secret else {}
     proc = subprocess.Popen(cmd, env={**os.environ, **env, **secrets})
     url = f"http://{args.host}:{args.port}"

@@ -152,3 +152,20 @@ def test_exit_after_a_requested_stop_is_quiet():
     assert serve.exit_reason(0, asked_to_stop=True) is None
     assert serve.exit_reason(-signal.SIGTERM, asked_to_stop=True) is None
     assert serve.exit_reason(1, asked_to_stop=True) is not None  # a failed shutdown is still reported
+
+
+def test_cache_directories_are_user_only(bf16, tmp_path, monkeypatch):
+    from anychip.checkpoint.cache import cache_lock
+
+    monkeypatch.setenv(envs.ANYCHIP_CACHE, str(tmp_path / "home" / ".cache" / "anychip" / "models"))
+    monkeypatch.setattr(serve.subprocess, "Popen", FakeProc)
+    monkeypatch.setattr(serve, "_wait_ready", lambda *a, **k: False)
+    (tmp_path / "home").mkdir(mode=0o755)
+    with cache_lock(envs.cache_dir() / "some-model"):
+        pass
+    main(["serve", str(bf16)])  # creates the default coverage folder in the cache
+    made = [tmp_path / "home" / ".cache", *(tmp_path / "home" / ".cache").rglob("*")]
+    dirs = [d for d in made if d.is_dir()]
+    assert {d.name for d in dirs} >= {".cache", "anychip", "models", "some-model", "coverage"}
+    assert all(d.stat().st_mode & 0o777 == 0o700 for d in dirs), {str(d): oct(d.stat().st_mode) for d in dirs}
+    assert (tmp_path / "home").stat().st_mode & 0o777 == 0o755  # an existing directory is left as it was

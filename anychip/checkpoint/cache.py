@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -19,6 +20,24 @@ from anychip.checkpoint.manifest import MANIFEST, sha256_file
 from anychip.errors import AnychipError
 
 
+def private_dir(path: Path) -> Path:
+    """`mkdir -p path`, each directory it creates user-only (0700): caches hold models and reports of what a user
+    ran, which other users of the machine have no business reading or replacing. Existing ones are left alone."""
+    path = Path(path)
+    missing = []
+    at = path
+    while not at.exists():
+        missing.append(at)
+        at = at.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir(mode=0o700)
+        except FileExistsError:
+            continue
+        os.chmod(d, 0o700)  # mkdir's mode passes through the umask
+    return path
+
+
 def marker_path(directory: Path) -> Path:
     return directory.parent / f"{directory.name}.done.json"
 
@@ -26,7 +45,7 @@ def marker_path(directory: Path) -> Path:
 @contextmanager
 def cache_lock(directory: Path) -> Iterator[None]:
     """Hold an exclusive lock on `directory` (a model's folder in the cache) so concurrent prepares queue."""
-    directory.mkdir(parents=True, exist_ok=True)
+    private_dir(directory)
     with open(directory / ".lock", "w") as fh:
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
