@@ -1,11 +1,7 @@
-// Shared by the anychip CPU kernels: includes, the ISA codes and their run-time check, target attributes.
+// Shared by the anychip CPU kernels: the ISA codes and their run-time check, target attributes, 16-bit floats.
+// Torch-free: the kernel core (these headers) builds into the torch extension (w4a8_cpu.cpp) and into the
+// cross-compiled Arm test driver (tests/arm/driver.cpp) alike.
 #pragma once
-
-#include <torch/extension.h>
-
-#include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <atomic>
@@ -21,9 +17,27 @@
 #define ANYCHIP_AVX2 __attribute__((target("avx2,fma")))
 #endif
 
+#if defined(__aarch64__)
+#define ANYCHIP_ARM 1
+#include <arm_neon.h>
+#include <sys/auxv.h>
+// Function-level targets: the binary assumes only baseline Armv8-A (NEON); these paths run after getauxval says so.
+// Both extensions are optional from Armv8.2-A on, so a CPU that has either implements Armv8.2-A.
+#define ANYCHIP_DOTPROD __attribute__((target("arch=armv8.2-a+dotprod")))
+#define ANYCHIP_I8MM __attribute__((target("arch=armv8.2-a+dotprod+i8mm")))
+#ifndef HWCAP_ASIMDDP
+#define HWCAP_ASIMDDP (1UL << 20)
+#endif
+#ifndef HWCAP2_I8MM
+#define HWCAP2_I8MM (1UL << 13)
+#endif
+#endif
+
 namespace anychip {
 
-enum Isa : int64_t { kPortable = 0, kAvx2 = 1, kAvx512Vnni = 2 };
+// The codes the Python routes pass (anychip/kernels/routes/*.py `code`).
+enum Isa : int64_t { kPortable = 0, kAvx2 = 1, kAvx512Vnni = 2, kArmDotprod = 3, kArmI8mm = 4 };
+constexpr int64_t kIsaCount = 5;
 
 inline bool isa_supported(int64_t isa) {
 #ifdef ANYCHIP_X86
@@ -33,7 +47,32 @@ inline bool isa_supported(int64_t isa) {
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
   if (isa == kAvx2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 #endif
+#ifdef ANYCHIP_ARM
+  const bool dotprod = (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
+  if (isa == kArmDotprod) return dotprod;
+  if (isa == kArmI8mm) return dotprod && (getauxval(AT_HWCAP2) & HWCAP2_I8MM) != 0;
+#endif
   return isa == kPortable;
+}
+
+// The route's name for an ISA code (the part after the dot in "cpu.avx2", "arm.i8mm").
+inline const char* isa_name(int64_t isa) {
+  switch (isa) {
+    case kAvx2: return "avx2";
+    case kAvx512Vnni: return "avx512_vnni";
+    case kArmDotprod: return "dotprod";
+    case kArmI8mm: return "i8mm";
+    default: return "portable";
+  }
+}
+
+// ISAs this CPU and build support, best first, ending with kPortable; returns how many.
+inline int supported_isas(int64_t out[kIsaCount]) {
+  static constexpr int64_t order[] = {kAvx512Vnni, kAvx2, kArmI8mm, kArmDotprod, kPortable};
+  int n = 0;
+  for (int64_t isa : order)
+    if (isa_supported(isa)) out[n++] = isa;
+  return n;
 }
 
 inline int32_t load4(const int8_t* p) {
@@ -41,5 +80,69 @@ inline int32_t load4(const int8_t* p) {
   std::memcpy(&v, p, 4);
   return v;
 }
+
+// ---------------------------------------------------------------- 16-bit floats as plain bits
+// Layout-compatible with c10::BFloat16 / c10::Half (one uint16_t), so the torch binding can cast pointers.
+
+struct Bf16 {
+  uint16_t bits;
+};
+struct Fp16 {
+  uint16_t bits;
+};
+
+inline uint32_t f32_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+inline float f32_from_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline float to_f(float v) { return v; }
+inline float to_f(Bf16 v) { return f32_from_bits(uint32_t(v.bits) << 16); }
+
+// Exact: every half is an fp32.
+inline float to_f(Fp16 v) {
+  const uint32_t sign = uint32_t(v.bits & 0x8000) << 16;
+  const uint32_t e = (v.bits >> 10) & 0x1F, man = v.bits & 0x3FF;
+  if (e == 0x1F) return f32_from_bits(sign | 0x7F800000u | (man << 13));  // inf, nan
+  if (e != 0) return f32_from_bits(sign | ((e + 112) << 23) | (man << 13));
+  return f32_from_bits(sign | f32_bits(float(man) * 0x1p-24f));  // zero and subnormals: man * 2^-24
+}
+
+// Round to nearest even; NaN -> 0x7FC0 (as c10::BFloat16).
+inline uint16_t bf16_bits(float f) {
+  const uint32_t u = f32_bits(f);
+  if (std::isnan(f)) return 0x7FC0;
+  return uint16_t((u + ((u >> 16) & 1) + 0x7FFF) >> 16);
+}
+
+// Round to nearest even, overflow to inf, quiet NaN kept (as c10::Half and the FCVT / VCVTPS2PH instructions).
+inline uint16_t fp16_bits(float f) {
+  const uint32_t u = f32_bits(f);
+  const uint16_t sign = uint16_t((u >> 16) & 0x8000);
+  const uint32_t a = u & 0x7FFFFFFF;
+  if (a >= 0x7F800000u) return sign | (a > 0x7F800000u ? uint16_t(0x7E00 | ((a >> 13) & 0x3FF)) : 0x7C00);
+  const int e = int(a >> 23) - 127 + 15;  // half exponent
+  if (e >= 31) return sign | 0x7C00;
+  if (e >= 1) {  // normal: keep 10 of 23 mantissa bits; a carry out of the mantissa bumps the exponent
+    const uint32_t man = (uint32_t(e) << 10) | ((a >> 13) & 0x3FF), rem = a & 0x1FFF;
+    return sign | uint16_t(man + (rem > 0x1000 || (rem == 0x1000 && (man & 1))));
+  }
+  if (e < -10) return sign;  // below half the smallest subnormal
+  const uint32_t full = (a & 0x7FFFFF) | 0x800000;
+  const uint32_t shift = uint32_t(14 - e);  // 14..24
+  const uint32_t man = full >> shift;
+  const uint32_t rem = full & ((1u << shift) - 1), half = 1u << (shift - 1);
+  return sign | uint16_t(man + (rem > half || (rem == half && (man & 1))));
+}
+
+// Output element types of the linear (and the debug int32 group sums).
+enum class OutType { kF32, kBF16, kF16, kI32 };
 
 }  // namespace anychip

@@ -1,4 +1,5 @@
-// Dynamic per-token symmetric INT8 activations (and the benchmark's memory-bandwidth probe).
+// Dynamic per-token symmetric INT8 activations, their group sums, and the benchmark's memory-bandwidth probe.
+// Torch-free: the binding (w4a8_cpu.cpp) splits the rows over threads.
 #pragma once
 
 #include "cpu_common.h"
@@ -8,11 +9,6 @@ namespace anychip {
 // ---------------------------------------------------------------- activation quantization
 // Bit-exact with quantize_activations_ref: scale = amax / 127 in fp32, q = round_half_even(x / scale) (a true
 // division, not a multiply by the reciprocal), clamped to [-127, 127]; an all-zero row gets scale 0 and q 0.
-
-template <typename T>
-inline float to_f(T v) {
-  return static_cast<float>(v);
-}
 
 template <typename T>
 void quantize_row_scalar(const T* x, int64_t k, int8_t* q, float* sx) {
@@ -35,7 +31,7 @@ template <typename T>
 ANYCHIP_AVX512 inline __m512 load16(const T* x, __mmask16 mask) {
   if constexpr (std::is_same_v<T, float>) {
     return _mm512_maskz_loadu_ps(mask, x);
-  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+  } else if constexpr (std::is_same_v<T, Bf16>) {
     const __m256i h = _mm256_maskz_loadu_epi16(mask, x);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   } else {
@@ -70,73 +66,82 @@ ANYCHIP_AVX512 void quantize_row_avx512(const T* x, int64_t k, int8_t* q, float*
 }
 #endif
 
+#ifdef ANYCHIP_ARM
+// Baseline NEON (every aarch64 CPU): fdiv and frintn (round to nearest even) per lane, as the scalar path.
 template <typename T>
-void quantize_rows(const T* x, int64_t m, int64_t k, int8_t* q, float* sx, bool simd) {
-  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-#ifdef ANYCHIP_X86
-      if (simd) {
-        quantize_row_avx512<T>(x + r * k, k, q + r * k, sx + r);
-        continue;
-      }
-#endif
-      quantize_row_scalar<T>(x + r * k, k, q + r * k, sx + r);
-    }
-  });
+inline float32x4_t load4f(const T* x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return vld1q_f32(x);
+  } else if constexpr (std::is_same_v<T, Bf16>) {
+    return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(reinterpret_cast<const uint16_t*>(x)), 16));
+  } else {
+    return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(reinterpret_cast<const uint16_t*>(x))));
+  }
 }
 
+template <typename T>
+void quantize_row_neon(const T* x, int64_t k, int8_t* q, float* sx) {
+  const int64_t k4 = k / 4 * 4;
+  float32x4_t vmax = vdupq_n_f32(0.f);
+  for (int64_t i = 0; i < k4; i += 4) vmax = vmaxq_f32(vmax, vabsq_f32(load4f(x + i)));
+  float amax = vmaxvq_f32(vmax);
+  for (int64_t i = k4; i < k; ++i) amax = std::max(amax, std::fabs(to_f(x[i])));
+  const float s = amax / 127.f;
+  *sx = s;
+  if (!(s > 0.f)) {
+    std::memset(q, 0, k);
+    return;
+  }
+  const float32x4_t vs = vdupq_n_f32(s), lim = vdupq_n_f32(127.f), nlim = vdupq_n_f32(-127.f);
+  for (int64_t i = 0; i < k4; i += 4) {
+    float32x4_t v = vrndnq_f32(vdivq_f32(load4f(x + i), vs));
+    v = vminq_f32(vmaxq_f32(v, nlim), lim);
+    const int16x4_t h = vmovn_s32(vcvtq_s32_f32(v));  // exact: |v| <= 127
+    const int8x8_t b = vmovn_s16(vcombine_s16(h, h));
+    std::memcpy(q + i, &b, 4);
+  }
+  for (int64_t i = k4; i < k; ++i) {
+    const float v = std::nearbyint(to_f(x[i]) / s);
+    q[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
+  }
+}
+#endif
+
+// The fastest bit-exact row quantizer this CPU runs.
 inline bool quant_simd() {
 #ifdef ANYCHIP_X86
   static const bool ok = isa_supported(kAvx512Vnni);
   return ok;
+#elif defined(ANYCHIP_ARM)
+  return true;
 #else
   return false;
 #endif
 }
 
-// (M, K) int8 -> (M, K / G) int32 group sums
-inline at::Tensor group_sums(const at::Tensor& xq, int64_t group_size) {
-  const int64_t m = xq.size(0), k = xq.size(1), groups = k / group_size;
-  at::Tensor out = at::empty({m, groups}, xq.options().dtype(at::kInt));
-  const int8_t* q = xq.data_ptr<int8_t>();
-  int32_t* o = out.data_ptr<int32_t>();
-  at::parallel_for(0, m, 64, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      for (int64_t g = 0; g < groups; ++g) {
-        const int8_t* p = q + r * k + g * group_size;
-        int32_t s = 0;
-        for (int64_t i = 0; i < group_size; ++i) s += p[i];
-        o[r * groups + g] = s;
-      }
-    }
-  });
-  return out;
+template <typename T>
+void quantize_row(const T* x, int64_t k, int8_t* q, float* sx, bool simd) {
+#ifdef ANYCHIP_X86
+  if (simd) return quantize_row_avx512<T>(x, k, q, sx);
+#endif
+#ifdef ANYCHIP_ARM
+  if (simd) return quantize_row_neon<T>(x, k, q, sx);
+#endif
+  quantize_row_scalar<T>(x, k, q, sx);
 }
 
-inline std::tuple<at::Tensor, at::Tensor> quantize_act(const at::Tensor& x_in) {
-  TORCH_CHECK(x_in.dim() == 2, "anychip quantize_act wants (M, K), got ", x_in.sizes());
-  const at::Tensor x = x_in.contiguous();
-  const int64_t m = x.size(0), k = x.size(1);
-  at::Tensor xq = at::empty({m, k}, x.options().dtype(at::kChar));
-  at::Tensor sx = at::empty({m, 1}, x.options().dtype(at::kFloat));
-  const bool simd = quant_simd();
-  switch (x.scalar_type()) {
-    case at::kFloat:
-      quantize_rows(x.data_ptr<float>(), m, k, xq.data_ptr<int8_t>(), sx.data_ptr<float>(), simd);
-      break;
-    case at::kBFloat16:
-      quantize_rows(x.data_ptr<c10::BFloat16>(), m, k, xq.data_ptr<int8_t>(), sx.data_ptr<float>(), simd);
-      break;
-    case at::kHalf:
-      quantize_rows(x.data_ptr<c10::Half>(), m, k, xq.data_ptr<int8_t>(), sx.data_ptr<float>(), simd);
-      break;
-    default:
-      TORCH_CHECK(false, "anychip quantize_act: activations must be fp32, bf16 or fp16, got ", x.scalar_type());
+// One token's (K / G) int32 group sums of its int8 activations (the -8 offset correction of the u4 weights).
+inline void group_sums_row(const int8_t* q, int64_t k, int64_t group_size, int32_t* out) {
+  for (int64_t g = 0; g < k / group_size; ++g) {
+    const int8_t* p = q + g * group_size;
+    int32_t s = 0;
+    for (int64_t i = 0; i < group_size; ++i) s += p[i];
+    out[g] = s;
   }
-  return {xq, sx};
 }
 
-// Streaming read of a large buffer (the benchmark's memory bandwidth probe); returns a checksum.
+// ---------------------------------------------------------------- bandwidth probe
+// Streaming read of a large buffer; returns a checksum.
 #ifdef ANYCHIP_X86
 ANYCHIP_AVX512 inline uint64_t xor_range_avx512(const uint8_t* p, int64_t bytes) {
   __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
@@ -161,21 +166,11 @@ inline uint64_t xor_range(const uint8_t* p, int64_t bytes) {
   return a;
 }
 
-inline int64_t read_bytes(const at::Tensor& buf) {
-  TORCH_CHECK(buf.is_contiguous() && buf.scalar_type() == at::kByte, "read_bytes wants contiguous uint8");
-  const uint8_t* p = buf.data_ptr<uint8_t>();
-  const int64_t pages = buf.numel() / 4096;
-  std::atomic<uint64_t> total{0};
-  at::parallel_for(0, pages, 64, [&](int64_t b, int64_t e) {
+inline uint64_t xor_range_best(const uint8_t* p, int64_t bytes) {
 #ifdef ANYCHIP_X86
-    if (quant_simd()) {
-      total ^= xor_range_avx512(p + b * 4096, (e - b) * 4096);
-      return;
-    }
+  if (quant_simd()) return xor_range_avx512(p, bytes);
 #endif
-    total ^= xor_range(p + b * 4096, (e - b) * 4096);
-  });
-  return static_cast<int64_t>(total.load() & 0x7FFFFFFF);
+  return xor_range(p, bytes);
 }
 
 }  // namespace anychip

@@ -1,0 +1,133 @@
+// Dispatch (ISA code -> tile kernels) and the threaded driver loop over weight blocks and token panels.
+// Torch-free: the caller passes its thread pool as `parallel(threads, work)`, which runs work() on `threads`
+// threads (at::parallel_for in the binding, std::thread in the Arm test driver).
+#pragma once
+
+#include "w4a8_arm.h"
+#include "w4a8_tiles.h"
+#include "w4a8_x86.h"
+
+namespace anychip {
+
+using TileFn = void (*)(const Problem&, int64_t, int64_t);
+
+// Tuning knobs (compile-time; the defaults won on a 2-core AMD EPYC Zen 5, AVX512-VNNI, single-thread CPU time):
+//   tokens per AVX512 GEMM tile  4 (acc x2): 714 GOPS, 6 (acc x1): 670, 8 (acc x1): 770, 8 (acc x2): 775
+//   token panel in L2            128 KiB: +3-4% over no panels (K=6144), same as 256 KiB
+//   GEMV accumulators per token  4 vs 2: within noise; prefetch 2048 B ahead: ~+8% over 1024 or none, 512 B: -15%
+//   wide tile, 2 blocks (32 rows) x 6 tokens: 752-768 GOPS at K=2048 (8x16: 732), 723 at K=576 (8x16: 640);
+//                                   2 blocks x 4 tokens: 705-712
+//   vectorized epilogue (vs scalar stores): K=576 550 -> 640 GOPS; vpdpbusd {1to16} broadcast: +0-10% (small M)
+//   measured vpdpbusd peak of one core: about 930 GOPS, so the GEMM runs at about 80% of it
+#ifndef ANYCHIP_TILE_M
+#define ANYCHIP_TILE_M 8
+#endif
+#ifndef ANYCHIP_GEMV_ACC
+#define ANYCHIP_GEMV_ACC 4
+#endif
+#ifndef ANYCHIP_GEMM_ACC
+#define ANYCHIP_GEMM_ACC 1
+#endif
+// Tokens sharing each unpacked weight vector in the GEMM path: AVX512 has 32 registers for 8 x (acc, sum), AVX2
+// only 16; NEON has 32 of 4 lanes, and 4 tokens x 16 rows of INT32 accumulators already take 16 of them.
+constexpr int64_t tile_m(int64_t isa) { return isa == kAvx512Vnni ? ANYCHIP_TILE_M : 4; }
+
+template <int MT, bool DOTS>
+TileFn tile_for(int64_t isa) {
+  switch (isa) {
+#ifdef ANYCHIP_X86
+    case kAvx512Vnni:
+      return &tile_avx512<MT, 1, (MT == 1 ? ANYCHIP_GEMV_ACC : MT < 8 ? 2 : ANYCHIP_GEMM_ACC), DOTS>;
+    case kAvx2:
+      return &tile_avx2<MT, DOTS>;
+#endif
+#ifdef ANYCHIP_ARM
+    case kArmDotprod:
+      return &tile_dotprod<MT, (MT == 1 ? 2 : 1), DOTS>;
+    case kArmI8mm:
+      return &tile_i8mm<MT, DOTS>;
+#endif
+    default:
+      return &tile_portable<MT, DOTS>;
+  }
+}
+
+template <bool DOTS>
+TileFn tile_fn(int64_t isa, int64_t mt) {
+  switch (mt) {
+    case 1: return tile_for<1, DOTS>(isa);
+    case 2: return tile_for<2, DOTS>(isa);
+    case 3: return tile_for<3, DOTS>(isa);
+    case 4: return tile_for<4, DOTS>(isa);
+    case 5: return tile_for<5, DOTS>(isa);
+    case 6: return tile_for<6, DOTS>(isa);
+    case 7: return tile_for<7, DOTS>(isa);
+    default: return tile_for<8, DOTS>(isa);
+  }
+}
+
+#ifndef ANYCHIP_WIDE_TILE_M
+#define ANYCHIP_WIDE_TILE_M 6
+#endif
+
+// GEMM tile over two neighbouring weight blocks (32 rows), or nullptr where the ISA has none.
+template <bool DOTS>
+TileFn wide_tile_fn([[maybe_unused]] int64_t isa) {
+#ifdef ANYCHIP_X86
+  if (ANYCHIP_WIDE_TILE_M > 0 && isa == kAvx512Vnni) {
+    constexpr int mt = ANYCHIP_WIDE_TILE_M > 0 ? ANYCHIP_WIDE_TILE_M : 1;
+    return &tile_avx512<mt, 2, 1, DOTS>;
+  }
+#endif
+  return nullptr;
+}
+
+#ifndef ANYCHIP_PANEL_BYTES
+#define ANYCHIP_PANEL_BYTES (128 * 1024)
+#endif
+
+#ifndef ANYCHIP_CHUNKS_PER_THREAD
+#define ANYCHIP_CHUNKS_PER_THREAD 8
+#endif
+
+// Threads take chunks of weight blocks from a shared counter (a thread that the OS preempts on a shared machine
+// delays only its current chunk, not a fixed half of the work).  Within a chunk, tokens go in panels whose
+// activations stay in L2 (about ANYCHIP_PANEL_BYTES of int8) while the chunk's blocks stream past; without panels
+// every block would re-read all M x K activations from L3.
+template <bool DOTS, typename Parallel>
+void run(const Problem& p, int64_t isa, int64_t max_threads, Parallel&& parallel) {
+  const int64_t nblocks = (p.n + kRows - 1) / kRows;
+  // the wide tile always takes ANYCHIP_WIDE_TILE_M tokens: never hand it fewer (that would read and write past M)
+  const TileFn wide = p.m >= ANYCHIP_WIDE_TILE_M ? wide_tile_fn<DOTS>(isa) : nullptr;
+  const int64_t mt = wide ? std::min<int64_t>(p.m, ANYCHIP_WIDE_TILE_M) : std::min(p.m, tile_m(isa));
+  const int64_t panel = std::max<int64_t>(mt, (ANYCHIP_PANEL_BYTES / p.k) / mt * mt);
+  const TileFn tile = tile_fn<DOTS>(isa, mt);
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(max_threads, nblocks));
+  const int64_t chunk = std::max<int64_t>(1, nblocks / (threads * ANYCHIP_CHUNKS_PER_THREAD));
+  std::atomic<int64_t> next{0};
+  auto body = [&](int64_t b0, int64_t b1) {
+    for (int64_t t0 = 0; t0 < p.m; t0 += panel) {
+      const int64_t t1 = std::min(p.m, t0 + panel);
+      const int64_t full_end = t0 + (t1 - t0) / mt * mt;
+      const TileFn tail = t1 > full_end ? tile_fn<DOTS>(isa, t1 - full_end) : nullptr;
+      int64_t nb = b0;
+      if (wide) {
+        for (; nb + 2 <= b1; nb += 2) {
+          for (int64_t t = t0; t < full_end; t += mt) wide(p, t, nb);
+          if (tail) tail(p, full_end, nb), tail(p, full_end, nb + 1);
+        }
+      }
+      for (; nb < b1; ++nb) {
+        for (int64_t t = t0; t < full_end; t += mt) tile(p, t, nb);
+        if (tail) tail(p, full_end, nb);
+      }
+    }
+  };
+  parallel(threads, [&]() {
+    for (int64_t b0 = next.fetch_add(chunk); b0 < nblocks; b0 = next.fetch_add(chunk)) {
+      body(b0, std::min(nblocks, b0 + chunk));
+    }
+  });
+}
+
+}  // namespace anychip

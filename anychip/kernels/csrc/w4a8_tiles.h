@@ -1,0 +1,135 @@
+// The W4A8 problem as the tile kernels see it, the epilogues every ISA shares, and the portable tile.
+//
+// Blocked weight layout (anychip/kernels/routes/cpu_x86.py blocked_layout writes it; the x86 paths, the portable
+// path and arm.dotprod read it):
+//   weight (NB, K/8, 64) uint8, NB = ceil(N/16) blocks of 16 output rows (padded with zero-scale rows);
+//          byte r*4+j of chunk c: low nibble w[r, 8c+j] + 8, high nibble w[r, 8c+4+j] + 8.
+//   scales (NB, K/G, 16) fp32.
+// The u4 nibbles (w+8) meet the s8 activations in the dot instructions; each group's INT32 sum is corrected by
+// -8 * sum_{k in g} xq[m, k] (precomputed per token) before it is scaled.
+//
+// Float epilogue: y = sum over groups, in order, of float(dot_g) * sw[n, g]; out = y * sx[m] + bias[n].  On
+// aarch64 every path fuses both steps (fma), so all Arm paths give the same bits; on x86 the SIMD paths fuse the
+// group step and the portable path does not (the torch tests compare within fp32 tolerance there).
+#pragma once
+
+#include "cpu_common.h"
+
+namespace anychip {
+
+constexpr int64_t kRows = 16;        // output rows per weight block
+constexpr int64_t kChunkBytes = 64;  // one chunk: 16 rows x 8 k
+#ifndef ANYCHIP_PREFETCH
+#define ANYCHIP_PREFETCH 2048
+#endif
+constexpr int64_t kPrefetch = ANYCHIP_PREFETCH;  // bytes ahead in the weight stream (GEMV); 0: none
+
+struct Problem {
+  const int8_t* xq;     // (M, K)
+  const float* sx;      // (M)
+  const int32_t* xsum;  // (M, groups): sum of xq over each group
+  const uint8_t* w;     // (NB, K/8, 64) blocked, or the route's own layout of the same size
+  const float* sw;      // (NB, groups, 16)
+  const float* bias;    // (N) or nullptr
+  void* out;            // (M, N) out_type, or (M, N, groups) int32 for the debug dots
+  OutType out_type;
+  int64_t m, n, k, groups, group_size;
+};
+
+// y += acc * s, one group's contribution to one output.
+inline float accumulate_group(float y, int32_t acc, float s) {
+#ifdef ANYCHIP_ARM
+  return std::fma(float(acc), s, y);
+#else
+  return y + float(acc) * s;
+#endif
+}
+
+inline float finish(float y, float sx, const float* bias, int64_t n) {
+#ifdef ANYCHIP_ARM
+  return bias ? std::fma(y, sx, bias[n]) : y * sx;
+#else
+  return y * sx + (bias ? bias[n] : 0.f);
+#endif
+}
+
+// ---------------------------------------------------------------- epilogues (shared by every ISA)
+
+// Stores already-finished values v[0..cnt) of token m at output rows n0.. in p.out_type.
+inline void store_values(const Problem& p, int64_t m, int64_t n0, int64_t cnt, const float* v) {
+  const int64_t off = m * p.n + n0;
+  switch (p.out_type) {
+    case OutType::kF32:
+      std::memcpy(static_cast<float*>(p.out) + off, v, cnt * sizeof(float));
+      break;
+    case OutType::kBF16: {
+      auto* o = static_cast<uint16_t*>(p.out) + off;
+      for (int64_t r = 0; r < cnt; ++r) o[r] = bf16_bits(v[r]);
+      break;
+    }
+    default: {
+      auto* o = static_cast<uint16_t*>(p.out) + off;
+      for (int64_t r = 0; r < cnt; ++r) o[r] = fp16_bits(v[r]);
+    }
+  }
+}
+
+// Block nb's 16 group-accumulated sums y of token m -> y * sx + bias in the output.
+inline void store_rows(const Problem& p, int64_t m, int64_t nb, const float* y) {
+  const int64_t n0 = nb * kRows;
+  const int64_t cnt = std::min<int64_t>(kRows, p.n - n0);
+  float v[kRows];
+  for (int64_t r = 0; r < cnt; ++r) v[r] = finish(y[r], p.sx[m], p.bias, n0 + r);
+  store_values(p, m, n0, cnt, v);
+}
+
+inline void store_dots(const Problem& p, int64_t m, int64_t nb, int64_t g, const int32_t* acc) {
+  const int64_t n0 = nb * kRows;
+  const int64_t cnt = std::min<int64_t>(kRows, p.n - n0);
+  auto* o = static_cast<int32_t*>(p.out);
+  for (int64_t r = 0; r < cnt; ++r) o[(m * p.n + n0 + r) * p.groups + g] = acc[r];
+}
+
+// ---------------------------------------------------------------- portable path
+
+template <int MT, bool DOTS>
+void tile_portable(const Problem& p, int64_t m0, int64_t nb) {
+  const uint8_t* w = p.w + nb * (p.k / 8) * kChunkBytes;
+  const float* sw = p.sw + nb * p.groups * kRows;
+  const int64_t cpg = p.group_size / 8;
+  float y[MT][kRows] = {};
+  for (int64_t g = 0; g < p.groups; ++g) {
+    int32_t acc[MT][kRows];
+    for (int i = 0; i < MT; ++i) {
+      const int32_t corr = -8 * p.xsum[(m0 + i) * p.groups + g];
+      for (int r = 0; r < kRows; ++r) acc[i][r] = corr;
+    }
+    for (int64_t c = 0; c < cpg; ++c) {
+      const uint8_t* wp = w + (g * cpg + c) * kChunkBytes;
+      const int64_t kk = (g * cpg + c) * 8;
+      for (int i = 0; i < MT; ++i) {
+        const int8_t* x = p.xq + (m0 + i) * p.k + kk;
+        for (int r = 0; r < kRows; ++r) {
+          int32_t s = 0;
+          for (int j = 0; j < 4; ++j) {
+            const uint8_t b = wp[r * 4 + j];
+            s += int32_t(b & 0x0F) * x[j] + int32_t(b >> 4) * x[4 + j];
+          }
+          acc[i][r] += s;
+        }
+      }
+    }
+    for (int i = 0; i < MT; ++i) {
+      if constexpr (DOTS) {
+        store_dots(p, m0 + i, nb, g, acc[i]);
+      } else {
+        for (int r = 0; r < kRows; ++r) y[i][r] = accumulate_group(y[i][r], acc[i][r], sw[g * kRows + r]);
+      }
+    }
+  }
+  if constexpr (!DOTS) {
+    for (int i = 0; i < MT; ++i) store_rows(p, m0 + i, nb, y[i]);
+  }
+}
+
+}  // namespace anychip

@@ -1,0 +1,185 @@
+// The x86 tiles: AVX512-VNNI (vpdpbusd) and AVX2 (vpmaddubsw + vpmaddwd), on the blocked layout (w4a8_tiles.h).
+// Compiled with function-level target attributes and chosen at run time (w4a8_run.h).
+#pragma once
+
+#include "w4a8_tiles.h"
+
+namespace anychip {
+
+#ifdef ANYCHIP_X86
+
+// ---------------------------------------------------------------- AVX512-VNNI path
+
+// y * sx + bias for 16 rows, stored as fp32 / bf16 (round to nearest even, as c10::BFloat16) / fp16.
+ANYCHIP_AVX512 inline void store_rows_avx512(const Problem& p, int64_t m, int64_t nb, __m512 y) {
+  const int64_t n0 = nb * kRows;
+  const int64_t cnt = std::min<int64_t>(kRows, p.n - n0);
+  const __mmask16 mask = cnt == kRows ? __mmask16(0xFFFF) : __mmask16((1u << cnt) - 1);
+  y = _mm512_mul_ps(y, _mm512_set1_ps(p.sx[m]));
+  if (p.bias) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(mask, p.bias + n0));
+  const int64_t off = m * p.n + n0;
+  if (p.out_type == OutType::kF32) {
+    _mm512_mask_storeu_ps(static_cast<float*>(p.out) + off, mask, y);
+  } else if (p.out_type == OutType::kBF16) {
+    const __m512i bits = _mm512_castps_si512(y);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    _mm256_mask_storeu_epi16(static_cast<uint16_t*>(p.out) + off, mask, _mm512_cvtepi32_epi16(r));
+  } else {
+    const __m256i h = _mm512_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm256_mask_storeu_epi16(static_cast<uint16_t*>(p.out) + off, mask, h);
+  }
+}
+
+#ifndef ANYCHIP_EMBED_BCAST
+#define ANYCHIP_EMBED_BCAST 1
+#endif
+
+// acc += u8 w . s8 x[0..3] broadcast.  GCC does not fold the broadcast into vpdpbusd's {1to16} memory operand
+// by itself, and the separate vpbroadcastd per token and half-chunk costs about 10% of the GEMM.
+ANYCHIP_AVX512 inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* x) {
+#if ANYCHIP_EMBED_BCAST
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(x)));
+  return acc;
+#else
+  return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(load4(x)));
+#endif
+}
+// A accumulators per token: one token alone would be bound by the vpdpbusd latency chain, not by memory, so small
+// tiles spread a group over several accumulators; big tiles already have MT independent chains.
+
+template <int MT, int NB, int A, bool DOTS>
+ANYCHIP_AVX512 void tile_avx512(const Problem& p, int64_t m0, int64_t nb0) {
+  static_assert(A == 1 || A == 2 || A == 4, "A must divide the 4 dpbusd of a chunk pair");
+  const int64_t cpg = p.group_size / 8;  // a multiple of 4
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const uint8_t* w[NB];
+  const float* sw[NB];
+  for (int b = 0; b < NB; ++b) {
+    w[b] = p.w + (nb0 + b) * (p.k / 8) * kChunkBytes;
+    sw[b] = p.sw + (nb0 + b) * p.groups * kRows;
+  }
+  const int8_t* x[MT];
+  for (int i = 0; i < MT; ++i) x[i] = p.xq + (m0 + i) * p.k;
+  __m512 y[MT][NB];
+  for (int i = 0; i < MT; ++i)
+    for (int b = 0; b < NB; ++b) y[i][b] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < p.groups; ++g) {
+    __m512i acc[MT][NB][A];
+    for (int i = 0; i < MT; ++i) {
+      const __m512i corr = _mm512_set1_epi32(-8 * p.xsum[(m0 + i) * p.groups + g]);
+      for (int b = 0; b < NB; ++b) {
+        acc[i][b][0] = corr;
+        for (int a = 1; a < A; ++a) acc[i][b][a] = _mm512_setzero_si512();
+      }
+    }
+    const int64_t kg = g * p.group_size;
+    for (int64_t c = g * cpg; c < (g + 1) * cpg; c += 2) {
+      for (int u = 0; u < 2; ++u) {
+        __m512i lo[NB], hi[NB];
+        for (int b = 0; b < NB; ++b) {
+          const uint8_t* wp = w[b] + (c + u) * kChunkBytes;
+          if constexpr (MT <= 4 && kPrefetch > 0) _mm_prefetch(reinterpret_cast<const char*>(wp + kPrefetch), _MM_HINT_T0);
+          const __m512i v = _mm512_loadu_si512(wp);
+          lo[b] = _mm512_and_si512(v, low4);
+          hi[b] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        }
+        const int64_t kk = kg + (c - g * cpg + u) * 8;
+        for (int i = 0; i < MT; ++i) {
+          for (int b = 0; b < NB; ++b) {
+            auto& a0 = acc[i][b][(2 * u) % A];
+            a0 = dpbusd_bcast(a0, lo[b], x[i] + kk);
+            auto& a1 = acc[i][b][(2 * u + 1) % A];
+            a1 = dpbusd_bcast(a1, hi[b], x[i] + kk + 4);
+          }
+        }
+      }
+    }
+    for (int b = 0; b < NB; ++b) {
+      const __m512 s = _mm512_loadu_ps(sw[b] + g * kRows);
+      for (int i = 0; i < MT; ++i) {
+        __m512i a = acc[i][b][0];
+        for (int u = 1; u < A; ++u) a = _mm512_add_epi32(a, acc[i][b][u]);
+        if constexpr (DOTS) {
+          alignas(64) int32_t t[kRows];
+          _mm512_store_si512(t, a);
+          store_dots(p, m0 + i, nb0 + b, g, t);
+        } else {
+          y[i][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), s, y[i][b]);
+        }
+      }
+    }
+  }
+  if constexpr (!DOTS) {
+    for (int i = 0; i < MT; ++i)
+      for (int b = 0; b < NB; ++b) store_rows_avx512(p, m0 + i, nb0 + b, y[i][b]);
+  }
+}
+
+// ---------------------------------------------------------------- AVX2 path
+// The 64-byte chunk as two 32-byte halves (rows 0-7, rows 8-15).  vpmaddubsw(u4, s8) pair sums are at most
+// 2 * 15 * 127 = 3810, so adding the low- and high-nibble products in int16 cannot saturate either.
+
+template <int MT, bool DOTS>
+ANYCHIP_AVX2 void tile_avx2(const Problem& p, int64_t m0, int64_t nb) {
+  const uint8_t* w = p.w + nb * (p.k / 8) * kChunkBytes;
+  const float* sw = p.sw + nb * p.groups * kRows;
+  const int64_t cpg = p.group_size / 8;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int8_t* x[MT];
+  for (int i = 0; i < MT; ++i) x[i] = p.xq + (m0 + i) * p.k;
+  __m256 y[MT][2];
+  for (int i = 0; i < MT; ++i) y[i][0] = y[i][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < p.groups; ++g) {
+    __m256i acc[MT][2];
+    for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = _mm256_set1_epi32(-8 * p.xsum[(m0 + i) * p.groups + g]);
+    const uint8_t* wg = w + g * cpg * kChunkBytes;
+    const int64_t kg = g * p.group_size;
+    for (int64_t c = 0; c < cpg; ++c) {
+      const uint8_t* wp = wg + c * kChunkBytes;
+      if constexpr (MT <= 2 && kPrefetch > 0) _mm_prefetch(reinterpret_cast<const char*>(wp + kPrefetch), _MM_HINT_T0);
+      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
+      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 32));
+      const __m256i lo0 = _mm256_and_si256(v0, low4);
+      const __m256i hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4);
+      const __m256i lo1 = _mm256_and_si256(v1, low4);
+      const __m256i hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
+      const int64_t kk = kg + c * 8;
+      for (int i = 0; i < MT; ++i) {
+        const __m256i xa = _mm256_set1_epi32(load4(x[i] + kk));
+        const __m256i xb = _mm256_set1_epi32(load4(x[i] + kk + 4));
+        const __m256i s0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, xa), _mm256_maddubs_epi16(hi0, xb));
+        const __m256i s1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, xa), _mm256_maddubs_epi16(hi1, xb));
+        acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(s0, ones));
+        acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(s1, ones));
+      }
+    }
+    const __m256 s0 = _mm256_loadu_ps(sw + g * kRows);
+    const __m256 s1 = _mm256_loadu_ps(sw + g * kRows + 8);
+    for (int i = 0; i < MT; ++i) {
+      if constexpr (DOTS) {
+        alignas(32) int32_t t[kRows];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(t), acc[i][0]);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(t + 8), acc[i][1]);
+        store_dots(p, m0 + i, nb, g, t);
+      } else {
+        y[i][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][0]), s0, y[i][0]);
+        y[i][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][1]), s1, y[i][1]);
+      }
+    }
+  }
+  if constexpr (!DOTS) {
+    for (int i = 0; i < MT; ++i) {
+      alignas(32) float t[kRows];
+      _mm256_store_ps(t, y[i][0]);
+      _mm256_store_ps(t + 8, y[i][1]);
+      store_rows(p, m0 + i, nb, t);
+    }
+  }
+}
+
+#endif  // ANYCHIP_X86
+
+}  // namespace anychip
