@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from anychip import envs
 from anychip.kernels.policy import KernelPolicy
+from anychip.kernels.routes.arm_neon import ArmDotprod, ArmI8mm
 from anychip.kernels.routes.base import LinearProblem, NoKernelRoute, Route
 from anychip.kernels.routes.cpu_x86 import Avx2, Avx512Vnni, Portable
 from anychip.kernels.routes.cuda_triton import CudaTriton
@@ -20,6 +21,8 @@ from anychip.kernels.routes.reference import Reference
 ROUTES: tuple[Route, ...] = (
     Avx512Vnni(),
     Avx2(),
+    ArmI8mm(),
+    ArmDotprod(),
     ArmKleidiAI(),
     Portable(),
     CudaTriton(),
