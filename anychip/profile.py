@@ -63,11 +63,18 @@ class Profile:
         return {s.name: s.value for s in self.settings if s.kind == "env"}
 
 
-def _online_cpus() -> list[int]:
-    try:
-        return sorted(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return list(range(os.cpu_count() or 1))
+# Arm Ltd. (MIDR implementer 0x41) cores by part number, for the profile's model line.  The in-order efficiency
+# cores (LITTLE) are left out of serving whenever faster cores sit beside them: a decode step waits for its slowest
+# thread's share of the weight stream.
+_ARM_PARTS = {0xd03: "Cortex-A53", 0xd04: "Cortex-A35", 0xd05: "Cortex-A55", 0xd07: "Cortex-A57",
+              0xd08: "Cortex-A72", 0xd09: "Cortex-A73", 0xd0a: "Cortex-A75", 0xd0b: "Cortex-A76",
+              0xd0c: "Neoverse-N1", 0xd0d: "Cortex-A77", 0xd40: "Neoverse-V1", 0xd41: "Cortex-A78",
+              0xd44: "Cortex-X1", 0xd46: "Cortex-A510", 0xd47: "Cortex-A710", 0xd48: "Cortex-X2",
+              0xd49: "Neoverse-N2", 0xd4d: "Cortex-A715", 0xd4e: "Cortex-X3", 0xd4f: "Neoverse-V2",
+              0xd80: "Cortex-A520", 0xd81: "Cortex-A720", 0xd82: "Cortex-X4", 0xd84: "Neoverse-V3",
+              0xd85: "Cortex-X925", 0xd87: "Cortex-A725", 0xd8e: "Neoverse-N3"}
+_ARM_LITTLE = frozenset({0xd03, 0xd04, 0xd05, 0xd46, 0xd80})
+_ROOT = Path("/")
 
 
 def _read(path: Path) -> str | None:
@@ -75,6 +82,28 @@ def _read(path: Path) -> str | None:
         return path.read_text().strip()
     except OSError:
         return None
+
+
+def _parse_cpu_list(text: str) -> list[int]:
+    """'0-3,6' -> [0, 1, 2, 3, 6] (the kernel's cpulist syntax)."""
+    out: list[int] = []
+    for part in filter(None, text.strip().split(",")):
+        a, _, b = part.partition("-")
+        out += range(int(a), int(b or a) + 1)
+    return out
+
+
+def _online_cpus(root: Path, blocks: list[dict[str, str]]) -> list[int]:
+    """The CPUs this process may run on; under another root, the tree's online list (else its cpuinfo)."""
+    if root == _ROOT:
+        try:
+            return sorted(os.sched_getaffinity(0))
+        except AttributeError:  # not Linux
+            return list(range(os.cpu_count() or 1))
+    online = _read(root / "sys/devices/system/cpu/online")
+    if online:
+        return _parse_cpu_list(online)
+    return sorted(int(b["processor"]) for b in blocks if b.get("processor", "").isdigit()) or [0]
 
 
 def _cpuinfo_blocks(text: str) -> list[dict[str, str]]:
@@ -90,48 +119,89 @@ def _cpuinfo_blocks(text: str) -> list[dict[str, str]]:
     return blocks
 
 
-def _physical_cores(cpus: list[int]) -> tuple[int, dict[int, tuple[str, str]]]:
+def _cpu_dir(root: Path, cpu: int) -> Path:
+    return root / f"sys/devices/system/cpu/cpu{cpu}"
+
+
+def _physical_cores(root: Path, cpus: list[int]) -> tuple[int, dict[int, tuple[str, str]]]:
     """Distinct (package, core) pairs among `cpus`; SMT siblings count once."""
     core_of: dict[int, tuple[str, str]] = {}
     for cpu in cpus:
-        base = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        base = _cpu_dir(root, cpu) / "topology"
         core_of[cpu] = (_read(base / "physical_package_id") or "0", _read(base / "core_id") or str(cpu))
     return len(set(core_of.values())), core_of
 
 
-def _big_cores(cpus: list[int], blocks: list[dict[str, str]]) -> tuple[list[int], str]:
-    """On Arm big.LITTLE parts keep the highest-capacity cores (cpu_capacity), else group by MIDR part number."""
-    capacity = {c: _read(Path(f"/sys/devices/system/cpu/cpu{c}/cpu_capacity")) for c in cpus}
+def _arm_core_types(root: Path, cpus: list[int], blocks: list[dict[str, str]]) -> dict[int, tuple[int, int]]:
+    """{cpu: (MIDR implementer, part number)} from sysfs midr_el1, else /proc/cpuinfo; CPUs with neither are absent."""
+    by_processor = {int(b["processor"]): b for b in blocks if b.get("processor", "").isdigit()}
+    types = {}
+    for c in cpus:
+        midr = _read(_cpu_dir(root, c) / "regs/identification/midr_el1")
+        block = by_processor.get(c, {})
+        try:
+            if midr:
+                types[c] = ((int(midr, 16) >> 24) & 0xFF, (int(midr, 16) >> 4) & 0xFFF)
+            elif "CPU implementer" in block and "CPU part" in block:
+                types[c] = (int(block["CPU implementer"], 16), int(block["CPU part"], 16))
+        except ValueError:
+            continue
+    return types
+
+
+def _core_name(kind: tuple[int, int]) -> str:
+    implementer, part = kind
+    return _ARM_PARTS.get(part, f"part 0x{part:03x}") if implementer == 0x41 else f"0x{implementer:02x}:0x{part:03x}"
+
+
+def _arm_model(types: dict[int, tuple[int, int]]) -> str | None:
+    """'8x Cortex-A720 + 4x Cortex-A520' (in CPU order), None when the core types are unknown."""
+    if not types:
+        return None
+    counts: dict[tuple[int, int], int] = {}
+    for kind in types.values():
+        counts[kind] = counts.get(kind, 0) + 1
+    return " + ".join(f"{n}x {_core_name(k)}" for k, n in counts.items())
+
+
+def _big_cores(root: Path, cpus: list[int], types: dict[int, tuple[int, int]]) -> tuple[list[int], str]:
+    """Arm serving cores: every core type but the LITTLE ones (by MIDR part) when both kinds are present, else the
+    highest-capacity cores (cpu_capacity >= 80% of the top), else all."""
+    if len(types) == len(cpus) and len(set(types.values())) > 1:
+        little = [c for c in cpus if types[c][0] == 0x41 and types[c][1] in _ARM_LITTLE]
+        if 0 < len(little) < len(cpus):
+            names = sorted({_core_name(types[c]) for c in little})
+            return ([c for c in cpus if c not in little],
+                    f"{', '.join(names)} (CPUs {_cpu_list(tuple(little))}) left out: LITTLE cores")
+    capacity = {c: _read(_cpu_dir(root, c) / "cpu_capacity") for c in cpus}
     if all(v and v.isdigit() for v in capacity.values()) and len(set(capacity.values())) > 1:
         top = max(int(v) for v in capacity.values())
         big = [c for c in cpus if int(capacity[c]) >= 0.8 * top]
         return big, f"big cores by cpu_capacity (>= 80% of {top})"
-    parts = {}
-    for c in cpus:
-        midr = _read(Path(f"/sys/devices/system/cpu/cpu{c}/regs/identification/midr_el1"))
-        if midr:
-            parts[c] = (int(midr, 16) >> 4) & 0xFFF  # MIDR PartNum
-    if len(parts) == len(cpus) and len(set(parts.values())) > 1:
-        # Higher part numbers are the newer, bigger cores within a generation (e.g. A720 0xd81 > A520 0xd80).
-        top = max(parts.values())
-        big = [c for c in cpus if parts[c] == top]
-        return big, f"big cores by MIDR part number 0x{top:x}"
     return cpus, "all online CPUs (no big.LITTLE topology found)"
 
 
-def detect_cpu() -> CpuInfo:
-    arch = platform.machine()
-    cpus = _online_cpus()
-    text = _read(Path("/proc/cpuinfo")) or ""
+def detect_cpu(root: Path = _ROOT, arch: str | None = None) -> CpuInfo:
+    """This machine's CPU, or the one recorded under `root` (a copy of /proc and /sys/devices/system/cpu; arch then
+    defaults to what its cpuinfo says)."""
+    root = Path(root)
+    text = _read(root / "proc/cpuinfo") or ""
     blocks = _cpuinfo_blocks(text)
-    first = blocks[0] if blocks else {}
-    flags = set((first.get("flags") or first.get("Features") or "").split())
-    wanted = _ARM_FEATURES if arch in ("aarch64", "arm64") else _X86_FEATURES
+    if arch is None:
+        arch = platform.machine() if root == _ROOT else ("aarch64" if "CPU implementer" in text else "x86_64")
+    is_arm = arch in ("aarch64", "arm64")
+    cpus = _online_cpus(root, blocks)
+    flag_sets = [set((b.get("flags") or b.get("Features") or "").split()) for b in blocks
+                 if b.get("flags") or b.get("Features")]
+    flags = set.intersection(*flag_sets) if flag_sets else set()  # what every core has
+    wanted = _ARM_FEATURES if is_arm else _X86_FEATURES
     features = tuple(f for f in wanted if f in flags)
-    model = first.get("model name") or first.get("CPU part") or platform.processor() or arch
-    serving, why = (_big_cores(cpus, blocks) if arch in ("aarch64", "arm64")
-                    else (cpus, "all online CPUs"))
-    physical, core_of = _physical_cores(serving)
+    first = blocks[0] if blocks else {}
+    types = _arm_core_types(root, cpus, blocks) if is_arm else {}
+    model = (first.get("model name") or _arm_model(types) or first.get("CPU part")
+             or (platform.processor() if root == _ROOT else "") or arch)
+    serving, why = _big_cores(root, cpus, types) if is_arm else (cpus, "all online CPUs")
+    physical, core_of = _physical_cores(root, serving)
     if physical < len(serving):  # one thread per physical core: SMT siblings share the vector units
         seen, one_per_core = set(), []
         for c in serving:
@@ -139,7 +209,7 @@ def detect_cpu() -> CpuInfo:
                 seen.add(core_of[c])
                 one_per_core.append(c)
         serving, why = one_per_core, why + ", one logical CPU per physical core"
-    mem_kib = next((int(line.split()[1]) for line in (_read(Path("/proc/meminfo")) or "").splitlines()
+    mem_kib = next((int(line.split()[1]) for line in (_read(root / "proc/meminfo") or "").splitlines()
                     if line.startswith("MemTotal:")), 0)
     return CpuInfo(arch=arch, model=model, features=features, logical_cpus=len(cpus), physical_cores=physical,
                    serving_cpus=tuple(serving), memory_gib=round(mem_kib / 2**20, 1), why_cpus=why)

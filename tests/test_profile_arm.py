@@ -1,0 +1,80 @@
+"""`anychip profile` on Arm machines, from the CPU trees in tests/fixtures/cpu (see its README)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from anychip.profile import build_profile, detect_cpu
+
+TREES = Path(__file__).parent / "fixtures" / "cpu"
+
+# tree: (model, serving CPUs, OpenMP binding, profile name, features present, features absent)
+EXPECTED = {
+    "cix-p1": ("8x Cortex-A720 + 4x Cortex-A520", (0, 1, 6, 7, 8, 9, 10, 11), "0-1,6-11", "aarch64-i8mm-8c",
+               {"asimddp", "i8mm", "bf16", "sve2"}, set()),
+    "graviton3": ("16x Neoverse-V1", tuple(range(16)), "0-15", "aarch64-i8mm-16c",
+                  {"asimddp", "i8mm", "bf16", "sve"}, {"sve2"}),
+    "snapdragon-8-gen-1": ("4x Cortex-A510 + 3x Cortex-A710 + 1x Cortex-X2", (4, 5, 6, 7), "4-7", "aarch64-i8mm-4c",
+                           {"asimddp", "i8mm"}, {"sve"}),
+}
+
+
+@pytest.mark.parametrize("tree", sorted(EXPECTED))
+def test_profile_of_a_recorded_arm_tree(tree: str) -> None:
+    model, serving, bind, name, has, lacks = EXPECTED[tree]
+    cpu = detect_cpu(TREES / tree)
+    assert cpu.arch == "aarch64" and cpu.model == model
+    assert cpu.serving_cpus == serving and cpu.physical_cores == len(serving)
+    assert has <= set(cpu.features) and not lacks & set(cpu.features)
+    assert cpu.profile_name == name
+    env = build_profile(cpu).env()
+    assert env["OMP_NUM_THREADS"] == str(len(serving)) and env["VLLM_CPU_OMP_THREADS_BIND"] == bind
+
+
+def test_little_cores_are_named_in_the_reason() -> None:
+    cix = detect_cpu(TREES / "cix-p1")
+    assert "Cortex-A520 (CPUs 2-5) left out" in cix.why_cpus
+    assert "Cortex-A510 (CPUs 0-3) left out" in detect_cpu(TREES / "snapdragon-8-gen-1").why_cpus
+    assert "all online CPUs" in detect_cpu(TREES / "graviton3").why_cpus
+    # the 80% cpu_capacity rule alone would have dropped the slowest A720 cluster (CPUs 10-11, capacity 787)
+    assert (TREES / "cix-p1/sys/devices/system/cpu/cpu10/cpu_capacity").read_text().strip() == "787"
+
+
+def _copy(tree: str, tmp_path: Path) -> Path:
+    root = tmp_path / tree
+    shutil.copytree(TREES / tree, root)
+    return root
+
+
+def test_core_types_from_cpuinfo_when_sysfs_has_no_midr(tmp_path: Path) -> None:
+    root = _copy("cix-p1", tmp_path)
+    for regs in root.glob("sys/devices/system/cpu/cpu*/regs"):
+        shutil.rmtree(regs)
+    cpu = detect_cpu(root)
+    assert cpu.serving_cpus == EXPECTED["cix-p1"][1] and cpu.model == EXPECTED["cix-p1"][0]
+
+
+def test_capacity_decides_between_cores_of_one_type(tmp_path: Path) -> None:
+    root = _copy("graviton3", tmp_path)
+    for c in (14, 15):
+        (root / f"sys/devices/system/cpu/cpu{c}/cpu_capacity").write_text("400\n")
+    cpu = detect_cpu(root)
+    assert cpu.serving_cpus == tuple(range(14)) and "cpu_capacity" in cpu.why_cpus
+
+
+def test_offline_cpus_and_smt_siblings_are_left_out(tmp_path: Path) -> None:
+    root = _copy("graviton3", tmp_path)
+    (root / "sys/devices/system/cpu/online").write_text("0-7\n")
+    for c in range(4, 8):  # CPUs 4-7 share cores 0-3 (SMT)
+        (root / f"sys/devices/system/cpu/cpu{c}/topology/core_id").write_text(f"{c - 4}\n")
+    cpu = detect_cpu(root)
+    assert cpu.logical_cpus == 8 and cpu.serving_cpus == (0, 1, 2, 3) and cpu.physical_cores == 4
+    assert build_profile(cpu).env()["VLLM_CPU_OMP_THREADS_BIND"] == "0-3"
+
+
+def test_this_machine_still_profiles() -> None:
+    cpu = detect_cpu()
+    assert cpu.serving_cpus and cpu.logical_cpus >= len(cpu.serving_cpus) and cpu.arch
