@@ -149,6 +149,22 @@ def test_first_bad_index_across_chunks(packed, copy_dir, monkeypatch):
         assert max(seen) <= max(chunk, 8) and sum(seen) >= 90 * 128 * 2
 
 
+def test_bf16_rules_match_their_float_definitions_on_every_bit_pattern():
+    x = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    f = x.float()
+    assert torch.equal(values.FINITE.bad(x), ~torch.isfinite(f))
+    assert torch.equal(values.SCALE.bad(x), ~(torch.isfinite(f) & (f > 0)))
+    q = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8)
+    assert torch.equal(values.INT4.bad(q), (q.int() < -8) | (q.int() > 7))
+    # The reduction-only fast path agrees with the mask, chunk by chunk (one bad entry or none).
+    for rule, chunk in ((values.FINITE, x), (values.SCALE, x), (values.INT4, q)):
+        for i in range(0, chunk.numel(), 1009):
+            one = chunk[i:i + 1]
+            clean = chunk[~rule.bad(chunk)][:50]
+            for c in (one, clean, torch.cat([clean, one])):
+                assert rule.any_bad(c) == bool(rule.bad(c).any()), (rule.what, c)
+
+
 def test_header_overlap_is_caught(packed, copy_dir):
     d = copy_dir(packed)
 

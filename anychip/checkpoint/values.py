@@ -29,23 +29,50 @@ _REQUANTIZE = "re-quantize from the BF16 model (`anychip quantize SRC DST`, or `
 
 @dataclass(frozen=True)
 class ValueRule:
-    """What one kind of tensor may hold: `bad(chunk)` marks the entries that break it."""
+    """What one kind of tensor may hold: `bad(chunk)` marks the entries that break it; `any_bad(chunk)` says
+    whether there is one, by reductions only (no mask: the fast path for the common, clean chunk)."""
 
     what: str
     dtype: torch.dtype
     bad: Callable[[torch.Tensor], torch.Tensor]
+    any_bad: Callable[[torch.Tensor], bool]
     fix: str
 
 
-SCALE = ValueRule("group scales must be finite and > 0", torch.bfloat16,
-                  lambda x: ~(x > 0) | x.isinf(),  # NaN > 0 is False
+# BF16 rules work on the bits (three times faster than float compares on CPU; test_verify_values checks all 65536
+# patterns against the float definitions): exponent all ones is inf or NaN; as int16, a value <= 0 has its sign
+# bit set or is +0.0 (-0.0 is 0x8000, negative as int16).
+_EXPONENT = 0x7F80
+
+
+def _bf16_nonfinite(x: torch.Tensor) -> torch.Tensor:
+    return (x.view(torch.int16) & _EXPONENT) == _EXPONENT
+
+
+def _bf16_any_nonfinite(x: torch.Tensor) -> bool:
+    return int((x.view(torch.int16) & _EXPONENT).max()) == _EXPONENT
+
+
+def _bf16_bad_scale(x: torch.Tensor) -> torch.Tensor:
+    return (x.view(torch.int16) <= 0) | _bf16_nonfinite(x)
+
+
+def _bf16_any_bad_scale(x: torch.Tensor) -> bool:
+    return int(x.view(torch.int16).min()) <= 0 or _bf16_any_nonfinite(x)
+
+
+def _int4_any_out_of_range(x: torch.Tensor) -> bool:
+    lo, hi = torch.aminmax(x)
+    return int(lo) < -8 or int(hi) > 7
+
+
+SCALE = ValueRule("group scales must be finite and > 0", torch.bfloat16, _bf16_bad_scale, _bf16_any_bad_scale,
                   "a zero, negative or non-finite scale turns its whole group of weights into 0, sign-flipped or "
                   f"NaN; {_REQUANTIZE}")
-INT4 = ValueRule("int-quantized weights must lie in [-8, 7]", torch.int8,
-                 lambda x: (x < -8) | (x > 7),
+INT4 = ValueRule("int-quantized weights must lie in [-8, 7]", torch.int8, lambda x: (x < -8) | (x > 7),
+                 _int4_any_out_of_range,
                  f"INT4 values are stored one per int8 and the kernels read only the low nibble; {_REQUANTIZE}")
-FINITE = ValueRule("BF16 tensors must be finite", torch.bfloat16,
-                   lambda x: ~x.isfinite(),
+FINITE = ValueRule("BF16 tensors must be finite", torch.bfloat16, _bf16_nonfinite, _bf16_any_nonfinite,
                    "one NaN or inf poisons every token that reaches it; the BF16 source or its conversion produced "
                    "it: fix the source model, then re-quantize")
 
@@ -100,9 +127,8 @@ def _check_tensor(f, info: TensorInfo, rule: ValueRule, view: memoryview) -> int
             raise CheckpointFileError(f"{info.file}: {info.name} ends early at byte {info.start + done + got}: "
                                       "the file shrank while being checked; re-create it")
         chunk = torch.frombuffer(view[:want], dtype=rule.dtype)
-        bad = rule.bad(chunk)
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0])
+        if rule.any_bad(chunk):
+            i = int(rule.bad(chunk).nonzero()[0])
             flat = done // itemsize + i
             value = chunk[i].item()
             raise ContractError(f"{info.file}: {info.name}{_index(flat, info.shape)} = {value}: {rule.what}; "
