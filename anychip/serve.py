@@ -105,7 +105,8 @@ def exit_reason(rc: int, asked_to_stop: bool) -> str | None:
     if rc < 0:
         how = f"was killed by {signal.Signals(-rc).name}" if -rc in signal.valid_signals() else f"died ({rc})"
     elif rc == 0:
-        how = "exited with status 0 before anything asked it to stop"
+        # vLLM's API server does this when its engine process dies: it logs EngineDeadError and shuts down.
+        how = "exited with status 0 before anything asked it to stop (its engine process died?)"
     else:
         how = f"exited with status {rc}"
         if rc > 128 and rc - 128 in signal.valid_signals():
@@ -195,7 +196,7 @@ def cmd_serve(args) -> int:
             rc = proc.wait()
             reason = exit_reason(rc, bool(stop_requested))
             if reason:
-                print(f"anychip serve: error: {reason}", file=sys.stderr, flush=True)
+                print(f"\nanychip serve: error: {reason}", file=sys.stderr, flush=True)
                 return rc if rc > 0 else 128 - rc if rc < 0 else 1
             return 0
         finally:
