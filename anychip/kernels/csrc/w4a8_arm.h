@@ -50,7 +50,7 @@ ANYCHIP_DOTPROD void tile_dotprod(const Problem& p, int64_t m0, int64_t nb) {
       }
     }
     for (int64_t kk = g * p.group_size; kk < (g + 1) * p.group_size; kk += 16) {
-      const uint8_t* wp = w + (kk / 8) * kChunkBytes;  // two chunks: k kk..kk+7, kk+8..kk+15
+      const uint8_t* wp = w + kk * 8;  // two chunks (64 bytes per 8 k): k kk..kk+7, kk+8..kk+15
       if constexpr (MT <= 2 && kPrefetch > 0) __builtin_prefetch(wp + kPrefetch);
       int8x16_t xv[MT];
       for (int i = 0; i < MT; ++i) xv[i] = vld1q_s8(x[i] + kk);
@@ -120,7 +120,7 @@ ANYCHIP_I8MM void tile_i8mm(const Problem& p, int64_t m0, int64_t nb) {
       for (int q = 0; q < 8; ++q) acc[j][q] = corr;
     }
     for (int64_t kk = g * p.group_size; kk < (g + 1) * p.group_size; kk += 16) {
-      const uint8_t* wp = w + (kk / 16) * kPairChunkBytes;
+      const uint8_t* wp = w + kk * (kPairChunkBytes / 16);
       if constexpr (MT <= 2 && kPrefetch > 0) __builtin_prefetch(wp + kPrefetch);
       int8x16_t xlo[MP], xhi[MP];  // (t0 k 0-7, t1 k 0-7), (t0 k 8-15, t1 k 8-15)
       for (int j = 0; j < MP; ++j) {

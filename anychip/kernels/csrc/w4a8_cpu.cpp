@@ -111,8 +111,9 @@ Problem make_problem(const at::Tensor& xq, const at::Tensor& sx, const at::Tenso
               " must be a multiple of the group size ", group_size, ", itself a multiple of 32");
   const int64_t nblocks = (n + kRows - 1) / kRows, groups = k / group_size;
   TORCH_CHECK(weight.scalar_type() == at::kByte && weight.is_contiguous() && weight.numel() == nblocks * k * 8,
-              "anychip: weight must be the prepared (N/16, K/8, 64) uint8 layout for N=", n, " K=", k,
-              "; build it with anychip.kernels.prepare.prepare_w4a8");
+              "anychip: weight must be the route's prepared uint8 layout for N=", n, " K=", k,
+              " (blocked (N/16, K/8, 64); pair (N/16, K/16, 128) for arm.i8mm); build it with "
+              "anychip.kernels.prepare.prepare_w4a8");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == nblocks * groups * kRows,
               "anychip: scales must be the prepared (N/16, K/G, 16) fp32 layout");
   TORCH_CHECK(sx.scalar_type() == at::kFloat && sx.numel() == m && sx.is_contiguous(), "anychip: sx must be (M, 1) fp32");
