@@ -9,6 +9,7 @@ is really reached. A few kills at random times are added on top.
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import signal
@@ -175,3 +176,47 @@ def test_prepare_killed_at_points(tmp_path):
     shutil.move(dst, reference)
     seen = assert_nothing_half_done(synthetic_root, reference)
     assert seen == {"refused": 1, "complete": 1}, seen  # the part-written one; the one killed after its manifest
+
+
+def _descendants(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        for child in (task / "children").read_text().split():
+            out += [int(child), *_descendants(int(child))]
+    return out
+
+
+@pytest.mark.slow
+def test_serve_names_a_dead_engine(src, tmp_path):
+    """The real stack: `anychip serve` on a tiny W4A8 model, its engine process SIGKILLed once it is ready."""
+    import socket
+
+    model = quantize_checkpoint(src, tmp_path / "w4a8", W4A8Scheme(64))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "anychip.cli", "serve", str(model), "--port", str(port),
+                                 "--served-model-name", "tiny", "--enforce-eager", "--max-model-len", "256",
+                                 "--coverage", str(tmp_path / "coverage.json")],
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 500
+        while "anychip serve: ready at" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(2)
+        assert '"model": "tiny"' in log.read_text()  # the curl example names the served model
+        procs = {pid: Path(f"/proc/{pid}/cmdline").read_bytes() for pid in _descendants(proc.pid)}
+        engine = [pid for pid, cmd in procs.items() if b"EngineCore" in cmd]
+        server = [pid for pid, cmd in procs.items() if b"vllm.entrypoints.openai.api_server" in cmd]
+        (victim,) = engine or server  # no separate engine process when multiprocessing is off
+        os.kill(victim, signal.SIGKILL)
+        rc = proc.wait(timeout=120)
+        assert rc != 0
+        assert "anychip serve: error: the vLLM server " in log.read_text()
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
