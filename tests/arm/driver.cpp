@@ -9,8 +9,9 @@
 //   2. the fixtures (tests/arm/fixtures.py: torch reference answers) equal the driver's scalar reference: INT8
 //      activations, scales and INT32 group sums exactly, the output within fp32 tolerance (exactly where the case
 //      says so); the C++ packers here equal the Python layouts stored in them; the kernels reproduce them;
-//   3. a sweep M in {1,3,7,64}, K in {576,2048}, N in {17,576,1536}, G in {32,64,128}: the kernels' INT32 group
-//      sums and fp32 / bf16 / fp16 outputs equal the scalar reference exactly.
+//   3. a sweep M in {1,3,7,64}, K in {576,2048}, N in {17,576,1536}, G in {32,64,128}, then every tile tail and
+//      token panel (M = 1..9, 63, 129): the kernels' INT32 group sums and fp32 outputs (bf16 / fp16 on a quarter of
+//      the sweep) equal the scalar reference exactly, and nothing is written past the outputs.
 // Exit status 0 when everything matched; the first lines of each mismatch are printed.
 
 #include <chrono>
@@ -172,19 +173,24 @@ double now() { return std::chrono::duration<double>(std::chrono::steady_clock::n
 void check_kernels(const Linear& L, const Prepared& P, int64_t isa, const std::vector<int32_t>& dots,
                    const std::vector<float>& y, const char* what, bool half_types = true) {
   const double t0 = now();
-  std::vector<int32_t> got(dots.size(), -1);
+  // each output buffer has kGuard sentinel elements past its end: a tile that writes past M x N trips them
+  constexpr size_t kGuard = 64;
+  std::vector<int32_t> got(dots.size() + kGuard, -1);
   run_kernels(L, P, isa, OutType::kI32, got.data());
+  CHECK(std::all_of(got.end() - kGuard, got.end(), [](int32_t v) { return v == -1; }), "%s %s: wrote past the group sums", what, isa_name(isa));
   for (size_t i = 0, shown = 0; i < dots.size(); ++i)
     if (got[i] != dots[i] && shown++ < 3) CHECK(false, "%s %s: dot[%zu] = %d, reference %d", what, isa_name(isa), i, got[i], dots[i]);
-  std::vector<float> yf(y.size(), -1.f);
+  std::vector<float> yf(y.size() + kGuard, -1.f);
   run_kernels(L, P, isa, OutType::kF32, yf.data());
+  CHECK(std::all_of(yf.end() - kGuard, yf.end(), [](float v) { return v == -1.f; }), "%s %s: wrote past the output", what, isa_name(isa));
   for (size_t i = 0, shown = 0; i < y.size(); ++i)
     if (f32_bits(yf[i]) != f32_bits(y[i]) && shown++ < 3)
       CHECK(false, "%s %s: y[%zu] = %.9g, reference %.9g", what, isa_name(isa), i, yf[i], y[i]);
   for (OutType t : {OutType::kBF16, OutType::kF16}) {
     if (!half_types) break;
-    std::vector<uint16_t> yh(y.size(), 0xFFFF);
+    std::vector<uint16_t> yh(y.size() + kGuard, 0xFFFF);
     run_kernels(L, P, isa, t, yh.data());
+    CHECK(std::all_of(yh.end() - kGuard, yh.end(), [](uint16_t v) { return v == 0xFFFF; }), "%s %s: wrote past the output", what, isa_name(isa));
     for (size_t i = 0, shown = 0; i < y.size(); ++i) {
       const uint16_t want = t == OutType::kBF16 ? bf16_bits(y[i]) : fp16_bits(y[i]);
       if (yh[i] != want && shown++ < 3)
@@ -401,6 +407,17 @@ void sweep(const std::vector<int64_t>& isas) {
           for (int64_t isa : isas) check_kernels(L, P, isa, dots, y, what, cases % 4 == 0);
           ++cases;
         }
+  // every tile height and tail (M = 1..9), and the token panels (M = 63, 129 at K = 2048: 64-token panels)
+  for (int64_t m : {1, 2, 4, 5, 6, 8, 9, 63, 129}) {
+    const Linear L = random_linear(m, m > 9 ? 2048 : 576, 33, 64, rng);
+    const auto dots = ref_dots(L);
+    const auto y = ref_output(L, dots);
+    const Prepared P = prepare(L);
+    char what[32];
+    std::snprintf(what, sizeof(what), "tiles M%ld", long(m));
+    for (int64_t isa : isas) check_kernels(L, P, isa, dots, y, what);
+    ++cases;
+  }
   std::printf("sweep: %d shapes, scalar reference %.1f s;", cases, g_seconds[kIsaCount]);
   for (int64_t isa : isas) std::printf(" %s %.1f s", isa_name(isa), g_seconds[isa]);
   std::printf("\n");
