@@ -10,7 +10,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 # `make serve` uses the user cache (~/.cache/anychip/models or $ANYCHIP_CACHE).
 test: export ANYCHIP_CACHE ?= $(CURDIR)/.cache/models
 
-.PHONY: install serve test bench-kernels clean-venv
+.PHONY: install serve test test-arm bench-kernels clean-venv
 
 install: $(STAMP)
 
@@ -32,6 +32,12 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -rs tests
+
+# The aarch64 kernels under qemu-user (no torch, no venv): cross-compiles tests/arm/driver.cpp from the extension's
+# headers and runs it as three CPU models (i8mm, dotprod, neither); installs qemu-user and g++-aarch64-linux-gnu
+# from Debian when missing. About 2 minutes on 2 busy cores.
+test-arm:
+	tests/arm/run.sh
 
 bench-kernels: $(STAMP)
 	$(VENV)/bin/anychip bench kernels --json docs/bench/kernels.json
