@@ -1,6 +1,6 @@
 // Torch-free test driver for the W4A8 CPU kernels, built from the headers the torch extension ships
 // (anychip/kernels/csrc/*.h).  `make test-arm` cross-compiles it for aarch64 and runs it under qemu-aarch64 once per
-// CPU model (tests/arm/run.sh).  Its exact-output checks hold for the aarch64 paths, which all fuse the epilogue.
+// CPU model (tests/arm/run.sh).  Built natively on x86 it checks the x86 paths the same way.
 //
 //   driver --expect i8mm|dotprod|portable|avx512_vnni|avx2 [--fixtures DIR] [--threads N]
 //
@@ -82,15 +82,33 @@ std::vector<int32_t> ref_dots(const Linear& L) {
   return d;
 }
 
-// The float epilogue the Arm paths promise (w4a8_tiles.h): fused per group in order, then fused with the bias.
-std::vector<float> ref_output(const Linear& L, const std::vector<int32_t>& dots) {
+// The float epilogue each path promises (w4a8_tiles.h): groups summed in order, y = y + dot_g * s_g, then
+// y * sx + bias.  Every aarch64 path fuses both steps; on x86 the SIMD paths fuse the group step only and the
+// portable path neither (the driver is built with -ffp-contract=off, so unfused means unfused).
+struct Epilogue {
+  bool fused_groups, fused_finish;
+};
+
+Epilogue epilogue(int64_t isa) {
+#ifdef ANYCHIP_ARM
+  (void)isa;
+  return {true, true};
+#else
+  return {isa != kPortable, false};
+#endif
+}
+
+std::vector<float> ref_output(const Linear& L, const std::vector<int32_t>& dots, Epilogue e) {
   std::vector<float> y(L.m * L.n);
   for (int64_t i = 0; i < L.m; ++i)
     for (int64_t r = 0; r < L.n; ++r) {
       float acc = 0.f;
-      for (int64_t gi = 0; gi < L.groups(); ++gi)
-        acc = std::fma(float(dots[(i * L.n + r) * L.groups() + gi]), L.sw[r * L.groups() + gi], acc);
-      y[i * L.n + r] = L.bias.empty() ? acc * L.sx[i] : std::fma(acc, L.sx[i], L.bias[r]);
+      for (int64_t gi = 0; gi < L.groups(); ++gi) {
+        const float d = float(dots[(i * L.n + r) * L.groups() + gi]), s = L.sw[r * L.groups() + gi];
+        acc = e.fused_groups ? std::fma(d, s, acc) : acc + d * s;
+      }
+      const float b = L.bias.empty() ? 0.f : L.bias[r];
+      y[i * L.n + r] = e.fused_finish ? (L.bias.empty() ? acc * L.sx[i] : std::fma(acc, L.sx[i], b)) : acc * L.sx[i] + b;
     }
   return y;
 }
@@ -171,8 +189,9 @@ double g_seconds[kIsaCount + 1] = {};
 double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
 void check_kernels(const Linear& L, const Prepared& P, int64_t isa, const std::vector<int32_t>& dots,
-                   const std::vector<float>& y, const char* what, bool half_types = true) {
+                   const char* what, bool half_types = true) {
   const double t0 = now();
+  const std::vector<float> y = ref_output(L, dots, epilogue(isa));
   // each output buffer has kGuard sentinel elements past its end: a tile that writes past M x N trips them
   constexpr size_t kGuard = 64;
   std::vector<int32_t> got(dots.size() + kGuard, -1);
@@ -342,7 +361,7 @@ void check_fixture(const std::string& path, const std::vector<int64_t>& isas) {
   CHECK(rd.at == rd.data.size(), "%s: %zu bytes after the last array", path.c_str(), rd.data.size() - rd.at);
   const char* name = path.c_str() + path.rfind('/') + 1;
 
-  for (bool simd : {false, true}) {  // both quantizers against the reference
+  for (bool simd : {false, quant_simd()}) {  // both quantizers (where the CPU has the SIMD one) against the reference
     if (x_dtype == 0) quantize_all(xf.data(), L, simd);
     else if (x_dtype == 1) quantize_all(reinterpret_cast<const Bf16*>(xh.data()), L, simd);
     else quantize_all(reinterpret_cast<const Fp16*>(xh.data()), L, simd);
@@ -351,7 +370,7 @@ void check_fixture(const std::string& path, const std::vector<int64_t>& isas) {
   }
   const auto my_dots = ref_dots(L);
   CHECK(my_dots == dots, "%s: the driver's INT32 group sums differ from the reference", name);
-  const auto y = ref_output(L, my_dots);
+  const auto y = ref_output(L, my_dots, epilogue(kPortable));
   double ymax = 1e-6;
   for (double v : y64) ymax = std::max(ymax, std::fabs(v));
   for (int64_t i = 0; i < L.m * L.n; ++i) {
@@ -363,7 +382,7 @@ void check_fixture(const std::string& path, const std::vector<int64_t>& isas) {
   CHECK(P.scales == bscales, "%s: C++ scale packing differs from cpu_x86.blocked_layout", name);
   CHECK(P.pairs == pairs, "%s: C++ pair packing differs from arm_neon.pair_layout", name);
   const Prepared from_python{blocked, pairs, bscales};  // the kernels on the bytes Python prepares
-  for (int64_t isa : isas) check_kernels(L, from_python, isa, dots, y, name);
+  for (int64_t isa : isas) check_kernels(L, from_python, isa, dots, name);
   std::printf("fixture %-40s ok\n", name);
 }
 
@@ -399,23 +418,21 @@ void sweep(const std::vector<int64_t>& isas) {
           const Linear L = random_linear(m, k, n, g, rng);
           const double t0 = now();
           const auto dots = ref_dots(L);
-          const auto y = ref_output(L, dots);
           g_seconds[kIsaCount] += now() - t0;
           const Prepared P = prepare(L);
           char what[64];
           std::snprintf(what, sizeof(what), "M%ld-K%ld-N%ld-G%ld", long(m), long(k), long(n), long(g));
-          for (int64_t isa : isas) check_kernels(L, P, isa, dots, y, what, cases % 4 == 0);
+          for (int64_t isa : isas) check_kernels(L, P, isa, dots, what, cases % 4 == 0);
           ++cases;
         }
   // every tile height and tail (M = 1..9), and the token panels (M = 63, 129 at K = 2048: 64-token panels)
   for (int64_t m : {1, 2, 4, 5, 6, 8, 9, 63, 129}) {
     const Linear L = random_linear(m, m > 9 ? 2048 : 576, 33, 64, rng);
     const auto dots = ref_dots(L);
-    const auto y = ref_output(L, dots);
     const Prepared P = prepare(L);
     char what[32];
     std::snprintf(what, sizeof(what), "tiles M%ld", long(m));
-    for (int64_t isa : isas) check_kernels(L, P, isa, dots, y, what);
+    for (int64_t isa : isas) check_kernels(L, P, isa, dots, what);
     ++cases;
   }
   std::printf("sweep: %d shapes, scalar reference %.1f s;", cases, g_seconds[kIsaCount]);
