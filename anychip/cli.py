@@ -169,7 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--compare-bf16", action="store_true", help="also evaluate the BF16 source model")
     s.add_argument("--text", help="perplexity text file")
     s.add_argument("--json", help="write results here")
-    s.set_defaults(target="anychip.eval.runner:cmd_eval")
+    s.add_argument("--harness", choices=["anychip", "lm-eval"], default="anychip",
+                   help="who scores the tasks: anychip's scorer, or lm-evaluation-harness's own vllm backend on "
+                        "the same local data (needs `pip install 'anychip[lmeval]'`; docs/eval.md)")
+    s.set_defaults(target="anychip.eval.harness:cmd_eval")
     return p
 
 

@@ -20,7 +20,8 @@ from typing import Any
 from anychip.checkpoint.model_dir import ModelDir, ModelDirError
 from anychip.eval.requests import PairEncoder, pair_sequence, plan_requests, rolling_windows
 from anychip.eval.scoring import TaskScore, compare, perplexity, score_task
-from anychip.eval.tasks import PERPLEXITY, EvalDataError, load_task, load_text, resolve_data_dir, select_tasks
+from anychip.eval.tasks import (PERPLEXITY, EvalDataError, data_source, load_task, load_text, resolve_data_dir,
+                                select_tasks)
 
 ENGINES: tuple[str, ...] = ("vllm", "torch")
 
@@ -185,6 +186,14 @@ def _pct(x: float) -> str:
     return "nan" if math.isnan(x) else f"{100 * x:+.2f}"
 
 
+def models_to_evaluate(model: Path, compare_bf16: bool) -> dict[str, Path]:
+    """{"w4a8" or "bf16": model}, and with compare_bf16 {"bf16": the source it was quantized from} too."""
+    models = {"bf16" if ModelDir.open(model).kind == "bf16" else "w4a8": model}
+    if compare_bf16:
+        models["bf16"] = bf16_source(model)
+    return models
+
+
 def run_eval(model: Path, task_names: list[str] | None, data: str | None, settings: EvalSettings,
              compare_bf16: bool, text_path: str | None) -> dict[str, Any]:
     """Resolve data, evaluate the model (and its BF16 source), return the report."""
@@ -192,11 +201,9 @@ def run_eval(model: Path, task_names: list[str] | None, data: str | None, settin
     data_dir = resolve_data_dir(data) if needs_data else None
     task_files, want_ppl = select_tasks(task_names, data_dir)
     text_file, text = load_text(text_path) if want_ppl else (None, None)
-    models = {"bf16" if ModelDir.open(model).kind == "bf16" else "w4a8": model}
-    if compare_bf16:
-        models["bf16"] = bf16_source(model)
+    models = models_to_evaluate(model, compare_bf16)
     results = {label: evaluate_isolated(path, task_files, text, settings) for label, path in models.items()}
-    extra = {"data": str(data_dir) if data_dir else None, "text": str(text_file) if text_file else None}
+    extra = {"data": data_source(data_dir, task_files), "text": str(text_file) if text_file else None}
     return build_report(results, settings, extra)
 
 
