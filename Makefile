@@ -10,7 +10,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 # `make serve` uses the user cache (~/.cache/anychip/models or $ANYCHIP_CACHE).
 test: export ANYCHIP_CACHE ?= $(CURDIR)/.cache/models
 
-.PHONY: install serve test test-arm bench-kernels clean-venv
+.PHONY: install serve test test-fast test-arm bench-kernels clean-venv
 
 install: $(STAMP)
 
@@ -32,6 +32,11 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -rs tests
+
+# The quick loop: every test that needs neither a vLLM engine nor the prepared default model.
+test-fast: export ANYCHIP_CACHE ?= $(CURDIR)/.cache/models
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -rs -m "not slow" tests
 
 # The aarch64 kernels under qemu-user (no torch, no venv): cross-compiles tests/arm/driver.cpp from the extension's
 # headers and runs it as three CPU models (i8mm, dotprod, neither); installs qemu-user and g++-aarch64-linux-gnu

@@ -106,3 +106,11 @@ def copy_dir(tmp_path) -> Callable[[Path], Path]:
         return dst
 
     return copy
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """A test that needs the prepared default model is slow whether or not it says so (`make test-fast` runs
+    `-m "not slow"`)."""
+    for item in items:
+        if "default_model" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)

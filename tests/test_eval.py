@@ -125,14 +125,20 @@ def test_rolling_windows_score_every_token_once():
 
 
 class FakeEngine:
-    """logprob(token t | anything) = -t / 10: loglikelihoods are easy to compute by hand."""
+    """logprob(token t | anything) = -t / 10 (letters_reversed: -(27 - t) / 10): loglikelihoods are easy to
+    compute by hand."""
 
     name, max_len, prefix_id = "fake", 64, 0
+
+    def __init__(self, letters_reversed: bool = False) -> None:
+        self.reversed = letters_reversed
 
     def encode(self, text: str) -> list[int]:
         return [ord(c) - 96 if c.isalpha() else 1 for c in text]
 
     def token_logprobs(self, seqs, desc):
+        if self.reversed:
+            return [[-(27 - t) / 10 for t in s[1:]] for s in seqs]
         return [[-t / 10 for t in s[1:]] for s in seqs]
 
     def close(self):
@@ -151,9 +157,15 @@ def test_evaluate_model_pipeline_with_a_fake_engine(tmp_path, monkeypatch):
     expected_nll = sum(t / 10 for t in ([1, 2, 3, 4] * 8)[1:])
     assert result.ppl["tokens"] == 31
     assert result.ppl["ppl"] == pytest.approx(math.exp(expected_nll / 31))
-    report = runner.build_report({"w4a8": result, "bf16": result}, runner.EvalSettings(), {})
-    assert report["tasks"]["toy"]["delta"]["acc_norm"] == 0.0
-    assert report["tasks"]["perplexity"]["delta"]["ppl_ratio"] == pytest.approx(1.0)
+    # a second model that ranks " zz" first (right answer) and scores the text differently: hand-computed deltas
+    monkeypatch.setattr(runner, "make_engine", lambda model_dir, settings: FakeEngine(letters_reversed=True))
+    other = runner.evaluate_model(tmp_path, [path], "abcd" * 8, runner.EvalSettings(window=8, stride=4, max_len=64))
+    assert other.tasks["toy"].summary()["acc_norm"] == 1.0
+    report = runner.build_report({"w4a8": result, "bf16": other}, runner.EvalSettings(), {})
+    assert report["tasks"]["toy"]["delta"]["acc_norm"] == -1.0 and report["tasks"]["toy"]["delta"]["acc"] == -1.0
+    other_nll = sum((27 - t) / 10 for t in ([1, 2, 3, 4] * 8)[1:])
+    assert report["tasks"]["perplexity"]["delta"]["ppl_ratio"] == pytest.approx(
+        math.exp((expected_nll - other_nll) / 31))
     assert "toy" in runner.format_report(report)
 
 

@@ -103,7 +103,8 @@ def test_gptq_quantizes_a_tiny_llama_checkpoint(tmp_path):
     quantizer = gptq_quantizer(src, scheme, calibration=text, samples=8, seq_len=64)
     dst = quantize_checkpoint(src, tmp_path / "w4a8", scheme, quantizer, method="gptq")
     report = verify_checkpoint(dst)
-    assert report.summary()
+    assert (report.num_layers, report.num_linears, report.group_size) == (2, 14, 32)
+    assert "14" in report.summary() and "G32" in report.summary()
     import json
 
     assert json.loads((dst / "config.json").read_text())["quantization_config"]["anychip"]["method"] == "gptq"
