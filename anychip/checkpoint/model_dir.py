@@ -41,7 +41,7 @@ class ModelDir:
                                 "`anychip prepare` prints it)")
         try:
             config = json.loads(file.read_text())
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError: ValueErrors
             raise ModelDirError(f"{file}: not readable JSON ({exc}): re-create the checkpoint") from None
         if not isinstance(config, dict):
             raise ModelDirError(f"{file}: a JSON object was expected, found {type(config).__name__}")

@@ -21,6 +21,7 @@ import torch
 from anychip.checkpoint.io import ST_CODES, TensorInfo, read_tensor, read_tensor_infos
 from anychip.checkpoint.layout import LlamaDims, TensorSpec, bf16_tensor_specs, linear_prefix, linear_tensor_specs
 from anychip.checkpoint.manifest import check_manifest, listed_files
+from anychip.checkpoint.model_dir import ModelDir
 from anychip.checkpoint.scheme import DECODER_LINEARS, IGNORED, ContractError, W4A8Scheme, scheme_from_config
 from anychip.checkpoint.values import check_values, rule_for
 from anychip.errors import AnychipError
@@ -194,14 +195,7 @@ def _positive_int(v: object) -> bool:
 
 
 def _read_config(cfg_path: Path) -> dict[str, Any]:
-    if not cfg_path.is_file():
-        raise ContractError(f"{cfg_path} is missing")
-    try:
-        config = json.loads(cfg_path.read_text())
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise ContractError(f"{cfg_path}: not valid JSON ({exc})") from exc
-    if not isinstance(config, dict):
-        raise ContractError(f"{cfg_path}: a JSON {type(config).__name__}, not an object: not a model config")
+    config = ModelDir.open(cfg_path.parent).config  # ModelDirError (a ContractError) names the file and the fix
     for key in _LLAMA_FIELDS + _OPTIONAL_LLAMA_FIELDS:
         value = config.get(key)
         if not _positive_int(value) and (key in _LLAMA_FIELDS or value is not None):
