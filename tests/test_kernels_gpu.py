@@ -1,10 +1,9 @@
 """The Triton W4A8 kernels against the torch oracle (reference.py), on a CUDA device.
 
 Integers must match exactly (activation quantization, per-group INT32 sums, and whole linears whose scales are
-powers of two); other outputs within a stated tolerance of the float64 reference:
-  fp32 out: |y - ref| <= 1e-5 * |ref| + 1e-5 * max|ref|   (fp32 accumulation over K/G groups)
-  bf16 out: |y - ref| <= 2^-7 * |ref| + 1e-5 * max|ref|   (at most one bf16 ulp from the different fp32 sum)
-Skipped without a CUDA device or triton; layout tests that need neither are in test_kernels_gpu_layout.py.
+powers of two); other outputs within the tolerance kernels_gpu_cases.py states. Skipped without a CUDA device or
+triton; layout tests that need neither are in test_kernels_gpu_layout.py, and test_triton_interpret.py runs the same
+kernels through Triton's interpreter on the CPU.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from anychip.kernels.gpu import launch, unavailable_reason  # noqa: E402
 from anychip.kernels.prepare import prepare_w4a8, w4a8_linear  # noqa: E402
 from anychip.kernels.reference import group_dot_ref, quantize_activations_ref, w4a8_linear_ref  # noqa: E402
 from anychip.kernels.routes import NoKernelRoute  # noqa: E402
+from kernels_gpu_cases import activations, assert_close, weights  # noqa: E402
 
 DEV = torch.device("cuda")
 if reason := unavailable_reason(DEV):
@@ -31,33 +31,6 @@ MS = (1, 3, 7, 64, 512)
 KS = (576, 1536, 2048, 6144)
 NS = (1, 17, 100, 576)
 OPS = torch.ops.anychip
-
-
-def weights(n: int, k: int, g: int, seed: int, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, K) int8 in [-8, 7] and (N, K/G) fp32 scales, on the CPU."""
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randint(-8, 8, (n, k), dtype=torch.int8, generator=gen)
-    if pow2:
-        s = 2.0 ** torch.randint(-1, 1, (n, k // g), generator=gen).float()
-    else:
-        s = torch.rand(n, k // g, generator=gen) * 0.02 + 0.002
-    return q, s
-
-
-def activations(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    """Rows of very different magnitudes, on the CPU."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=gen) * 10.0 ** torch.empty(m, 1).uniform_(-3, 3, generator=gen)
-    return x.to(dtype)
-
-
-def assert_close(y: torch.Tensor, ref: torch.Tensor) -> None:
-    rtol = 2.0**-7 if y.dtype in (torch.bfloat16, torch.float16) else 1e-5
-    y, ref = y.double().cpu(), ref.double().cpu()
-    assert torch.isfinite(y).all()
-    bound = rtol * ref.abs() + 1e-5 * ref.abs().max()
-    worst = ((y - ref).abs() - bound).max().item()
-    assert worst <= 0, f"max excess error {worst:.3g} over the bound (rtol {rtol})"
 
 
 # --- activation quantization: bit-exact -------------------------------------------------------------------------
@@ -274,3 +247,39 @@ def test_reference_route_and_wrong_route_on_cuda() -> None:
     assert_close(w4a8_linear(x.to(DEV), ref), w4a8_linear_ref(xq, sx, q, s, None, out_dtype=torch.float64))
     with pytest.raises(NoKernelRoute, match="CPU route"):
         OPS.w4a8_linear(x.to(DEV), ref.weight, ref.scales, None, n, k, g, "avx2", -1)
+
+
+def test_device_counter_counts_every_graph_replay() -> None:
+    """The coverage counter is bumped by the GEMM launch itself: a CUDA graph captured once counts each replay
+    (at the slot read at replay time), the capture counts nothing, and the tuner's timing launches count nothing."""
+    n, k, g = 100, 2048, 128
+    q, s = weights(n, k, g, seed=12)
+    p = prepare_w4a8(q.to(DEV), s.to(DEV), g, packed=False)
+    counter = hooks.DeviceCounter(torch.zeros((len(hooks.SLOTS), 2), dtype=torch.int64, device=DEV),
+                                  torch.zeros(1, dtype=torch.int32, device=DEV))
+    x = activations(5, k, torch.bfloat16, seed=13).to(DEV)
+    launch.clear_tuning()
+    with hooks.observing(lambda layer, tokens: counter):
+        w4a8_linear(x, p, layer_id=0)  # eager, tunes first: one count
+        torch.cuda.synchronize()
+        assert counter.cell.tolist() == [[1, 5], [0, 0], [0, 0]]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                w4a8_linear(x, p, layer_id=0)
+        torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    assert counter.cell.tolist() == [[1, 5], [0, 0], [0, 0]]  # captured, not run
+    counter.slot.fill_(hooks.SLOTS.index("decode"))
+    for _ in range(3):
+        graph.replay()
+    counter.slot.fill_(hooks.SLOTS.index("prefill"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert counter.cell.tolist() == [[1, 5], [1, 5], [3, 15]]
+    w4a8_linear(x, p)  # no observer: no count
+    torch.cuda.synchronize()
+    assert counter.cell.tolist() == [[1, 5], [1, 5], [3, 15]]
+

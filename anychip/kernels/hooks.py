@@ -2,20 +2,57 @@
 
 The ops call `notify(layer_id, tokens)` at run time (inside the opaque custom op, so it also runs under
 torch.compile); the vLLM plugin installs the observer that turns these calls into per-layer, per-phase counts.
+
+Under CUDA graphs the op's Python runs once, at capture, and never at replay, so a count kept in Python is
+wrong. An observer that wants replays counted returns a `DeviceCounter` from the call; a route whose kernel can
+count itself (`counts_on_device`) takes it with `take_device_counter` and bumps it inside its own launch: every
+eager run and every replay counts, at no extra launch.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
-Observer = Callable[[int, int], None]
+import torch
+
+#: Phase slots of a DeviceCounter, in order.
+SLOTS = ("warmup", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class DeviceCounter:
+    """Where one layer's kernel launch counts itself, on the layer's device.
+
+    cell: (len(SLOTS), 2) int64, [calls, tokens] per phase slot (tokens: the rows the kernel ran, CUDA-graph
+    padding included); slot: (1,) int32, the slot of the forward pass now running, written before each pass.
+    """
+
+    cell: torch.Tensor
+    slot: torch.Tensor
+
+
+Observer = Callable[[int, int], "DeviceCounter | None"]
 _observer: Observer | None = None
+_pending = threading.local()  # the DeviceCounter of the call being made, between notify and the kernel
 
 
 def notify(layer_id: int, tokens: int) -> None:
+    counter = None
     if _observer is not None and layer_id >= 0:
-        _observer(layer_id, tokens)
+        counter = _observer(layer_id, tokens)
+    _pending.counter = counter
+
+
+def take_device_counter(device: torch.device) -> DeviceCounter | None:
+    """The counter the observer handed out for the call in progress (once), if it lives on `device`."""
+    counter = getattr(_pending, "counter", None)
+    _pending.counter = None
+    if counter is None or counter.cell.device != device:
+        return None
+    return counter
 
 
 def install(observer: Observer | None) -> Observer | None:

@@ -144,7 +144,7 @@ class Recorder:
         if self.path is not None:
             try:
                 write_atomic(self.path, self.document())
-            except OSError as exc:  # never take the engine down for a report
+            except (OSError, RuntimeError) as exc:  # never take the engine down for a report (RuntimeError: CUDA)
                 logger.warning("anychip: could not write coverage report %s: %s", self.path, exc)
 
     def _flush_loop(self) -> None:
@@ -159,10 +159,13 @@ class _DeviceTable:
 
     def __init__(self, layers: int, device: torch.device) -> None:
         self.layers = layers
-        self.counts = torch.zeros((layers, len(hooks.SLOTS), 2), dtype=torch.int64, device=device)
-        self.slot = torch.zeros(1, dtype=torch.int32, device=device)
+        # made at the first forward pass, inside vLLM's inference mode: as normal tensors, so that the step hook
+        # and the report thread (outside it) may write them
+        with torch.inference_mode(False):
+            self.counts = torch.zeros((layers, len(hooks.SLOTS), 2), dtype=torch.int64, device=device)
+            self.slot = torch.zeros(1, dtype=torch.int32, device=device)
+            self._host = torch.empty(self.counts.shape, dtype=torch.int64, pin_memory=True)
         self._phase = hooks.SLOTS[0]
-        self._host = torch.empty(self.counts.shape, dtype=torch.int64, pin_memory=True)
         self._stream: torch.cuda.Stream | None = None
         self._read_lock = threading.Lock()
 

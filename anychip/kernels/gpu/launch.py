@@ -16,6 +16,7 @@ import torch
 import triton
 
 from anychip.kernels.gpu import triton_w4a8 as k
+from anychip.kernels.hooks import DeviceCounter
 
 DECODE_M = 16
 MID_M = 64
@@ -116,8 +117,10 @@ def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def w4a8_linear_q(
     xq: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
     n: int, kk: int, group_size: int, out_dtype: torch.dtype, config: GemmConfig | None = None,
+    counter: DeviceCounter | None = None,
 ) -> torch.Tensor:
-    """xq (M, K) int8, sx (M, 1) fp32, weight (N, K/2) int8, scales (K/G, N) -> (M, N) out_dtype."""
+    """xq (M, K) int8, sx (M, 1) fp32, weight (N, K/2) int8, scales (K/G, N) -> (M, N) out_dtype.
+    counter: bumped by the GEMM launch itself (the tuner's timing launches do not count)."""
     m = xq.shape[0]
     _check(xq, weight, scales, n, kk, group_size)
     xq = xq if xq.stride(1) == 1 else xq.contiguous()
@@ -127,7 +130,7 @@ def w4a8_linear_q(
         return out
     if config is None:
         config = _tuned_config(xq, sx, weight, scales, bias, n, kk, group_size, out)
-    _launch(config, xq, sx, weight, scales, bias, n, kk, group_size, out)
+    _launch(config, xq, sx, weight, scales, bias, n, kk, group_size, out, counter)
     return out
 
 
@@ -155,7 +158,7 @@ def _check(xq: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, n: int,
                          "them with anychip.kernels.prepare.prepare_w4a8")
 
 
-def _launch(cfg: GemmConfig, xq, sx, weight, scales, bias, n, kk, g, out):
+def _launch(cfg: GemmConfig, xq, sx, weight, scales, bias, n, kk, g, out, counter: DeviceCounter | None = None):
     """Runs the GEMM; returns its compiled kernel (registers, spills, PTX)."""
     m = xq.shape[0]
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
@@ -164,10 +167,12 @@ def _launch(cfg: GemmConfig, xq, sx, weight, scales, bias, n, kk, g, out):
     if split > 1:
         parts = torch.empty((split, m, n), dtype=torch.float32, device=xq.device)
         locks = _locks(xq.device)
+    cell, slot = (counter.cell, counter.slot) if counter is not None else (None, None)
     return k._w4a8_gemm_kernel[(tiles, split)](
-        xq, sx, weight, scales, bias, out, parts, locks, m, n, kk, xq.stride(0), out.stride(0), m * n,
+        xq, sx, weight, scales, bias, out, parts, locks, cell, slot, m, n, kk, xq.stride(0), out.stride(0), m * n,
         G=g, BM=cfg.block_m, BN=cfg.block_n, BK=max(cfg.block_k, g), SWAP=cfg.swap, SPLIT_K=split,
-        GROUP_M=cfg.group_m, HAS_BIAS=bias is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        GROUP_M=cfg.group_m, HAS_BIAS=bias is not None, COUNT=counter is not None, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
 
 
 _LOCKS: dict[tuple[str, int], torch.Tensor] = {}

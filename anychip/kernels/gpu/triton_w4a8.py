@@ -55,14 +55,20 @@ def _group_dot16(x_ptrs, w_ptrs, x_mask, w_mask, BN: tl.constexpr, G: tl.constex
 
 @triton.jit
 def _w4a8_gemm_kernel(
-    x_ptr, sx_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
+    x_ptr, sx_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr, count_ptr, slot_ptr,
     M, N, K, stride_xm, stride_om, stride_split,
     G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr,
-    SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, COUNT: tl.constexpr,
 ):
-    """out (M, N) = the W4A8 linear.  SPLIT_K > 1: part (SPLIT_K, M, N) fp32 scratch, lock (>= tiles) int32 zeros."""
+    """out (M, N) = the W4A8 linear.  SPLIT_K > 1: part (SPLIT_K, M, N) fp32 scratch, lock (>= tiles) int32 zeros.
+    COUNT: count (slots, 2) int64 [calls, rows] of this layer, bumped at slot[0] by one program (hooks.py)."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
+    if COUNT:
+        if (pid == 0) & (pid_k == 0):  # once a launch, so a CUDA-graph replay counts too
+            at = count_ptr + tl.load(slot_ptr).to(tl.int64) * 2
+            tl.atomic_add(at, 1)
+            tl.atomic_add(at + 1, tl.cast(M, tl.int64))
     grid_m = tl.cdiv(M, BM)
     grid_n = tl.cdiv(N, BN)
     width = GROUP_M * grid_n  # GROUP_M row tiles sweep the columns together: weight tiles reused from L2
@@ -88,9 +94,11 @@ def _w4a8_gemm_kernel(
     for g0 in range(g_begin, g_end, BK // G):
         for j in tl.static_range(BK // G):
             g = g0 + j
-            live = g < g_end
-            d = _group_dot16(x_ptrs + g * G, w_ptrs + g * (G // 2), mask_m[:, None] & live,
-                             mask_n[:, None] & live, BN, G, SWAP)
+            # a (1,) block rather than a scalar: the interpreter (TRITON_INTERPRET=1, Triton 3.9) types a scalar
+            # comparison as int32 and then refuses it as a load mask; compiled code is the same uniform predicate
+            live = tl.full((1,), g, tl.int32) < g_end
+            d = _group_dot16(x_ptrs + g * G, w_ptrs + g * (G // 2), mask_m[:, None] & live[None, :],
+                             mask_n[:, None] & live[None, :], BN, G, SWAP)
             s = tl.load(s_ptr + g * N + offs_n, mask=mask_n & live, other=0.0).to(tl.float32) * 0.0625
             if SWAP:
                 acc += d.to(tl.float32) * s[:, None]

@@ -1,0 +1,106 @@
+"""The cases test_triton_interpret.py runs in a process started with TRITON_INTERPRET=1 (see there); not collected
+on their own (the file name does not start with test_): `TRITON_INTERPRET=1 pytest tests/triton_interpret_cases.py`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("set TRITON_INTERPRET=1 before triton is imported (test_triton_interpret.py does)",
+                allow_module_level=True)
+
+from anychip.kernels import hooks  # noqa: E402
+from anychip.kernels.gpu import launch, triton_w4a8  # noqa: E402
+from anychip.kernels.gpu.layout import pack_nibbles  # noqa: E402
+from anychip.kernels.reference import group_dot_ref, quantize_activations_ref, w4a8_linear_ref  # noqa: E402
+from kernels_gpu_cases import activations, assert_close, weights  # noqa: E402
+
+
+def _layout(q: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton route's layout (layout.py) of (N, K) int8 weights and (N, K/G) scales."""
+    return pack_nibbles(q), s.t().contiguous()
+
+
+def test_the_kernels_are_interpreted() -> None:
+    """Guards the fixture: a compiled kernel here would need a GPU and prove nothing on the CPU."""
+    assert type(triton_w4a8._w4a8_gemm_kernel).__name__ == "InterpretedFunction"
+    assert launch.k is triton_w4a8
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("m,k", [(1, 64), (3, 576), (5, 4160)])  # 4160 > the kernel's 4096 block: two passes
+def test_quantize_bit_exact(m: int, k: int, dtype: torch.dtype) -> None:
+    x = activations(m, k, dtype, seed=m + k)
+    if m > 2:
+        x[1] = 0  # a zero row: scale 0, q 0
+    xq, sx = launch.quantize_act(x)
+    rq, rs = quantize_activations_ref(x)
+    assert torch.equal(sx, rs) and torch.equal(xq, rq)
+
+
+def test_quantize_ties_round_half_to_even() -> None:
+    halves = torch.arange(-126, 127, dtype=torch.float32) + 0.5
+    x = torch.stack([torch.cat([halves, torch.tensor([127.0])]), torch.cat([halves / 4, torch.tensor([127.0 / 4])])])
+    xq, sx = launch.quantize_act(x)
+    rq, rs = quantize_activations_ref(x)
+    assert torch.equal(sx, rs) and torch.equal(xq, rq)
+    assert xq[0, 126].item() == 0 and xq[0, 127].item() == 2  # 0.5 -> 0, 1.5 -> 2
+
+
+@pytest.mark.parametrize("swap", [False, True])
+@pytest.mark.parametrize("m,n,k,g", [(1, 17, 256, 32), (7, 40, 384, 64), (3, 33, 256, 128)])
+def test_group_dots_exact(m: int, n: int, k: int, g: int, swap: bool) -> None:
+    q, _ = weights(n, k, g, seed=m + n)
+    xq = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=torch.Generator().manual_seed(n))
+    xq[0, :g] = 127  # one group at the extremes
+    got = launch.group_dots(xq, pack_nibbles(q), n, k, g, swap=swap)
+    assert torch.equal(got, group_dot_ref(xq, q, g))
+
+
+def _configs() -> list[tuple[int, launch.GemmConfig]]:
+    cases = [(m, cfg) for m in (1, 33, 130) for cfg in launch.candidates(m, 40, 512, 32)]
+    cases += [(7, launch.GemmConfig(16, 32, 64, split_k=3)), (7, launch.GemmConfig(16, 16, 128, swap=True, split_k=5))]
+    return cases
+
+
+@pytest.mark.parametrize("m,cfg", _configs(), ids=lambda v: str(v) if isinstance(v, int) else
+                         f"{v.block_m}x{v.block_n}x{v.block_k}{'s' if v.swap else ''}k{v.split_k}")
+def test_linear_q_pow2_scales_exact(m: int, cfg: launch.GemmConfig) -> None:
+    n, k, g = 40, 512, 32
+    q, s = weights(n, k, g, seed=m, pow2=True)
+    gen = torch.Generator().manual_seed(m + 1)
+    xq = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=gen)
+    sx = 2.0 ** torch.randint(-9, -5, (m, 1), generator=gen).float()
+    bias = torch.randn(n, generator=gen)
+    w, sw = _layout(q, s)
+    y = launch.w4a8_linear_q(xq, sx, w, sw, bias, n, k, g, torch.float32, config=cfg)
+    assert torch.equal(y, w4a8_linear_ref(xq, sx, q, s, bias, out_dtype=torch.float32))
+    assert not launch._locks(xq.device).any()  # split-K re-arms every semaphore it took
+
+
+def test_linear_bf16_within_tolerance() -> None:
+    m, n, k, g = 5, 48, 384, 64
+    q, s = weights(n, k, g, seed=3)
+    x = activations(m, k, torch.bfloat16, seed=4)
+    bias = torch.randn(n).bfloat16()
+    w, sw = _layout(q, s.bfloat16())
+    xq, sx = launch.quantize_act(x)
+    y = launch.w4a8_linear_q(xq, sx, w, sw, bias, n, k, g, torch.bfloat16)
+    rq, rs = quantize_activations_ref(x)
+    assert_close(y, w4a8_linear_ref(rq, rs, q, s.bfloat16(), bias, out_dtype=torch.float64))
+
+
+def test_gemm_bumps_the_coverage_counter_once_a_launch() -> None:
+    n, k, g = 40, 256, 64
+    q, s = weights(n, k, g, seed=5)
+    w, sw = _layout(q, s)
+    counter = hooks.DeviceCounter(torch.zeros((len(hooks.SLOTS), 2), dtype=torch.int64),
+                                  torch.tensor([hooks.SLOTS.index("decode")], dtype=torch.int32))
+    for m, cfg in ((1, launch.GemmConfig(16, 32, 64, split_k=4)), (3, launch.GemmConfig(16, 32, 256))):
+        xq = torch.randint(-127, 128, (m, k), dtype=torch.int8)
+        launch.w4a8_linear_q(xq, torch.ones(m, 1), w, sw, None, n, k, g, torch.float32, config=cfg, counter=counter)
+    assert counter.cell.tolist() == [[0, 0], [0, 0], [2, 4]]  # split-K's four programs count once
