@@ -26,6 +26,9 @@ ANYCHIP_ALLOW_FALLBACK = "ANYCHIP_ALLOW_FALLBACK"
 #: Forces one kernel route by id (`anychip routes` lists them): "cpu.avx512_vnni", "cpu.avx2", "cpu.portable",
 #: "cuda.triton", "reference", ...; the short names "avx2", "portable", ... are accepted too.
 ANYCHIP_KERNEL_ISA = "ANYCHIP_KERNEL_ISA"
+#: How the output head is served: "bf16" (default, the checkpoint's BF16 tensor) or "int8" (quantized per channel
+#: at load; not the checkpoint's numerics; `anychip serve --head int8` sets it for plain `vllm serve` engines too).
+ANYCHIP_HEAD = "ANYCHIP_HEAD"
 #: Where the compiled C++ extension is cached (default: ~/.cache/anychip/torch_extensions).
 ANYCHIP_BUILD_DIR = "ANYCHIP_BUILD_DIR"
 #: "0" disables strict mode in the plugin (same as ANYCHIP_ALLOW_FALLBACK=1).
@@ -79,8 +82,8 @@ def allow_untested_vllm() -> bool:
 
 def kernel_policy(allow_fallback: bool | None = None) -> KernelPolicy:
     """The kernel policy from the environment (ANYCHIP_KERNEL_ISA, ANYCHIP_ALLOW_FALLBACK / ANYCHIP_STRICT,
-    ANYCHIP_BUILD_DIR); `allow_fallback` overrides the environment's answer (a CLI flag)."""
-    return KernelPolicy(route=forced_isa(), build_dir=build_dir(),
+    ANYCHIP_BUILD_DIR, ANYCHIP_HEAD); `allow_fallback` overrides the environment's answer (a CLI flag)."""
+    return KernelPolicy(route=forced_isa(), build_dir=build_dir(), head=os.environ.get(ANYCHIP_HEAD) or "bf16",
                         allow_fallback=fallback_allowed() if allow_fallback is None else allow_fallback)
 
 

@@ -20,6 +20,7 @@ from anychip.kernels import machine
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "w4a8_cpu.cpp"  # includes cpu_common.h and quantize_act.h
+HEAD_SOURCE = CSRC / "head_cpu.cpp"  # the output head; registers torch.ops.anychip.head_* from C++
 DEFAULT_BUILD_DIR = Path.home() / ".cache" / "anychip" / "torch_extensions"
 _module: ModuleType | None = None  # the loaded extension (process lifetime, like any imported module)
 
@@ -53,7 +54,7 @@ def _build(build_dir: Path) -> ModuleType:
     try:
         return cpp_extension.load(
             name="anychip_w4a8_cpu",
-            sources=[str(SOURCE)],
+            sources=[str(SOURCE), str(HEAD_SOURCE)],
             build_directory=str(build),
             extra_cflags=["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno"],
             extra_ldflags=["-fopenmp"],

@@ -6,8 +6,11 @@ and passed down; nothing under anychip/kernels reads the environment.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+
+#: How the output head is served: "bf16" as the checkpoint has it (default), "int8" quantized per channel at load.
+HEAD_KINDS = ("bf16", "int8")
 
 
 @dataclass(frozen=True)
@@ -15,12 +18,18 @@ class KernelPolicy:
     """route: a route id (or a short alias such as "avx2") every linear must take; None picks the best that
     can serve.  allow_fallback: when no fast route can serve a linear, use the reference route instead of
     refusing.  build_dir: where the C++ extension is compiled and cached (None: ~/.cache/anychip/torch_extensions).
+    head: one of HEAD_KINDS, how the output head is served (kernels/routes/head.py).
     """
 
     route: str | None = None
     allow_fallback: bool = False
     build_dir: Path | None = None
+    head: str = "bf16"
+
+    def __post_init__(self) -> None:
+        if self.head not in HEAD_KINDS:
+            raise ValueError(f"head={self.head!r} is not one of {HEAD_KINDS}: use --head bf16 or --head int8")
 
     def forcing(self, route: str | None) -> KernelPolicy:
         """This policy with `route` forced (None keeps the policy's own)."""
-        return self if route is None else KernelPolicy(route, self.allow_fallback, self.build_dir)
+        return self if route is None else replace(self, route=route)

@@ -78,3 +78,37 @@ def dequantize_weight_ref(wq: torch.Tensor, sw: torch.Tensor, dtype: torch.dtype
     n, groups = sw.shape
     g = wq.shape[1] // groups
     return (wq.float().view(n, groups, g) * sw.float().unsqueeze(2)).reshape(n, -1).to(dtype)
+
+
+# ---- the output head (logits = x @ W^T), served by kernels/routes/head.py ----
+
+
+def head_bf16_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """BF16 head: x (..., K), weight (N, K) bf16 -> (..., N) in x's dtype; products and sums in fp32 (here in
+    fp64, the higher precision the kernels are compared against)."""
+    y = x.double() @ weight.double().t()
+    if bias is not None:
+        y = y + bias.double()
+    return y.to(x.dtype)
+
+
+def quantize_head_int8_ref(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per output channel symmetric INT8: weight (N, K) -> wq (N, K) int8 in [-127, 127], sw (N,) fp32
+    (amax / 127; an all-zero row gets scale 0)."""
+    wf = weight.float()
+    sw = wf.abs().amax(dim=1) / INT8_MAX
+    safe = torch.where(sw > 0, sw, torch.ones_like(sw))
+    wq = torch.round(wf / safe[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return wq, sw
+
+
+def head_int8_ref(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """INT8 head: x quantized per token (quantize_activations_ref), exact INT32 dots, then
+    float(dot) * (sx * sw) + bias in fp32 -> (..., N) in x's dtype."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    xq, sx = quantize_activations_ref(x.reshape(-1, k))
+    dots = (xq.to(torch.int64) @ wq.to(torch.int64).t()).to(torch.int32)
+    y = dots.float() * (sx * sw.float()[None, :])
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*lead, wq.shape[0])

@@ -13,6 +13,7 @@ from compressed_tensors.quantization import QuantizationArgs
 from anychip.errors import AnychipError
 from anychip.formats import FORMATS
 from anychip.vllm_plugin import compat
+from anychip.vllm_plugin.head import head_method
 from anychip.vllm_plugin.recorder import get_recorder
 from anychip.vllm_plugin.scheme import AnychipW4A8Scheme, ForeignScheme
 
@@ -63,7 +64,10 @@ class AnychipW4A8Config(compat.CompressedTensorsConfig):
     def get_quant_method(self, layer: Any, prefix: str) -> Any:
         method = super().get_quant_method(layer, prefix)
         if isinstance(layer, compat.VocabParallelEmbedding):
-            get_recorder().note_embedding(prefix, layer, is_head=prefix.split(".")[-1] == "lm_head")
+            recorder = get_recorder()
+            recorder.note_embedding(prefix, layer, is_head=prefix.split(".")[-1] == "lm_head")
+            if method is None:  # an unquantized head: an anychip head route serves it on the CPU
+                method = head_method(layer, prefix, recorder.policy)
         return method
 
     def _get_scheme_from_parts(self, weight_quant: QuantizationArgs, input_quant: QuantizationArgs,

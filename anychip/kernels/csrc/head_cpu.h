@@ -1,0 +1,306 @@
+// The output head (logits = x @ W^T) as a GEMV for CPUs, torch-free like the W4A8 core:
+//   BF16 head  W (N, K) bf16 row-major, x bf16/fp32; products and sums in fp32 (BF16 x BF16, FP32 accumulation)
+//     AVX512-BF16  vdpbf16ps on 32 bf16 pairs (x must be bf16)
+//     AVX2         16 bf16 of a row as two fp32 vectors: evens = bits << 16, odds = bits & 0xFFFF0000, against x
+//                  pre-split into its even and odd elements (head_split_x), so a row costs no shuffle
+//     portable     scalar
+//   INT8 head (opt-in)  W (N, K) int8, one fp32 scale per row; x per-token INT8 (quantize_act.h); exact INT32 dots
+//     AVX2         vpmaddubsw(|w|, sign(x, w)): |w|, |x| <= 127, so a pair sum (<= 32258) cannot saturate
+//     portable     scalar
+// The head is read once per decode step (49152 x 576 x 2 bytes = 57 MB for SmolLM2), so it is bound by memory:
+// threads take chunks of rows from a shared counter, and within a chunk a few rows stream side by side.
+#pragma once
+
+#include "cpu_common.h"
+
+#ifdef ANYCHIP_X86
+#define ANYCHIP_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#endif
+
+namespace anychip {
+
+// Head ISA codes (the Python head routes' `code`): separate from the W4A8 Isa enum, as the instruction sets differ.
+enum HeadIsa : int64_t { kHeadPortable = 0, kHeadAvx2 = 1, kHeadAvx512Bf16 = 2 };
+constexpr int64_t kHeadIsaCount = 3;
+
+inline bool head_isa_supported(int64_t isa) {
+#ifdef ANYCHIP_X86
+  __builtin_cpu_init();
+  if (isa == kHeadAvx512Bf16)
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+  if (isa == kHeadAvx2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+  return isa == kHeadPortable;
+}
+
+struct HeadProblem {
+  int64_t m = 0, n = 0, k = 0;
+  // BF16 head
+  const Bf16* w = nullptr;    // (N, K)
+  const Bf16* xb = nullptr;   // (M, K) bf16, or nullptr when x is fp32 (AVX512-BF16 needs it)
+  const float* xf = nullptr;  // (M, K) fp32; for AVX2 each full 16-block is split (head_split_x)
+  // INT8 head
+  const int8_t* wq = nullptr;  // (N, K)
+  const float* sw = nullptr;   // (N,)
+  const int8_t* xq = nullptr;  // (M, K)
+  const float* sx = nullptr;   // (M,)
+  const float* bias = nullptr;  // (N,) or nullptr
+  void* out = nullptr;          // (M, N)
+  OutType out_type = OutType::kF32;
+};
+
+inline void head_store(const HeadProblem& p, int64_t m, int64_t n, float y) {
+  if (p.bias) y += p.bias[n];
+  const int64_t off = m * p.n + n;
+  switch (p.out_type) {
+    case OutType::kBF16: static_cast<uint16_t*>(p.out)[off] = bf16_bits(y); break;
+    case OutType::kF16: static_cast<uint16_t*>(p.out)[off] = fp16_bits(y); break;
+    default: static_cast<float*>(p.out)[off] = y;
+  }
+}
+
+// x (K,) -> the AVX2 path's order: each full block of 16 as its 8 even then its 8 odd elements; the tail as is.
+template <typename T>
+void head_split_x(const T* x, int64_t k, float* out) {
+  const int64_t k16 = k / 16 * 16;
+  for (int64_t b = 0; b < k16; b += 16)
+    for (int j = 0; j < 8; ++j) out[b + j] = to_f(x[b + 2 * j]), out[b + 8 + j] = to_f(x[b + 2 * j + 1]);
+  for (int64_t i = k16; i < k; ++i) out[i] = to_f(x[i]);
+}
+
+// ---------------------------------------------------------------- portable
+
+inline void bf16_rows_portable(const HeadProblem& p, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const Bf16* w = p.w + n * p.k;
+    for (int64_t m = 0; m < p.m; ++m) {
+      const float* x = p.xf + m * p.k;
+      float s[4] = {0.f, 0.f, 0.f, 0.f};
+      int64_t i = 0;
+      for (; i + 4 <= p.k; i += 4)
+        for (int j = 0; j < 4; ++j) s[j] += x[i + j] * to_f(w[i + j]);
+      for (; i < p.k; ++i) s[0] += x[i] * to_f(w[i]);
+      head_store(p, m, n, (s[0] + s[1]) + (s[2] + s[3]));
+    }
+  }
+}
+
+inline void int8_rows_portable(const HeadProblem& p, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* w = p.wq + n * p.k;
+    for (int64_t m = 0; m < p.m; ++m) {
+      const int8_t* x = p.xq + m * p.k;
+      int32_t s = 0;
+      for (int64_t i = 0; i < p.k; ++i) s += int32_t(x[i]) * int32_t(w[i]);
+      head_store(p, m, n, float(s) * (p.sx[m] * p.sw[n]));
+    }
+  }
+}
+
+#ifdef ANYCHIP_X86
+
+ANYCHIP_AVX2 inline float hsum_avx2(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+ANYCHIP_AVX2 inline int32_t hsum_epi32_avx2(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// ---------------------------------------------------------------- BF16, AVX2 + FMA
+// MT tokens x R rows; one token alone keeps separate even/odd accumulators (8 FMA chains for 4 rows).
+template <int MT, int R>
+ANYCHIP_AVX2 void bf16_tile_avx2(const HeadProblem& p, int64_t m0, int64_t n0) {
+  constexpr int A = MT == 1 ? 2 : 1;
+  const int64_t k16 = p.k / 16 * 16;
+  const __m256i hi_mask = _mm256_set1_epi32(int32_t(0xFFFF0000u));
+  __m256 acc[MT][R][A];
+  for (int i = 0; i < MT; ++i)
+    for (int r = 0; r < R; ++r)
+      for (int a = 0; a < A; ++a) acc[i][r][a] = _mm256_setzero_ps();
+  const Bf16* w[R];
+  for (int r = 0; r < R; ++r) w[r] = p.w + (n0 + r) * p.k;
+  for (int64_t kk = 0; kk < k16; kk += 16) {
+    __m256 xe[MT], xo[MT];
+    for (int i = 0; i < MT; ++i) {
+      xe[i] = _mm256_loadu_ps(p.xf + (m0 + i) * p.k + kk);
+      xo[i] = _mm256_loadu_ps(p.xf + (m0 + i) * p.k + kk + 8);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + kk));
+      const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+      const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, hi_mask));
+      for (int i = 0; i < MT; ++i) {
+        acc[i][r][0] = _mm256_fmadd_ps(we, xe[i], acc[i][r][0]);
+        acc[i][r][A - 1] = _mm256_fmadd_ps(wo, xo[i], acc[i][r][A - 1]);
+      }
+    }
+  }
+  for (int i = 0; i < MT; ++i) {
+    const float* x = p.xf + (m0 + i) * p.k;
+    for (int r = 0; r < R; ++r) {
+      __m256 a = acc[i][r][0];
+      if constexpr (A == 2) a = _mm256_add_ps(a, acc[i][r][1]);
+      float s = hsum_avx2(a);
+      for (int64_t kk = k16; kk < p.k; ++kk) s += x[kk] * to_f(w[r][kk]);
+      head_store(p, m0 + i, n0 + r, s);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- INT8, AVX2
+template <int MT, int R>
+ANYCHIP_AVX2 void int8_tile_avx2(const HeadProblem& p, int64_t m0, int64_t n0) {
+  const int64_t k32 = p.k / 32 * 32;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i acc[MT][R];
+  for (int i = 0; i < MT; ++i)
+    for (int r = 0; r < R; ++r) acc[i][r] = _mm256_setzero_si256();
+  const int8_t* w[R];
+  for (int r = 0; r < R; ++r) w[r] = p.wq + (n0 + r) * p.k;
+  for (int64_t kk = 0; kk < k32; kk += 32) {
+    __m256i xv[MT];
+    for (int i = 0; i < MT; ++i) xv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.xq + (m0 + i) * p.k + kk));
+    for (int r = 0; r < R; ++r) {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + kk));
+      const __m256i aw = _mm256_abs_epi8(wv);
+      for (int i = 0; i < MT; ++i) {
+        const __m256i s16 = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv[i], wv));
+        acc[i][r] = _mm256_add_epi32(acc[i][r], _mm256_madd_epi16(s16, ones));
+      }
+    }
+  }
+  for (int i = 0; i < MT; ++i) {
+    const int8_t* x = p.xq + (m0 + i) * p.k;
+    for (int r = 0; r < R; ++r) {
+      int32_t s = hsum_epi32_avx2(acc[i][r]);
+      for (int64_t kk = k32; kk < p.k; ++kk) s += int32_t(x[kk]) * int32_t(w[r][kk]);
+      head_store(p, m0 + i, n0 + r, float(s) * (p.sx[m0 + i] * p.sw[n0 + r]));
+    }
+  }
+}
+
+// ---------------------------------------------------------------- BF16, AVX512-BF16
+ANYCHIP_AVX512_BF16 inline __m512bh load_bh(const Bf16* p, __mmask32 mask) {
+  return reinterpret_cast<__m512bh>(_mm512_maskz_loadu_epi16(mask, p));
+}
+
+template <int MT, int R>
+ANYCHIP_AVX512_BF16 void bf16_tile_avx512(const HeadProblem& p, int64_t m0, int64_t n0) {
+  constexpr int A = MT == 1 ? 2 : 1;
+  __m512 acc[MT][R][A];
+  for (int i = 0; i < MT; ++i)
+    for (int r = 0; r < R; ++r)
+      for (int a = 0; a < A; ++a) acc[i][r][a] = _mm512_setzero_ps();
+  const Bf16* w[R];
+  for (int r = 0; r < R; ++r) w[r] = p.w + (n0 + r) * p.k;
+  const __mmask32 all = ~__mmask32(0);
+  int64_t kk = 0;
+  for (; kk + 64 <= p.k; kk += 64) {
+    for (int u = 0; u < 2; ++u) {
+      __m512bh xv[MT];
+      for (int i = 0; i < MT; ++i) xv[i] = load_bh(p.xb + (m0 + i) * p.k + kk + 32 * u, all);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh wv = load_bh(w[r] + kk + 32 * u, all);
+        for (int i = 0; i < MT; ++i) acc[i][r][u % A] = _mm512_dpbf16_ps(acc[i][r][u % A], wv, xv[i]);
+      }
+    }
+  }
+  for (; kk < p.k; kk += 32) {  // masked tail: zero pairs add nothing
+    const __mmask32 mask = p.k - kk >= 32 ? all : __mmask32((1u << (p.k - kk)) - 1);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh wv = load_bh(w[r] + kk, mask);
+      for (int i = 0; i < MT; ++i)
+        acc[i][r][0] = _mm512_dpbf16_ps(acc[i][r][0], wv, load_bh(p.xb + (m0 + i) * p.k + kk, mask));
+    }
+  }
+  for (int i = 0; i < MT; ++i)
+    for (int r = 0; r < R; ++r) {
+      __m512 a = acc[i][r][0];
+      if constexpr (A == 2) a = _mm512_add_ps(a, acc[i][r][1]);
+      head_store(p, m0 + i, n0 + r, _mm512_reduce_add_ps(a));
+    }
+}
+
+#endif  // ANYCHIP_X86
+
+// ---------------------------------------------------------------- dispatch and threads
+
+using HeadTileFn = void (*)(const HeadProblem&, int64_t, int64_t);
+
+// Tiles of (tokens, rows): 1 or 2 tokens x 4 rows, 3 or 4 tokens x 2 rows (16 ymm/zmm registers on AVX2).
+template <template <int, int> class Tiles>
+HeadTileFn head_tile(int64_t mt, int64_t rows) {
+  if (rows == 1) {
+    switch (mt) {
+      case 1: return Tiles<1, 1>::fn;
+      case 2: return Tiles<2, 1>::fn;
+      case 3: return Tiles<3, 1>::fn;
+      default: return Tiles<4, 1>::fn;
+    }
+  }
+  switch (mt) {
+    case 1: return Tiles<1, 4>::fn;
+    case 2: return Tiles<2, 4>::fn;
+    case 3: return Tiles<3, 2>::fn;
+    default: return Tiles<4, 2>::fn;
+  }
+}
+constexpr int64_t head_tile_rows(int64_t mt) { return mt <= 2 ? 4 : 2; }
+
+#ifdef ANYCHIP_X86
+template <int MT, int R>
+struct Bf16Avx2 {
+  static constexpr HeadTileFn fn = &bf16_tile_avx2<MT, R>;
+};
+template <int MT, int R>
+struct Bf16Avx512 {
+  static constexpr HeadTileFn fn = &bf16_tile_avx512<MT, R>;
+};
+template <int MT, int R>
+struct Int8Avx2 {
+  static constexpr HeadTileFn fn = &int8_tile_avx2<MT, R>;
+};
+#endif
+
+#ifndef ANYCHIP_HEAD_CHUNKS_PER_THREAD
+#define ANYCHIP_HEAD_CHUNKS_PER_THREAD 16
+#endif
+
+// Rows [n0, n1) for all tokens: token tiles inside row tiles, so a row tile stays in L1 while the tokens pass it.
+template <template <int, int> class Tiles>
+void head_rows_tiled(const HeadProblem& p, int64_t n0, int64_t n1) {
+  for (int64_t t0 = 0; t0 < p.m; t0 += 4) {
+    const int64_t mt = std::min<int64_t>(4, p.m - t0);
+    const int64_t rows = head_tile_rows(mt);
+    const HeadTileFn tile = head_tile<Tiles>(mt, rows), one = head_tile<Tiles>(mt, 1);
+    int64_t n = n0;
+    for (; n + rows <= n1; n += rows) tile(p, t0, n);
+    for (; n < n1; ++n) one(p, t0, n);
+  }
+}
+
+template <typename Parallel>
+void head_run(const HeadProblem& p, bool int8, int64_t isa, int64_t max_threads, Parallel&& parallel) {
+  void (*rows)(const HeadProblem&, int64_t, int64_t) = int8 ? &int8_rows_portable : &bf16_rows_portable;
+#ifdef ANYCHIP_X86
+  if (int8 && isa >= kHeadAvx2) rows = &head_rows_tiled<Int8Avx2>;  // AVX512 CPUs take the AVX2 INT8 tiles
+  if (!int8 && isa == kHeadAvx2) rows = &head_rows_tiled<Bf16Avx2>;
+  if (!int8 && isa == kHeadAvx512Bf16) rows = &head_rows_tiled<Bf16Avx512>;
+#endif
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(max_threads, p.n / 64));
+  const int64_t chunk = std::max<int64_t>(16, p.n / (threads * ANYCHIP_HEAD_CHUNKS_PER_THREAD)) / 4 * 4;
+  std::atomic<int64_t> next{0};
+  parallel(threads, [&]() {
+    for (int64_t n0 = next.fetch_add(chunk); n0 < p.n; n0 = next.fetch_add(chunk)) rows(p, n0, std::min(p.n, n0 + chunk));
+  });
+}
+
+}  // namespace anychip
