@@ -60,7 +60,11 @@ from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tenso
 from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (  # noqa: E402
     CompressedTensorsScheme,
 )
-from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding  # noqa: E402
+from vllm.model_executor.layers.vocab_parallel_embedding import (  # noqa: E402
+    ParallelLMHead,
+    UnquantizedEmbeddingMethod,
+    VocabParallelEmbedding,
+)
 from vllm.model_executor.parameter import (  # noqa: E402
     BasevLLMParameter,
     ChannelQuantScaleParameter,
@@ -74,7 +78,7 @@ __all__ = [
     "GroupQuantScaleParameter", "ModelWeightParameter", "PackedvLLMParameter", "VocabParallelEmbedding",
     "get_forward_context", "is_forward_context_available", "register_quantization_config",
     "verify_group_size_divides_partition", "vllm_version", "current_phase", "attention_backend_name",
-    "head_gemm_route", "install_step_hook", "step_phase",
+    "head_gemm_route", "install_step_hook", "on_cpu", "ParallelLMHead", "UnquantizedEmbeddingMethod", "step_phase",
 ]
 
 
@@ -158,6 +162,13 @@ def attention_backend_name() -> str | None:
         if backend is not None:
             return getattr(backend, "__name__", type(backend).__name__)
     return None
+
+
+def on_cpu() -> bool:
+    """Whether vLLM runs on its CPU platform (where the anychip head routes serve the output head)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 def head_gemm_route(layer: Any) -> str:
