@@ -69,8 +69,12 @@ class Recorder:
         weight = getattr(head, "weight", None)
         tied_to = next((name for name, other in layers.items() if other is not None and name != self._head_name
                         and weight is not None and getattr(other, "weight", None) is weight), None)
+        prepared = getattr(head, "anychip_head", None)  # vllm_plugin/head.py: an anychip head route serves it
+        route = prepared.route.id if prepared is not None else compat.head_gemm_route(head)
+        quantized = prepared is not None and prepared.route.kind != "bf16"
         return {"layer": self._head_name, "dtype": str(getattr(weight, "dtype", "unknown")).replace("torch.", ""),
-                "tied_to": tied_to, "quantized": False, "route": compat.head_gemm_route(head)}
+                "tied_to": tied_to, "quantized": quantized, "route": route,
+                "head": prepared.route.kind if prepared is not None else "bf16"}
 
     # -- at run time, from inside the anychip ops --
     def on_call(self, layer_id: int, tokens: int) -> hooks.DeviceCounter | None:
