@@ -105,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = bsub.add_parser("kernels", help="W4A8 kernels against every CPU route torch and vLLM offer")
     b.add_argument("--json", help="write JSON rows here (a Markdown table goes beside it)")
     b.add_argument("--quick", action="store_true", help="fewer shapes and iterations")
+    b.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cuda: the Triton route against cuBLAS BF16 and torch._int_mm on the first GPU")
     b.set_defaults(target="anychip.bench.kernels:cmd_bench_kernels")
     b = bsub.add_parser("latency", help="llama-bench style pp/tg/total through vLLM, optionally with peers")
     b.add_argument("model", nargs="?", help="W4A8 model directory (default: the prepared default model)")

@@ -282,6 +282,11 @@ def cmd_bench_kernels(args: argparse.Namespace) -> int:
     """All threads by wall clock (what a caller sees), then one thread by its CPU time: on a machine shared with
     other work, preemption inflates wall-clock times of multi-threaded calls far more than the kernels' own cost."""
     quick = bool(getattr(args, "quick", False))
+    if getattr(args, "device", "cpu") == "cuda":  # the NVIDIA route's own benchmark (kernels_gpu.py)
+        from anychip.bench import kernels_gpu
+
+        argv = ["--json", args.json, "--md", str(Path(args.json).with_suffix(".md"))] if args.json else []
+        return kernels_gpu.main(argv + (["--tokens", "1", "16", "4096"] if quick else []))
     llc = llc_bytes()
     threads = torch.get_num_threads()
     runs = [
