@@ -83,8 +83,8 @@ std::vector<int32_t> ref_dots(const Linear& L) {
 }
 
 // The float epilogue each path promises (w4a8_tiles.h): groups summed in order, y = y + dot_g * s_g, then
-// y * sx + bias.  Every aarch64 path fuses both steps; on x86 the SIMD paths fuse the group step only and the
-// portable path neither (the driver is built with -ffp-contract=off, so unfused means unfused).
+// y * sx + bias.  Every aarch64 path fuses both steps; on x86 the SIMD paths fuse the group step, AVX2 the last
+// one too, the portable path neither (the driver is built with -ffp-contract=off, so unfused means unfused).
 struct Epilogue {
   bool fused_groups, fused_finish;
 };
@@ -94,7 +94,7 @@ Epilogue epilogue(int64_t isa) {
   (void)isa;
   return {true, true};
 #else
-  return {isa != kPortable, false};
+  return {isa != kPortable, isa == kAvx2};
 #endif
 }
 
@@ -108,7 +108,7 @@ std::vector<float> ref_output(const Linear& L, const std::vector<int32_t>& dots,
         acc = e.fused_groups ? std::fma(d, s, acc) : acc + d * s;
       }
       const float b = L.bias.empty() ? 0.f : L.bias[r];
-      y[i * L.n + r] = e.fused_finish ? (L.bias.empty() ? acc * L.sx[i] : std::fma(acc, L.sx[i], b)) : acc * L.sx[i] + b;
+      y[i * L.n + r] = e.fused_finish ? std::fma(acc, L.sx[i], b) : acc * L.sx[i] + b;
     }
   return y;
 }

@@ -8,9 +8,10 @@
 // The u4 nibbles (w+8) meet the s8 activations in the dot instructions; each group's INT32 sum is corrected by
 // -8 * sum_{k in g} xq[m, k] (precomputed per token) before it is scaled.
 //
-// Float epilogue: y = sum over groups, in order, of float(dot_g) * sw[n, g]; out = y * sx[m] + bias[n].  On
-// aarch64 every path fuses both steps (fma), so all Arm paths give the same bits; on x86 the SIMD paths fuse the
-// group step and the portable path does not (the torch tests compare within fp32 tolerance there).
+// Float epilogue: y = sum over groups, in order, of float(dot_g) * sw[n, g]; out = y * sx[m] + bias[n] (bias 0
+// when absent).  On aarch64 every path fuses both steps (fma), so all Arm paths give the same bits.  On x86 the
+// SIMD paths fuse the group step, AVX2 also the last one, portable code neither (tests/arm/driver.cpp checks each
+// order exactly; the torch tests compare within fp32 tolerance).
 #pragma once
 
 #include "cpu_common.h"
@@ -45,12 +46,19 @@ inline float accumulate_group(float y, int32_t acc, float s) {
 #endif
 }
 
-inline float finish(float y, float sx, const float* bias, int64_t n) {
+// out = y * sx + bias: rounded once (fused) on aarch64 and in the AVX2 path, twice in x86 portable code.
+enum class Finish { kPlain, kFused };
 #ifdef ANYCHIP_ARM
-  return bias ? std::fma(y, sx, bias[n]) : y * sx;
+constexpr Finish kFinish = Finish::kFused;
 #else
-  return y * sx + (bias ? bias[n] : 0.f);
+constexpr Finish kFinish = Finish::kPlain;
 #endif
+
+template <Finish F = kFinish>
+inline float finish(float y, float sx, const float* bias, int64_t n) {
+  const float b = bias ? bias[n] : 0.f;
+  if constexpr (F == Finish::kFused) return std::fma(y, sx, b);
+  return y * sx + b;
 }
 
 // ---------------------------------------------------------------- epilogues (shared by every ISA)
@@ -75,11 +83,12 @@ inline void store_values(const Problem& p, int64_t m, int64_t n0, int64_t cnt, c
 }
 
 // Block nb's 16 group-accumulated sums y of token m -> y * sx + bias in the output.
+template <Finish F = kFinish>
 inline void store_rows(const Problem& p, int64_t m, int64_t nb, const float* y) {
   const int64_t n0 = nb * kRows;
   const int64_t cnt = std::min<int64_t>(kRows, p.n - n0);
   float v[kRows];
-  for (int64_t r = 0; r < cnt; ++r) v[r] = finish(y[r], p.sx[m], p.bias, n0 + r);
+  for (int64_t r = 0; r < cnt; ++r) v[r] = finish<F>(y[r], p.sx[m], p.bias, n0 + r);
   store_values(p, m, n0, cnt, v);
 }
 

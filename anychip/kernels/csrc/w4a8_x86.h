@@ -175,7 +175,7 @@ ANYCHIP_AVX2 void tile_avx2(const Problem& p, int64_t m0, int64_t nb) {
       alignas(32) float t[kRows];
       _mm256_store_ps(t, y[i][0]);
       _mm256_store_ps(t + 8, y[i][1]);
-      store_rows(p, m0 + i, nb, t);
+      store_rows<Finish::kFused>(p, m0 + i, nb, t);  // GCC contracted this epilogue before it was explicit
     }
   }
 }
