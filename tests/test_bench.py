@@ -178,7 +178,8 @@ def test_plan_systems_reports_every_peer(tiny_llama, tmp_path):
     w4a8 = quantize_checkpoint(tiny_llama(), tmp_path / "w4a8", W4A8Scheme(group_size=32))
     rows = latency.plan_systems(ModelDir.open(w4a8), with_peers=True)
     assert [r.name for r in rows] == list(latency.SYSTEMS)
-    assert rows[0].plugin and not any(r.plugin for r in rows[1:])
+    assert rows[0].plugin and rows[1].plugin and not any(r.plugin for r in rows[2:])
+    assert rows[1].env == {"ANYCHIP_HEAD": "int8"}  # the same model served with --head int8
     gguf = rows[-1]
     assert gguf.skipped and ("different model" in gguf.skipped or "not installed" in gguf.skipped)
     synthetic = dict(ModelDir.open(w4a8).config)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from anychip import envs
-from anychip.bench import peers
+from anychip.bench import gguf_peers, peers
 from anychip.bench.host import machine, wait_for_idle
 from anychip.bench.metrics import MeanSd, RepTiming, ratio, summarize_latency
 from anychip.bench.report import command_line, fmt, markdown_table, now, source_notes, write_outputs
@@ -31,15 +31,20 @@ from anychip.checkpoint.model_dir import ModelDir, ModelDirError
 from anychip.errors import AnychipError
 
 OURS = "anychip-w4a8"
-SYSTEMS: tuple[str, ...] = (OURS, "vllm-bf16", "vllm-w8a8", "vllm-w4a8-stock", "llama.cpp-q4_1")
+OURS_INT8_HEAD = "anychip-w4a8-head-int8"  # the same, with `--head int8` (ANYCHIP_HEAD=int8)
+SYSTEMS: tuple[str, ...] = (OURS, OURS_INT8_HEAD, "vllm-bf16", "vllm-w8a8", "vllm-w4a8-stock", "llama.cpp-q4_0",
+                            "llama.cpp-q8_0", "llama.cpp-q4_1")
 
-#: (metric, peer, minimum ratio ours / peer): the issue's acceptance targets.
-TARGETS: tuple[tuple[str, str, float], ...] = (
-    ("tg", "llama.cpp-q4_1", 1.3),
-    ("tg", "vllm-w8a8", 1.5),
-    ("pp", "llama.cpp-q4_1", 5.0),
-    ("pp", "vllm-bf16", 1.5),
-    ("pp", "vllm-w8a8", 1.0),
+#: (ours, metric, peer, minimum ratio ours / peer): the issues' acceptance targets.
+TARGETS: tuple[tuple[str, str, str, float], ...] = (
+    (OURS, "tg", "llama.cpp-q4_0", 1.25),
+    (OURS_INT8_HEAD, "tg", "llama.cpp-q4_0", 1.5),
+    (OURS, "tg", "llama.cpp-q4_1", 1.3),
+    (OURS, "tg", "vllm-w8a8", 1.5),
+    (OURS, "pp", "llama.cpp-q4_0", 3.0),
+    (OURS, "pp", "llama.cpp-q4_1", 5.0),
+    (OURS, "pp", "vllm-bf16", 1.5),
+    (OURS, "pp", "vllm-w8a8", 1.2),
 )
 
 
@@ -55,6 +60,7 @@ class System:
     build: Callable[[], Path] | None = None
     skipped: str | None = None
     notes: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # on top of system_env's
 
 
 def _skip(name: str, engine: Engine, weights: str, reason: str) -> System:
@@ -78,6 +84,9 @@ def plan_systems(md: ModelDir, with_peers: bool) -> list[System]:
     if not with_peers:
         return [main]
     rows = [main]
+    if main.name == OURS:
+        rows.append(System(OURS_INT8_HEAD, "vllm", main.weights + ", output head INT8 per channel (--head int8)",
+                           plugin=True, build=lambda: model, env={envs.ANYCHIP_HEAD: "int8"}))
 
     bf16: Path | None = model if kind == "unquantized" else None
     bf16_reason = f"{model.name} is neither W4A8 nor BF16 ({kind})"
@@ -95,6 +104,18 @@ def plan_systems(md: ModelDir, with_peers: bool) -> list[System]:
     rows.append(System("vllm-w4a8-stock", "vllm", "the same W4A8 weights, int-quantized, stock vLLM kernels",
                        build=lambda: peers.make_int_quantized(model)) if kind == "w4a8" else
                 _skip("vllm-w4a8-stock", "vllm", "W4A8", f"needs a W4A8 model; {model.name} is {kind}"))
+    for ftype in ("Q4_0", "Q8_0"):
+        name = f"llama.cpp-{ftype.lower()}"
+        weights = f"{ftype} GGUF by llama.cpp's quantizer from the BF16 source"
+        if bf16 is None:
+            rows.append(_skip(name, "llama.cpp", weights, f"needs the BF16 source: {bf16_reason}"))
+            continue
+        try:
+            peers.llama_cpp_available()
+            rows.append(System(name, "llama.cpp", weights,
+                               build=lambda ftype=ftype: gguf_peers.llama_cpp_quantized(bf16, ftype)))
+        except peers.PeerUnavailable as exc:
+            rows.append(_skip(name, "llama.cpp", weights, str(exc)))
     try:
         peers.llama_cpp_available()
         gguf = peers.smollm2_gguf()
@@ -126,6 +147,7 @@ def system_env(system: System, threads: int, coverage: Path | None) -> dict[str,
                 env[envs.ANYCHIP_COVERAGE] = str(coverage)
         else:
             env["VLLM_PLUGINS"] = plugins_without_anychip()
+    env.update(system.env)
     return env
 
 
@@ -191,7 +213,7 @@ def run_system(system: System, args: argparse.Namespace, workdir: Path) -> dict[
                pp_tps=summary.pp, tg_tps=summary.tg, total_tps=summary.total, t_pp_s=summary.t_pp_s,
                t_tg_s=summary.t_tg_s, timings=result["timings"], engine_start_s=result["engine_start_s"],
                settings=result["settings"], loadavg=result.get("loadavg"), cpu_share=result.get("cpu_share"),
-               waited_for_idle_s=waited)
+               waited_for_idle_s=waited, peak_rss_mib=result.get("peak_rss_mib"))
     if coverage is not None:
         row["coverage"] = _coverage_summary(coverage)
     return row
@@ -200,15 +222,14 @@ def run_system(system: System, args: argparse.Namespace, workdir: Path) -> dict[
 def target_checks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Ours ÷ peer for every target whose two rows were measured; sizes that differ are flagged."""
     by = {r["system"]: r for r in rows if r.get("status") == "ok"}
-    ours = by.get(OURS)
     out = []
-    for metric, peer, target in TARGETS:
-        theirs = by.get(peer)
+    for mine, metric, peer, target in TARGETS:
+        ours, theirs = by.get(mine), by.get(peer)
         if ours is None or theirs is None:
             continue
         value = ratio(ours[f"{metric}_tps"].mean, theirs[f"{metric}_tps"].mean)
         same = ours[metric] == theirs[metric]
-        out.append({"metric": f"{metric}{ours[metric]}", "peer": peer, "target": target, "ratio": value,
+        out.append({"system": mine, "metric": f"{metric}{ours[metric]}", "peer": peer, "target": target, "ratio": value,
                     "met": value >= target, "same_size": same})
     return out
 
@@ -226,21 +247,22 @@ def render_markdown(doc: dict[str, Any]) -> str:
               f"system; {doc['created']}. Tokens/s, mean ± sd over repetitions (llama-bench semantics: random token "
               "ids, empty KV cache per repetition).", ""]
     headers = ["system", "weights", f"pp{req['pp']} tok/s", f"tg{req['tg']} tok/s", "total tok/s", "reps",
-               "engine start s", "mode"]
+               "engine start s", "peak RSS MiB", "mode"]
     table = []
     for r in doc["rows"]:
         if r["status"] != "ok":
-            table.append([r["system"], r["weights"], "–", "–", "–", "–", "–", r["status"]])
+            table.append([r["system"], r["weights"], "–", "–", "–", "–", "–", "–", r["status"]])
             continue
         pp = f"{fmt(r['pp_tps'].mean)} ± {fmt(r['pp_tps'].sd)}" + ("" if r["pp"] == req["pp"] else f" ({_size(r, 'pp')})")
         tg = f"{fmt(r['tg_tps'].mean)} ± {fmt(r['tg_tps'].sd)}" + ("" if r["tg"] == req["tg"] else f" ({_size(r, 'tg')})")
         table.append([r["system"], r["weights"], pp, tg, f"{fmt(r['total_tps'].mean)} ± {fmt(r['total_tps'].sd)}",
-                      str(r["reps"]), fmt(r["engine_start_s"]), r["settings"].get("compile_mode", "")])
+                      str(r["reps"]), fmt(r["engine_start_s"]), fmt(r.get("peak_rss_mib")),
+                      r["settings"].get("compile_mode", "")])
     lines.append(markdown_table(headers, table, text_columns=2))
     if doc["targets"]:
-        lines += ["", f"## Targets ({OURS} ÷ peer)", ""]
-        lines.append(markdown_table(["metric", "peer", "target", "measured", "met"], text_columns=2, rows=[
-            [t["metric"], t["peer"], f"≥ {t['target']:.1f}x", f"{fmt(t['ratio'], 2)}x"
+        lines += ["", "## Targets (ours ÷ peer)", ""]
+        lines.append(markdown_table(["system", "metric", "peer", "target", "measured", "met"], text_columns=3, rows=[
+            [t.get("system", OURS), t["metric"], t["peer"], f"≥ {t['target']:.2f}x", f"{fmt(t['ratio'], 2)}x"
              + ("" if t["same_size"] else " (sizes differ)"), "yes" if t["met"] else "no"] for t in doc["targets"]]))
     notes = []
     for r in doc["rows"]:

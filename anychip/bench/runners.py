@@ -140,7 +140,7 @@ class LlamaCppTimed:
     def __init__(self, spec: RunSpec, max_len: int):
         from llama_cpp import Llama
 
-        self._threads = spec.threads
+        self._threads, self._model = spec.threads, spec.model
         self.llm = Llama(model_path=spec.model, n_ctx=max_len, n_batch=2048, n_ubatch=512, n_threads=spec.threads,
                          n_threads_batch=spec.threads, seed=spec.seed, logits_all=False, verbose=False)
         self.vocab_size = int(self.llm.n_vocab())
@@ -164,7 +164,7 @@ class LlamaCppTimed:
         import llama_cpp
 
         return {"executor": "llama.cpp (llama-cpp-python Llama.eval)", "compile_mode": "n/a",
-                "dtype": "Q4_1 weights (GGUF)", "threads": self._threads, "n_batch": self.llm.n_batch,
+                "dtype": f"{Path(self._model).name} (GGUF)", "threads": self._threads, "n_batch": self.llm.n_batch,
                 "n_ubatch": int(self.llm.context_params.n_ubatch),
                 "versions": {"llama_cpp_python": llama_cpp.__version__}}
 
@@ -227,7 +227,8 @@ def run(spec: RunSpec) -> dict[str, Any]:
     settings["env"] = spec.env
     settings["seed"] = spec.seed
     settings["python"] = platform.python_version()
-    return {"ok": True, "engine_start_s": start_s, "settings": settings, **result}
+    peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB; the whole process
+    return {"ok": True, "engine_start_s": start_s, "settings": settings, "peak_rss_mib": peak_rss_mib, **result}
 
 
 def main(argv: list[str]) -> int:
