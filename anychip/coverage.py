@@ -68,6 +68,7 @@ class Coverage:
         self.platform = platform_info
         self.vllm_version: str | None = None
         self.vllm_tested: bool | None = None
+        self.tensor_parallel: dict[str, int] = {"rank": 0, "world_size": 1}
         self.model: str | None = None
         self.attention_backend: str | None = None
         self.head_route: dict[str, Any] | None = None
@@ -112,6 +113,7 @@ class Coverage:
                 "anychip_version": __version__,
                 "vllm_version": self.vllm_version,
                 "vllm_tested": self.vllm_tested,
+                "tensor_parallel": dict(self.tensor_parallel),
                 "model": self.model,
                 "platform": self.platform,
                 "strict": self.strict,
@@ -138,6 +140,19 @@ def write_atomic(path: Path, document: dict[str, Any]) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def rank_path(path: Path, rank: int) -> Path:
+    """Where tensor-parallel rank `rank` writes its report when the user asked for `path`."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
+
+
+def write_rank_index(path: Path, world_size: int) -> None:
+    """The report at `path` for a tensor-parallel engine: which file holds each rank's report."""
+    write_atomic(path, {"schema_version": SCHEMA_VERSION, "anychip_version": __version__,
+                        "tensor_parallel": {"world_size": world_size},
+                        "ranks": {str(r): rank_path(Path(path), r).name for r in range(world_size)}})
 
 
 def platform_summary() -> dict[str, Any]:
@@ -204,6 +219,34 @@ def check(document: dict[str, Any], expect_linears: int | None = None, group_siz
     return problems
 
 
+def check_ranks(index: dict[str, Any], folder: Path, expect_linears: int | None = None,
+                group_size: int | None = None, allow_fallback: bool = False) -> tuple[list[str], list[dict[str, Any]]]:
+    """A tensor-parallel index (`ranks`: rank -> file beside it): every rank's report checked, and the ranks
+    consistent with each other. Returns (problems, the rank documents read)."""
+    problems: list[str] = []
+    docs: list[dict[str, Any]] = []
+    world = (index.get("tensor_parallel") or {}).get("world_size")
+    ranks = index.get("ranks") or {}
+    if not isinstance(world, int) or sorted(ranks) != [str(r) for r in range(world)]:
+        return [f"ranks {sorted(ranks)} do not match tensor_parallel.world_size={world}"], docs
+    for rank in range(world):
+        path = folder / ranks[str(rank)]
+        if not path.is_file():
+            problems.append(f"rank {rank}: {path} does not exist (did that rank start?)")
+            continue
+        doc = json.loads(path.read_text())
+        docs.append(doc)
+        problems += [f"rank {rank}: {p}" for p in check(doc, expect_linears, group_size, allow_fallback)]
+        tp = doc.get("tensor_parallel") or {}
+        if tp.get("rank") != rank or tp.get("world_size") != world:
+            problems.append(f"rank {rank}: {path.name} says it is rank {tp.get('rank')} of {tp.get('world_size')}")
+    names = [set(doc.get("layers") or {}) for doc in docs]
+    if names and any(n != names[0] for n in names):
+        problems.append("the ranks prepared different linears: " + "; ".join(
+            f"rank {r}: {len(n)}" for r, n in enumerate(names)))
+    return problems, docs
+
+
 def cmd_check(args) -> int:
     path = Path(args.path)
     if not path.exists():
@@ -211,14 +254,20 @@ def cmd_check(args) -> int:
               "or set ANYCHIP_COVERAGE for a plain vllm serve)")
         return 2
     document = json.loads(path.read_text())
-    problems = check(document, args.expect_linears, args.group_size, args.allow_fallback)
-    stats = document.get("route_stats", {})
+    if "ranks" in document:
+        problems, docs = check_ranks(document, path.parent, args.expect_linears, args.group_size,
+                                     args.allow_fallback)
+    else:
+        problems, docs = check(document, args.expect_linears, args.group_size, args.allow_fallback), [document]
     if problems:
         print(f"coverage check FAILED for {path}:")
         for p in problems:
             print(f"  - {p}")
         return 1
-    print(f"coverage check PASSED for {path}: {stats.get('prepared_linears')} linears on "
-          f"{', '.join(sorted(stats.get('by_route', {})))}; phases {', '.join(sorted(document['phases']))}; "
-          f"head {document['head_route'].get('route')}")
+    stats = docs[0].get("route_stats", {})
+    routes = sorted({r for doc in docs for r in doc["route_stats"].get("by_route", {})})
+    ranks = f" on each of {len(docs)} tensor-parallel ranks" if len(docs) > 1 else ""
+    print(f"coverage check PASSED for {path}: {stats.get('prepared_linears')} linears{ranks} on "
+          f"{', '.join(routes)}; phases {', '.join(sorted(docs[0]['phases']))}; "
+          f"head {docs[0]['head_route'].get('route')}")
     return 0

@@ -12,10 +12,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from anychip.envs import VLLM_STARTUP
+from anychip.errors import AnychipError
 
 # Features that matter to our kernels, by architecture (names as /proc/cpuinfo spells them).
 _X86_FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8", "avx2", "fma")
 _ARM_FEATURES = ("asimd", "asimddp", "i8mm", "bf16", "sve", "sve2")
+
+
+class ProfileError(AnychipError, ValueError):
+    """The requested serving layout does not fit this machine; the message says what does."""
 
 
 @dataclass(frozen=True)
@@ -231,21 +236,41 @@ def _cpu_list(cpus: tuple[int, ...]) -> str:
     return ",".join(f"{a}-{b}" if a != b else f"{a}" for a, b in ranges)
 
 
-def build_profile(cpu: CpuInfo | None = None) -> Profile:
+def rank_cpus(cpus: list[int], tensor_parallel: int) -> list[list[int]]:
+    """The serving CPUs split into one contiguous, equal set per tensor-parallel rank (leftovers unused)."""
+    if tensor_parallel < 1:
+        raise ValueError(f"tensor parallel size {tensor_parallel}: must be at least 1")
+    per = len(cpus) // tensor_parallel
+    if per < 1:
+        raise ProfileError(f"--tensor-parallel-size {tensor_parallel} needs at least one serving core per rank; this "
+                           f"machine serves on {len(cpus)} ({_cpu_list(cpus)}): use at most {len(cpus)}")
+    return [cpus[r * per:(r + 1) * per] for r in range(tensor_parallel)]
+
+
+def build_profile(cpu: CpuInfo | None = None, tensor_parallel: int = 1) -> Profile:
     cpu = cpu or detect_cpu()
-    n = len(cpu.serving_cpus)
+    ranks = rank_cpus(list(cpu.serving_cpus), tensor_parallel)
+    n = len(ranks[0])
     kv_gib = max(1, min(16, int(cpu.memory_gib * 0.25)))
+    if tensor_parallel == 1:
+        executor = Setting("--distributed-executor-backend", "uni", "single process executor: one CPU socket, no "
+                           "tensor parallel workers")
+        bind = Setting("VLLM_CPU_OMP_THREADS_BIND", _cpu_list(ranks[0]),
+                       "pin the threads to those cores so decode steps do not migrate", "env")
+    else:
+        executor = Setting("--distributed-executor-backend", "mp", f"one worker process per tensor-parallel rank "
+                           f"({tensor_parallel})")
+        bind = Setting("VLLM_CPU_OMP_THREADS_BIND", "|".join(_cpu_list(r) for r in ranks),
+                       f"each rank's threads pinned to its own {n} core(s)", "env")
     settings = [
-        Setting("OMP_NUM_THREADS", str(n), f"one OpenMP thread per serving core ({cpu.why_cpus})", "env"),
-        Setting("VLLM_CPU_OMP_THREADS_BIND", _cpu_list(cpu.serving_cpus),
-                "pin the threads to those cores so decode steps do not migrate", "env"),
+        Setting("OMP_NUM_THREADS", str(n), f"one OpenMP thread per serving core of a rank ({cpu.why_cpus})", "env"),
+        bind,
         Setting("VLLM_CPU_KVCACHE_SPACE", str(kv_gib),
                 f"KV cache of {kv_gib} GiB (a quarter of {cpu.memory_gib} GiB RAM, at most 16): vLLM otherwise "
                 "sizes it from NUMA node memory", "env"),
         *(Setting(name, value, "engine core in the server process: no IPC hop per step (doubled decode speed on "
                   "2 cores)", "env") for name, value in VLLM_STARTUP.items()),
-        Setting("--distributed-executor-backend", "uni", "single process executor: one CPU socket, no tensor "
-                "parallel workers"),
+        executor,
         Setting("--max-num-batched-tokens", "2048" if n <= 8 else "4096",
                 "prefill chunk that keeps the W4A8 GEMM in its tiled path without starving decode"),
         Setting("--dtype", "bfloat16", "activations in BF16 (the W4A8 kernels take BF16 in and out)"

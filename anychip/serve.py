@@ -28,9 +28,25 @@ def _user_flags(extra: list[str]) -> set[str]:
     return {arg.split("=", 1)[0] for arg in extra if arg.startswith("--")}
 
 
+def tensor_parallel_size(extra: list[str]) -> int:
+    """The --tensor-parallel-size (or -tp) among the vLLM flags, 1 when absent."""
+    for i, arg in enumerate(extra):
+        for flag in ("--tensor-parallel-size", "-tp"):
+            if arg == flag and i + 1 < len(extra):
+                value = extra[i + 1]
+            elif arg.startswith(flag + "="):
+                value = arg.split("=", 1)[1]
+            else:
+                continue
+            if not value.isdigit() or int(value) < 1:
+                raise AnychipError(f"{flag} {value!r}: a positive integer")
+            return int(value)
+    return 1
+
+
 def server_command(model: Path, host: str, port: int, extra: list[str]) -> tuple[list[str], dict[str, str]]:
     """The vLLM server command line and environment, profile settings first, user flags winning."""
-    profile = build_profile()
+    profile = build_profile(tensor_parallel=tensor_parallel_size(extra))
     user = _user_flags(extra)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--host", host, "--port", str(port)]

@@ -38,6 +38,18 @@ def test_leaves_other_checkpoints_to_vllm():
 
 
 @pytest.fixture(autouse=True)
+def restore_call_observer():
+    """The plugin's recorder installs itself as the kernels' call observer for the process (an engine's
+    lifetime); put back what was there so later tests' calls are not counted against these layers."""
+    from anychip.kernels import hooks
+
+    previous = hooks.install(None)
+    hooks.install(previous)
+    yield
+    hooks.install(previous)
+
+
+@pytest.fixture(autouse=True)
 def single_rank(monkeypatch):
     """vLLM's parameter classes ask the tensor-parallel group for rank and size: one rank, no engine."""
     import vllm.model_executor.parameter as parameter
@@ -87,3 +99,69 @@ def test_channelwise_scales_are_served_as_repeated_groups():
     y = scheme.apply_weights(layer, x)
     ref = w4a8_linear_dynamic_ref(x, wq, scale.float().expand(48, 2).contiguous())
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
+
+
+def test_row_parallel_refusal_names_sizes_that_work():
+    from anychip.vllm_plugin.scheme import LayerPrepareError
+
+    # K=1536, G64: 24 groups; 1536 over 5 ranks is not even a whole shard, over 16 ranks 96 columns
+    with pytest.raises(LayerPrepareError, match=r"divides its 24 groups \(1, 2, 3, 4, 6, 8, 12\)"):
+        _scheme().create_weights(torch.nn.Module(), 576, 1536, [576], 96, torch.bfloat16,
+                                 weight_loader=lambda *a: None)
+
+
+@pytest.mark.parametrize("parts", [[256, 64, 64], [768, 768]], ids=["qkv", "gate_up"])
+def test_merged_column_parallel_shards(parts):
+    """A merged qkv / gate_up layer on one rank of two: N is the sum of this rank's parts, K is whole."""
+    layer = torch.nn.Module()
+    scheme = _scheme(group_size=32)
+    scheme.create_weights(layer, sum(parts) * 2, 576, parts, 576, torch.bfloat16, weight_loader=lambda *a: None)
+    assert tuple(layer.weight_packed.shape) == (sum(parts), 576 // 8)
+    assert tuple(layer.weight_scale.shape) == (sum(parts), 576 // 32)
+    assert scheme.row_parallel is False
+
+
+def _two_rank_quantize(rank: int, port: int, x: torch.Tensor, out: dict) -> None:
+    import torch.distributed as dist
+
+    from anychip.vllm_plugin import compat, tensor_parallel
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        compat.tp_device_group = lambda: None  # the default (world) group is the tensor-parallel group here
+        half = x.shape[1] // 2
+        xq, sx = tensor_parallel.quantize_over_ranks(x[:, rank * half:(rank + 1) * half])
+        out[rank] = (xq, sx)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_row_parallel_shards_quantize_with_the_whole_token_scale():
+    """Two ranks, each holding half of K: their INT8 values and scales are the unsharded reference's exactly."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from anychip.kernels.reference import quantize_activations_ref
+
+    x = torch.randn(5, 256, dtype=torch.bfloat16) * torch.logspace(-2, 2, 5, dtype=torch.bfloat16)[:, None]
+    x[1, 128:] *= 50  # rank 1 holds this token's largest value: rank 0 must still use it
+    x[3] = 0
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        out = manager.dict()
+        procs = [ctx.Process(target=_two_rank_quantize, args=(r, port, x, out)) for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(120)
+        assert all(p.exitcode == 0 for p in procs)
+        got = dict(out)
+    xq_ref, sx_ref = quantize_activations_ref(x)
+    for rank in range(2):
+        xq, sx = got[rank]
+        assert torch.equal(sx, sx_ref)
+        assert torch.equal(xq, xq_ref[:, rank * 128:(rank + 1) * 128])

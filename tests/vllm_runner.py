@@ -18,7 +18,7 @@ for _name, _value in VLLM_STARTUP.items():
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def main() -> None:
+def main() -> None:  # a function: vLLM's worker processes re-import this file under spawn
     p = argparse.ArgumentParser()
     p.add_argument("model")
     p.add_argument("out")
@@ -26,21 +26,29 @@ def main() -> None:
     p.add_argument("--prompt", action="append", default=[])
     p.add_argument("--logprobs", type=int, default=0)
     p.add_argument("--compile", action="store_true", help="vLLM's default torch.compile mode instead of eager")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--prompt-logprobs", action="store_true", help="record the logprob of every prompt token")
     a = p.parse_args()
     from vllm import LLM, SamplingParams
 
     t0 = time.time()
-    llm = LLM(model=a.model, dtype="bfloat16", enforce_eager=not a.compile, distributed_executor_backend="uni",
-              max_model_len=1024, max_num_batched_tokens=1024, gpu_memory_utilization=0.5, seed=0)
+    tp = a.tensor_parallel_size
+    llm = LLM(model=a.model, dtype="bfloat16", enforce_eager=not a.compile,
+              distributed_executor_backend="uni" if tp == 1 else "mp", tensor_parallel_size=tp,
+              max_model_len=a.max_model_len, max_num_batched_tokens=1024, gpu_memory_utilization=0.5, seed=0)
     start_s = time.time() - t0
     params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True,
-                            logprobs=a.logprobs or None)
+                            logprobs=a.logprobs or None, prompt_logprobs=0 if a.prompt_logprobs else None)
     outs = llm.generate(a.prompt, params)
     rows = []
     for o in outs:
         c = o.outputs[0]
         row = {"prompt": o.prompt, "prompt_token_ids": list(o.prompt_token_ids), "text": c.text,
                "token_ids": list(c.token_ids)}
+        if a.prompt_logprobs:  # the logprob of each prompt token after the first, given the ones before it
+            row["prompt_logprobs"] = [step[t].logprob for step, t in zip(o.prompt_logprobs[1:],
+                                                                          o.prompt_token_ids[1:])]
         if a.logprobs:
             row["logprobs"] = [{str(k): v.logprob for k, v in step.items()} for step in c.logprobs]
         rows.append(row)

@@ -79,11 +79,28 @@ __all__ = [
     "get_forward_context", "is_forward_context_available", "register_quantization_config",
     "verify_group_size_divides_partition", "vllm_version", "current_phase", "attention_backend_name",
     "head_gemm_route", "install_step_hook", "on_cpu", "ParallelLMHead", "UnquantizedEmbeddingMethod", "step_phase",
+    "tensor_parallel", "tp_device_group",
 ]
 
 
 def vllm_version() -> str:
     return vllm.__version__
+
+
+def tp_device_group() -> Any:
+    """The torch.distributed group of this rank's tensor-parallel peers (gloo on CPUs, NCCL on GPUs)."""
+    from vllm.distributed import parallel_state
+
+    return parallel_state.get_tp_group().device_group
+
+
+def tensor_parallel() -> tuple[int, int]:
+    """(this process's tensor-parallel rank, tensor-parallel size); (0, 1) before vLLM set up its groups."""
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 0, 1
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
 
 
 def current_phase() -> tuple[str, int | None]:

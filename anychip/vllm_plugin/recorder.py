@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from anychip import envs
-from anychip.coverage import Coverage, LayerRoute, platform_summary, write_atomic
+from anychip.coverage import Coverage, LayerRoute, platform_summary, rank_path, write_atomic, write_rank_index
 from anychip.kernels import hooks, routes
 from anychip.kernels.policy import KernelPolicy
 from anychip.vllm_plugin import compat
@@ -29,13 +29,14 @@ FLUSH_SECONDS = 0.5
 
 
 class Recorder:
-    def __init__(self, path: Path | None, policy: KernelPolicy) -> None:
+    def __init__(self, path: Path | None, policy: KernelPolicy, rank: int = 0, world_size: int = 1) -> None:
         self.path = path
         self.policy = policy  # built once for the engine process, passed to every layer's prepare
         strict = not policy.allow_fallback
         self.coverage = Coverage(strict=strict, fallback_allowed=not strict, platform_info=platform_summary())
         self.coverage.vllm_version = compat.vllm_version()
         self.coverage.vllm_tested = compat.VLLM_TESTED
+        self.coverage.tensor_parallel = {"rank": rank, "world_size": world_size}
         self._phase = "warmup"
         self._embeddings: dict[str, weakref.ref] = {}  # prefix -> VocabParallelEmbedding / ParallelLMHead
         self._head_name: str | None = None
@@ -64,11 +65,17 @@ class Recorder:
     def head_route(self) -> dict[str, Any] | None:
         layers = {name: ref() for name, ref in self._embeddings.items()}
         head = layers.get(self._head_name) if self._head_name else None
-        if head is None:
+        others = [(name, layer) for name, layer in layers.items() if layer is not None and name != self._head_name]
+        if head is None and self._head_name is not None and len(others) == 1:
+            # vLLM ties a head by replacing it with the input embedding, which then computes the logits
+            tied_to, head = others[0]
+        elif head is None:
             return None
+        else:
+            weight = getattr(head, "weight", None)
+            tied_to = next((name for name, other in others
+                            if weight is not None and getattr(other, "weight", None) is weight), None)
         weight = getattr(head, "weight", None)
-        tied_to = next((name for name, other in layers.items() if other is not None and name != self._head_name
-                        and weight is not None and getattr(other, "weight", None) is weight), None)
         prepared = getattr(head, "anychip_head", None)  # vllm_plugin/head.py: an anychip head route serves it
         route = prepared.route.id if prepared is not None else compat.head_gemm_route(head)
         quantized = prepared is not None and prepared.route.kind != "bf16"
@@ -198,5 +205,11 @@ def get_recorder() -> Recorder:
     global _recorder
     with _lock:
         if _recorder is None:
-            _recorder = Recorder(envs.coverage_path(), envs.kernel_policy())
+            path = envs.coverage_path()
+            rank, world = compat.tensor_parallel()  # the model is built after vLLM set up its groups
+            if path is not None and world > 1:
+                if rank == 0:  # the file the user named lists every rank's report
+                    write_rank_index(path, world)
+                path = rank_path(path, rank)
+            _recorder = Recorder(path, envs.kernel_policy(), rank, world)
         return _recorder

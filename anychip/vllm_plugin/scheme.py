@@ -22,6 +22,7 @@ from anychip.formats import GROUP_SIZES
 from anychip.kernels import routes
 from anychip.kernels.prepare import prepare_w4a8
 from anychip.vllm_plugin import compat
+from anychip.vllm_plugin.tensor_parallel import quantize_over_ranks
 
 if TYPE_CHECKING:
     from anychip.vllm_plugin.recorder import Recorder
@@ -55,11 +56,13 @@ class AnychipW4A8Scheme(compat.CompressedTensorsScheme):
         k = input_size_per_partition
         row_parallel = input_size != input_size_per_partition
         if not self.channelwise and k % self.group_size:
+            groups = input_size // self.group_size
+            fits = [t for t in range(1, 17) if groups % t == 0]
             raise LayerPrepareError(
                 f"layer {self.layer_name}: its input shard has K={k} columns (of {input_size}), not a multiple of "
                 f"group size {self.group_size}: a row-parallel split must fall on a group boundary. Use a tensor "
-                f"parallel size that divides {input_size // self.group_size} groups, or re-quantize with a smaller "
-                "--group-size.")
+                f"parallel size that divides its {groups} groups ({', '.join(map(str, fits))}), or re-quantize "
+                "with a smaller --group-size.")
         groups = 1 if self.channelwise else k // self.group_size
         scale_data = torch.empty(n, groups, dtype=params_dtype)
         if self.channelwise:
@@ -125,6 +128,11 @@ class AnychipW4A8Scheme(compat.CompressedTensorsScheme):
 
     def apply_weights(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
                       ) -> torch.Tensor:
+        if self.row_parallel:  # a K shard: quantize it with the whole token's scale (tensor_parallel.py)
+            xq, sx = quantize_over_ranks(x.reshape(-1, self.k))
+            y = torch.ops.anychip.w4a8_linear_q(xq, sx, layer.anychip_weight, layer.anychip_scales, bias, self.n,
+                                                self.k, self.group, self.route_id, self.layer_id, x.dtype)
+            return y.view(*x.shape[:-1], self.n)
         return torch.ops.anychip.w4a8_linear(x, layer.anychip_weight, layer.anychip_scales, bias, self.n, self.k,
                                              self.group, self.route_id, self.layer_id)
 
