@@ -15,7 +15,6 @@ Layouts (csrc/w4a8_arm.h reads them):
 
 from __future__ import annotations
 
-from typing import ClassVar
 
 import torch
 

@@ -39,7 +39,7 @@ class ArmKleidiAI(Route):
             return why
         if problem.group_size % 32 or problem.k % problem.group_size:
             return (f"KleidiAI needs a group size that is a multiple of 32 dividing K (K={problem.k}, "
-                    f"G={problem.group_size}): force ANYCHIP_KERNEL_ISA=cpu.portable instead")
+                    f"G={problem.group_size}): force ANYCHIP_KERNEL_ISA=arm.dotprod (bit-exact) instead")
         return None
 
     def prepare(self, weights: CheckpointWeights, policy: KernelPolicy) -> tuple[torch.Tensor, torch.Tensor]:
