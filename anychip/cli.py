@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--coverage", help="write the coverage report here (default: MODEL/../coverage.json)")
     s.add_argument("--allow-fallback", action="store_true",
                    help="permit the torch reference route for linears no fast kernel serves (counted in coverage)")
+    s.add_argument("--head", choices=["bf16", "int8"], default=None,
+                   help="output head: bf16 as the checkpoint has it (default), or int8 quantized per channel at load "
+                        "(faster decode, not the checkpoint's numerics; coverage head_route says so)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--dry-run", action="store_true", help="print the vLLM command and settings, start nothing")

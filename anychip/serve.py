@@ -175,6 +175,7 @@ def cmd_serve(args) -> int:
     env[envs.ANYCHIP_COVERAGE] = str(coverage.resolve())
     env[envs.ANYCHIP_ALLOW_FALLBACK] = "1" if args.allow_fallback else os.environ.get(envs.ANYCHIP_ALLOW_FALLBACK, "0")
     strict = env[envs.ANYCHIP_ALLOW_FALLBACK] in ("0", "")
+    env[envs.ANYCHIP_HEAD] = args.head or os.environ.get(envs.ANYCHIP_HEAD) or "bf16"
     print(f"profile   {build_profile().cpu.profile_name}")
     for key, value in env.items():
         print(f"env       {key}={value}")
