@@ -18,6 +18,7 @@ from anychip.formats import PACK_FACTOR
 from anychip.kernels import machine, routes
 from anychip.kernels.policy import KernelPolicy
 from anychip.kernels.routes import LinearProblem, NoKernelRoute
+from anychip.kernels.routes.head import HEAD_ROUTES, select_head
 
 
 def quantized_linears(md: ModelDir) -> list[tuple[str, int, int]]:
@@ -60,6 +61,12 @@ def report(model: Path | None, policy: KernelPolicy, device: str) -> dict[str, A
         "routes": [{k: v for k, v in r.describe().items() if k != "summary"} | {"summary": r.summary}
                    for r in routes.ROUTES],
     }
+    doc["head_routes"] = [r.describe() for r in HEAD_ROUTES]
+    if device == "cpu":
+        try:
+            doc["head"] = {"kind": policy.head, "route": select_head(policy).id}
+        except NoKernelRoute as exc:
+            doc["head"] = {"kind": policy.head, "route": None, "reason": str(exc)}
     if model is not None:
         md = ModelDir.open(model)
         doc["model"] = {"path": str(md.path), "kind": md.kind, "device": device}
@@ -78,6 +85,13 @@ def format_text(doc: dict[str, Any]) -> str:
         note = " (fallback only)" if r["fallback_only"] else ""
         lines.append(f"{r['id']:<17}{r['device']:<8}{'yes' if r['available'] else 'no':<6}"
                      f"{'yes' if r['bit_exact'] else 'no':<11}{r['summary']}{note}{why}")
+    lines.append(f"\n{'output head route':<27}{'here':<6}")
+    for r in doc["head_routes"]:
+        why = "" if r["available"] else f"  {r['id']}: {r['reason']}"
+        note = " (fallback only)" if r["fallback_only"] else ""
+        lines.append(f"{r['id']:<27}{'yes' if r['available'] else 'no':<6}{r['summary']}{note}{why}")
+    if doc.get("head"):
+        lines.append(f"the BF16 output head ({doc['head']['kind']} on the CPU) gets {doc['head']['route']}")
     if "layers" in doc:
         layers = doc["layers"]
         counts = Counter(layer["route"] or "NONE" for layer in layers)

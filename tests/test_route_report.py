@@ -25,7 +25,9 @@ def _json(capsys, *argv: str) -> tuple[int, dict]:
 def test_routes_lists_every_route_with_a_reason(capsys, monkeypatch):
     monkeypatch.delenv("ANYCHIP_KERNEL_ISA", raising=False)
     rc, doc = _json(capsys)
-    assert rc == 0 and set(doc) == {"machine", "routes"}
+    assert rc == 0 and set(doc) == {"machine", "routes", "head_routes", "head"}
+    assert doc["head"]["kind"] == "bf16" and doc["head"]["route"].startswith("cpu.head_bf16.")
+    assert {r["id"] for r in doc["head_routes"] if r["available"]} >= {doc["head"]["route"]}
     assert [r["id"] for r in doc["routes"]] == list(routes.route_ids())
     for r in doc["routes"]:
         assert set(r) >= {"id", "device", "available", "reason", "bit_exact"}
