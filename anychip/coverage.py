@@ -39,6 +39,8 @@ class LayerRoute:
     fallback: bool = False
     reason: str | None = None  # why a fallback was taken
     bit_exact: bool | None = None  # whether the route computes the checkpoint's numerics exactly (None: unknown)
+    quantized: bool = True  # False: a linear the checkpoint leaves in BF16 (vLLM's unquantized GEMM serves it)
+    ignored: bool = False  # unquantized because the checkpoint's `ignore` names it
     calls: Counter = field(default_factory=Counter)  # phase -> calls
     tokens: Counter = field(default_factory=Counter)  # phase -> tokens
 
@@ -54,6 +56,8 @@ class LayerRoute:
             "fallback": self.fallback,
             "reason": self.reason,
             "bit_exact": self.bit_exact,
+            "quantized": self.quantized,
+            "ignored": self.ignored,
             "calls": dict(self.calls),
             "tokens": dict(self.tokens),
         }
@@ -96,13 +100,15 @@ class Coverage:
             self.dirty = True
 
     def route_stats(self) -> dict[str, Any]:
-        by_group = Counter(layer.group_size for layer in self.layers if not layer.fallback)
+        quantized = [layer for layer in self.layers if layer.quantized]
+        by_group = Counter(layer.group_size for layer in quantized if not layer.fallback)
         stats: dict[str, Any] = {f"prepared_g{g}_linears": by_group.get(g, 0) for g in GROUP_SIZES}
         for g, count in by_group.items():
             stats[f"prepared_g{g}_linears"] = count
         stats["prepared_linears"] = sum(by_group.values())
-        stats["fallback_linears"] = sum(1 for layer in self.layers if layer.fallback)
-        stats["by_route"] = dict(Counter(layer.route for layer in self.layers))
+        stats["fallback_linears"] = sum(1 for layer in quantized if layer.fallback)
+        stats["by_route"] = dict(Counter(layer.route for layer in quantized))
+        stats["unquantized_linears"] = len(self.layers) - len(quantized)
         return stats
 
     def snapshot(self) -> dict[str, Any]:
@@ -187,8 +193,15 @@ def check(document: dict[str, Any], expect_linears: int | None = None, group_siz
                             "two or more tokens before checking)")
     stats = document["route_stats"]
     layers: dict[str, dict[str, Any]] = document["layers"]
+    unquantized = {name: layer for name, layer in layers.items() if layer.get("quantized") is False}
+    layers = {name: layer for name, layer in layers.items() if name not in unquantized}
     if not layers:
         problems.append("no quantized linear was prepared: is this a W4A8 checkpoint served with anychip?")
+    stray = [name for name, layer in unquantized.items() if not layer.get("ignored")]
+    if stray:
+        problems.append(f"{len(stray)} linears run unquantized on vLLM's BF16 GEMM without the checkpoint's ignore "
+                        f"list naming them, e.g. {stray[0]} ({unquantized[stray[0]].get('reason')}): quantize them "
+                        "(anychip quantize) or add them to quantization_config.ignore")
     fallback = [name for name, layer in layers.items() if layer.get("fallback")]
     if stats.get("fallback_linears", 0) != len(fallback):
         problems.append(f"route_stats.fallback_linears={stats.get('fallback_linears')} but {len(fallback)} layers "

@@ -53,6 +53,7 @@ VLLM_TESTED = check_vllm_version(getattr(vllm, "__version__", "unknown"), envs.a
 # Public extension points and the compressed-tensors machinery we subclass.
 from vllm.distributed.utils import verify_group_size_divides_partition  # noqa: E402
 from vllm.forward_context import get_forward_context, is_forward_context_available  # noqa: E402
+from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod  # noqa: E402
 from vllm.model_executor.layers.quantization import register_quantization_config  # noqa: E402
 from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (  # noqa: E402
     CompressedTensorsConfig,
@@ -60,6 +61,7 @@ from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tenso
 from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (  # noqa: E402
     CompressedTensorsScheme,
 )
+from vllm.model_executor.layers.quantization.compressed_tensors.utils import should_ignore_layer  # noqa: E402
 from vllm.model_executor.layers.vocab_parallel_embedding import (  # noqa: E402
     ParallelLMHead,
     UnquantizedEmbeddingMethod,
@@ -79,7 +81,7 @@ __all__ = [
     "get_forward_context", "is_forward_context_available", "register_quantization_config",
     "verify_group_size_divides_partition", "vllm_version", "current_phase", "attention_backend_name",
     "head_gemm_route", "install_step_hook", "on_cpu", "ParallelLMHead", "UnquantizedEmbeddingMethod", "step_phase",
-    "tensor_parallel", "tp_device_group",
+    "tensor_parallel", "tp_device_group", "LinearBase", "UnquantizedLinearMethod", "should_ignore_layer",
 ]
 
 

@@ -63,6 +63,11 @@ class AnychipW4A8Config(compat.CompressedTensorsConfig):
 
     def get_quant_method(self, layer: Any, prefix: str) -> Any:
         method = super().get_quant_method(layer, prefix)
+        if isinstance(layer, compat.LinearBase) and isinstance(method, compat.UnquantizedLinearMethod):
+            # a linear the checkpoint leaves unquantized: listed too, so the report covers every linear
+            ignored = compat.should_ignore_layer(prefix, ignore=self.ignore,
+                                                 fused_mapping=self.packed_modules_mapping)
+            get_recorder().note_unquantized_linear(prefix, layer, ignored)
         if isinstance(layer, compat.VocabParallelEmbedding):
             recorder = get_recorder()
             recorder.note_embedding(prefix, layer, is_head=prefix.split(".")[-1] == "lm_head")

@@ -38,6 +38,7 @@ class Recorder:
         self.coverage.vllm_tested = compat.VLLM_TESTED
         self.coverage.tensor_parallel = {"rank": rank, "world_size": world_size}
         self._phase = "warmup"
+        self._first_layer: int | None = None
         self._embeddings: dict[str, weakref.ref] = {}  # prefix -> VocabParallelEmbedding / ParallelLMHead
         self._head_name: str | None = None
         self._stop = threading.Event()
@@ -53,7 +54,18 @@ class Recorder:
 
     # -- filled while the model is built and loaded --
     def add_layer(self, route: LayerRoute) -> int:
-        return self.coverage.add_layer(route)
+        layer_id = self.coverage.add_layer(route)
+        if self._first_layer is None and not route.route.startswith("vllm."):
+            self._first_layer = layer_id  # the first linear our ops run in every forward pass
+        return layer_id
+
+    def note_unquantized_linear(self, prefix: str, layer: Any, ignored: bool) -> None:
+        """A linear vLLM serves unquantized (BF16): in the checkpoint's ignore list, or not targeted at all."""
+        why = "in the checkpoint's ignore list" if ignored else "not targeted by any quantization config group"
+        self.coverage.add_layer(LayerRoute(
+            name=prefix, route="vllm.unquantized", kernel="UnquantizedLinearMethod", isa="vllm", group_size=0,
+            n=getattr(layer, "output_size_per_partition", 0), k=getattr(layer, "input_size_per_partition", 0),
+            checkpoint_format="unquantized", quantized=False, ignored=ignored, reason=why))
 
     def note_embedding(self, prefix: str, layer: Any, is_head: bool) -> None:
         """Remember the output head (for its GEMM route) and the input embedding (to report tying)."""
@@ -87,11 +99,11 @@ class Recorder:
     def on_call(self, layer_id: int, tokens: int) -> hooks.DeviceCounter | None:
         counter = self._counters[layer_id] if layer_id in self._counters else self._device_counter(layer_id)
         if counter is not None:  # the kernel counts (also at every CUDA-graph replay); nothing to count here
-            if layer_id == 0 and self.coverage.attention_backend is None:
+            if layer_id == self._first_layer and self.coverage.attention_backend is None:
                 self.coverage.attention_backend = compat.attention_backend_name()
             return counter
         forward_tokens = None
-        if layer_id == 0:  # the first quantized linear of every forward pass
+        if layer_id == self._first_layer:  # the first anychip linear of every forward pass
             self._phase, forward_tokens = compat.current_phase()
             forward_tokens = forward_tokens or tokens
             if self.coverage.attention_backend is None:

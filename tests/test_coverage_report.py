@@ -1,0 +1,105 @@
+"""coverage check on reports built with the recorder's own types: every linear listed, quantized or not."""
+
+from __future__ import annotations
+
+import pytest
+
+from anychip.coverage import Coverage, LayerRoute, check
+
+
+def _report(*unquantized: tuple[str, bool]) -> dict:
+    cov = Coverage(strict=True, fallback_allowed=False, platform_info={})
+    cov.vllm_version = "test"
+    for i, name in enumerate(("model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp.down_proj")):
+        layer = cov.add_layer(LayerRoute(name=name, route="cpu.avx2", kernel="w4a8_cpu", isa="avx2", group_size=32,
+                                         n=64, k=64, checkpoint_format="pack-quantized", bit_exact=True))
+        for phase in ("prefill", "decode"):
+            cov.record(layer, phase, 3, 3 if i == 0 else None)
+    for name, ignored in unquantized:
+        cov.add_layer(LayerRoute(name=name, route="vllm.unquantized", kernel="UnquantizedLinearMethod", isa="vllm",
+                                 group_size=0, n=64, k=64, checkpoint_format="unquantized", quantized=False,
+                                 ignored=ignored, reason="test"))
+    cov.head_route = {"route": "cpu.head_bf16.avx2"}
+    return cov.snapshot()
+
+
+def test_all_quantized_passes():
+    doc = _report()
+    assert check(doc, expect_linears=2, group_size=32) == []
+    assert doc["route_stats"]["unquantized_linears"] == 0
+
+
+def test_an_unquantized_linear_the_ignore_list_names_passes_and_is_listed():
+    doc = _report(("model.layers.1.mlp.down_proj", True))
+    assert check(doc, expect_linears=2, group_size=32) == []
+    assert doc["route_stats"]["prepared_linears"] == 2 and doc["route_stats"]["unquantized_linears"] == 1
+    assert doc["layers"]["model.layers.1.mlp.down_proj"]["quantized"] is False
+    assert "vllm.unquantized" not in doc["route_stats"]["by_route"]
+
+
+def test_an_unquantized_linear_not_in_ignore_fails():
+    doc = _report(("model.layers.1.mlp.down_proj", False), ("model.layers.1.self_attn.o_proj", True))
+    problems = check(doc, expect_linears=2)
+    assert len(problems) == 1 and "1 linears run unquantized" in problems[0]
+    assert "model.layers.1.mlp.down_proj" in problems[0] and "ignore" in problems[0]
+
+
+def _partly_quantized(tiny_llama, tmp_path):
+    """A W4A8 checkpoint whose layer 1 stays BF16 and is named in `ignore`."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from anychip.checkpoint.quantize import quantize_checkpoint
+    from anychip.checkpoint.scheme import DECODER_LINEARS, W4A8Scheme
+
+    # head_dim 64: vLLM's CPU attention has no kernel for the smallest tiny shape's 16
+    src = tiny_llama(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+    w4a8 = quantize_checkpoint(src, tmp_path / "w4a8", W4A8Scheme(group_size=32))
+    tensors = {}
+    for shard in sorted(w4a8.glob("*.safetensors")):
+        tensors |= load_file(shard)
+        shard.unlink()
+    dense = load_file(src / "model.safetensors")
+    ignore = []
+    for linear in DECODER_LINEARS:
+        prefix = f"model.layers.1.{linear}"
+        for suffix in ("weight_packed", "weight_scale", "weight_shape"):
+            tensors.pop(f"{prefix}.{suffix}", None)
+        tensors[f"{prefix}.weight"] = dense[f"{prefix}.weight"]
+        ignore.append(prefix)
+    (w4a8 / "model.safetensors.index.json").unlink(missing_ok=True)
+    save_file(tensors, w4a8 / "model.safetensors")
+    config = json.loads((w4a8 / "config.json").read_text())
+    config["quantization_config"]["ignore"] += ignore
+    (w4a8 / "config.json").write_text(json.dumps(config))
+    return w4a8
+
+
+
+@pytest.mark.slow
+def test_engine_lists_the_linears_it_leaves_unquantized(tiny_llama, tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    model = _partly_quantized(tiny_llama, tmp_path)
+    cov = tmp_path / "coverage.json"
+    runner = Path(__file__).parent / "vllm_runner.py"
+    proc = subprocess.run([sys.executable, str(runner), str(model), str(tmp_path / "out.json"), "--max-tokens", "4",
+                           "--max-model-len", "256", "--prompt", "w1 w2 w3 w4"],
+                          env={**os.environ, "ANYCHIP_COVERAGE": str(cov)}, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads(cov.read_text())
+    unquantized = {n: v for n, v in doc["layers"].items() if v["quantized"] is False}
+    assert sorted(unquantized) == ["model.layers.1.mlp.down_proj", "model.layers.1.mlp.gate_up_proj",
+                                   "model.layers.1.self_attn.o_proj", "model.layers.1.self_attn.qkv_proj"]
+    assert all(v["ignored"] and v["route"] == "vllm.unquantized" for v in unquantized.values())
+    assert doc["route_stats"]["prepared_linears"] == 4 and doc["route_stats"]["unquantized_linears"] == 4
+    assert check(doc, expect_linears=4) == []
+    for layer in unquantized.values():  # the same report without the ignore list's word for them fails
+        layer["ignored"] = False
+    assert any("4 linears run unquantized" in p for p in check(doc, expect_linears=4))
