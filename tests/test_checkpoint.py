@@ -65,9 +65,10 @@ def test_rtn_properties(n, groups, g, seed, magnitude, zero_group):
     assert scales.dtype == torch.bfloat16 and scales.shape == (n, groups)
     assert int(wq.min()) >= -8 and int(wq.max()) <= 7
     amax = w.float().view(n, groups, g).abs().amax(dim=2)
-    assert torch.equal(scales, (amax / 7).to(torch.bfloat16))
-    if zero_group:
-        assert scales[0, 0] == 0 and not wq[0, :g].any()
+    expected = (amax / 7).to(torch.bfloat16)
+    assert torch.equal(scales, torch.where(expected > 0, expected, torch.ones_like(expected)))
+    if zero_group:  # the contract wants every scale > 0: an all-zero group gets 1 (its q = 0 dequantize to 0)
+        assert scales[0, 0] == 1 and not wq[0, :g].any()
     # Round to nearest: every weight is within half a step of its dequantized value (|w| / scale <= 7.03 after
     # BF16 rounding of the scale, so the clamp never costs more than that).
     s = scales.float().repeat_interleave(g, dim=1)
@@ -208,3 +209,11 @@ def test_cli_gptq_dispatches_to_gptq_quantizer(tiny_llama, tmp_path, monkeypatch
     assert seen == dict(src=src, scheme=W4A8Scheme(group_size=64), calibration="calib.txt", samples=4, seq_len=16,
                         damp=0.05)
     assert json.loads((dst / "config.json").read_text())["quantization_config"]["anychip"]["method"] == "gptq"
+
+
+def test_rtn_all_zero_group_gets_a_positive_scale():
+    """The contract (and verify) want every scale > 0; an all-zero group still dequantizes to exact zeros."""
+    w = torch.randn(3, 64, dtype=torch.bfloat16)
+    w[1, 32:] = 0
+    wq, scales = rtn_quantize(w, 32)
+    assert (scales > 0).all() and scales[1, 1].item() == 1.0 and not wq[1, 32:].any()

@@ -2,7 +2,7 @@
 
 scale = amax / 7 per group of G input channels (stored BF16); q = round(w / scale) clamped to [-8, 7], computed
 with the BF16-rounded scale so that q * scale is exactly what a reader dequantizes. An all-zero group gets
-scale 0 and q = 0.
+q = 0 and scale 1: any positive scale dequantizes its zeros exactly, and the contract wants every scale > 0.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ INT4_MIN = -8
 
 
 def group_scales(w: torch.Tensor, group_size: int) -> torch.Tensor:
-    """(N, K) float -> (N, K // G) bf16 symmetric scales amax / 7."""
+    """(N, K) float -> (N, K // G) bf16 symmetric scales amax / 7 (1 for an all-zero group)."""
     n, k = w.shape
     amax = w.float().view(n, k // group_size, group_size).abs().amax(dim=2)
-    return (amax / INT4_MAX).to(torch.bfloat16)
+    scales = (amax / INT4_MAX).to(torch.bfloat16)
+    return torch.where(scales > 0, scales, torch.ones_like(scales))
 
 
 def quantize_with_scales(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -55,6 +55,7 @@ class AnychipW4A8Scheme(compat.CompressedTensorsScheme):
         n = sum(output_partition_sizes)
         k = input_size_per_partition
         row_parallel = input_size != input_size_per_partition
+        weight_loader = self._checked_loader(weight_loader)
         if not self.channelwise and k % self.group_size:
             groups = input_size // self.group_size
             fits = [t for t in range(1, 17) if groups % t == 0]
@@ -87,6 +88,32 @@ class AnychipW4A8Scheme(compat.CompressedTensorsScheme):
             layer.register_parameter("weight", weight)
         layer.register_parameter("weight_scale", scale)
         self.n, self.k, self.row_parallel = n, k, row_parallel
+        packed_k = input_size // 8 if self.format == "pack-quantized" else input_size
+        self._full_shapes = {id(weight): (output_size, packed_k),
+                             id(scale): (output_size, 1 if self.channelwise else input_size // self.group_size)}
+
+    def _checked_loader(self, loader: Callable) -> Callable:
+        """vLLM's loader, refusing a checkpoint tensor that does not fit (vLLM would assert deep inside, or copy a
+        float into an integer parameter silently) with an error naming the layer."""
+
+        def load(param: torch.Tensor, loaded: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            want = param.data.dtype
+            fits = (loaded.is_floating_point() if want.is_floating_point else
+                    loaded.dtype in (torch.int32, torch.int64) if want == torch.int64 else loaded.dtype == want)
+            problem = None if fits else f"dtype {loaded.dtype} where the {self.format} contract has {want}"
+            full = self._full_shapes.get(id(param))  # a whole (unmerged) tensor: vLLM would narrow a larger one
+            if problem is None and full is not None and not args and not kwargs and tuple(loaded.shape) != full:
+                problem = f"shape {tuple(loaded.shape)} where the layer's config implies {full}"
+            if problem is None:
+                try:
+                    return loader(param, loaded, *args, **kwargs)
+                except (AssertionError, RuntimeError, ValueError, IndexError) as exc:
+                    why = str(exc) or type(exc).__name__
+                    problem = f"shape {tuple(loaded.shape)} that does not fit {tuple(param.data.shape)} ({why})"
+            raise LayerPrepareError(f"layer {self.layer_name}: a checkpoint tensor has {problem}: config.json and the "
+                                    "weights disagree; check the checkpoint with `anychip verify`")
+
+        return load
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         packed = self.format == "pack-quantized"

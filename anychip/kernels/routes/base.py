@@ -59,6 +59,12 @@ class CheckpointWeights:
                                 f"{tuple(scales.shape)}")
         if not packed and wq.numel() and (int(wq.min()) < -8 or int(wq.max()) > 7):
             raise NoKernelRoute("int-quantized weights hold values outside [-8, 7]: this is not an INT4 checkpoint")
+        bad = ~(torch.isfinite(scales) & (scales > 0))  # one pass at load: a NaN or <= 0 scale serves garbage
+        if bool(bad.any()):
+            row, group = (int(i) for i in bad.nonzero()[0])
+            raise NoKernelRoute(f"scale [{row}, {group}] is {scales[row, group].item()}: group scales must be "
+                                "finite and > 0; the checkpoint is damaged (check it with `anychip verify`) or was "
+                                "written by a broken quantizer")
         self.wq, self.scales, self.group_size, self.packed = wq, scales, group_size, packed
         self.n, self.k = n, k
         self._int8: torch.Tensor | None = None
