@@ -91,7 +91,7 @@ def test_channelwise_scales_are_served_as_repeated_groups():
     from anychip.formats import pack_int4
 
     wq = torch.randint(-8, 8, (48, 256), dtype=torch.int8)
-    scale = torch.rand(48, 1, dtype=torch.bfloat16)
+    scale = torch.rand(48, 1, dtype=torch.bfloat16) + 0.01  # bf16 rand can be exactly 0: not a valid scale
     layer.weight_packed.data.copy_(pack_int4(wq))
     layer.weight_scale.data.copy_(scale)
     scheme.process_weights_after_loading(layer)
