@@ -45,7 +45,7 @@ def test_packed_checkpoint_converts_to_the_same_layout(g: int) -> None:
 @pytest.mark.parametrize("dtype,kept", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
                                         (torch.float32, torch.float32), (torch.float64, torch.float32)])
 def test_scale_dtype(dtype: torch.dtype, kept: torch.dtype) -> None:
-    _, sw = _layout(_q(4, 64), torch.rand(4, 2, dtype=dtype), 32, packed=False)
+    _, sw = _layout(_q(4, 64), torch.rand(4, 2, dtype=dtype) + 0.01, 32, packed=False)  # scales > 0
     assert sw.dtype == kept and sw.is_contiguous()
 
 
