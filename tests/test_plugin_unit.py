@@ -136,6 +136,7 @@ def _two_rank_quantize(rank: int, port: int, x: torch.Tensor, out: dict) -> None
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two spawned processes with a gloo group: a minute or more on a loaded 2-core machine
 def test_row_parallel_shards_quantize_with_the_whole_token_scale():
     """Two ranks, each holding half of K: their INT8 values and scales are the unsharded reference's exactly."""
     import socket
