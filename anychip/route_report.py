@@ -58,8 +58,7 @@ def plan_layers(md: ModelDir, policy: KernelPolicy, device: str) -> list[dict[st
 def report(model: Path | None, policy: KernelPolicy, device: str) -> dict[str, Any]:
     doc: dict[str, Any] = {
         "machine": machine.describe() | {"forced_route": policy.route},
-        "routes": [{k: v for k, v in r.describe().items() if k != "summary"} | {"summary": r.summary}
-                   for r in routes.ROUTES],
+        "routes": [r.describe() for r in routes.ROUTES],
     }
     doc["head_routes"] = [r.describe() for r in HEAD_ROUTES]
     if device == "cpu":

@@ -29,6 +29,16 @@ def is_arm() -> bool:
     return platform.machine().lower() in ("aarch64", "arm64")
 
 
+def lacks_x86_flags(flags: tuple[str, ...]) -> str | None:
+    """Why a path that needs these x86 /proc/cpuinfo flags cannot run here, or None (no flags: any CPU)."""
+    if not flags:
+        return None
+    if not is_x86():
+        return "not an x86 CPU"
+    missing = [f for f in flags if f not in cpu_flags()]
+    return f"this CPU lacks {', '.join(missing)}" if missing else None
+
+
 def describe() -> dict[str, object]:
     """What `anychip routes` prints about this machine."""
     import torch

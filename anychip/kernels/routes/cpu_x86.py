@@ -46,12 +46,7 @@ class CppRoute(Route):
     flags: ClassVar[tuple[str, ...]] = ()
 
     def unavailable(self) -> str | None:
-        if not self.flags:
-            return None
-        if not machine.is_x86():
-            return "not an x86 CPU"
-        missing = [f for f in self.flags if f not in machine.cpu_flags()]
-        return f"this CPU lacks {', '.join(missing)}" if missing else None
+        return machine.lacks_x86_flags(self.flags)
 
     def rejects(self, problem: LinearProblem) -> str | None:
         if why := super().rejects(problem):

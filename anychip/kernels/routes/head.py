@@ -50,12 +50,7 @@ class HeadRoute(ABC):
         return self.id.rpartition(".")[2]
 
     def unavailable(self) -> str | None:
-        if not self.flags:
-            return None
-        if not machine.is_x86():
-            return "not an x86 CPU"
-        missing = [f for f in self.flags if f not in machine.cpu_flags()]
-        return f"this CPU lacks {', '.join(missing)}" if missing else None
+        return machine.lacks_x86_flags(self.flags)
 
     def prepare(self, weight: torch.Tensor, policy: KernelPolicy) -> PreparedHead:
         """weight: the checkpoint's (N, K) head on the CPU."""
