@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -22,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from conftest import model_cache
+from serve_process import anychip_serve
 
 pytestmark = pytest.mark.slow
 
@@ -59,29 +58,10 @@ def server(tmp_path_factory) -> Iterator[Server]:
     model = make_synthetic(PRESETS["tiny"], cache=model_cache()).path
     tmp = tmp_path_factory.mktemp("serve-load")
     port, cov, log = free_port(), tmp / "coverage.json", tmp / "serve.log"
-    cmd = [sys.executable, "-m", "anychip.cli", "serve", str(model), "--port", str(port), "--coverage", str(cov),
-           "--verify", "fast", "--enforce-eager", "--max-model-len", "512", "--max-num-seqs", str(CLIENTS)]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}/v1"
-    try:
-        deadline = time.monotonic() + READY_S
-        while True:
-            assert proc.poll() is None, f"anychip serve exited {proc.returncode}:\n{log.read_text()[-4000:]}"
-            assert time.monotonic() < deadline, f"anychip serve not ready in {READY_S} s:\n{log.read_text()[-4000:]}"
-            try:
-                urllib.request.urlopen(f"{url}/models", timeout=5).read()
-                break
-            except OSError:
-                time.sleep(2)
-        yield Server(url, port, model.name, cov, log, proc)
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+    args = ["--coverage", str(cov), "--verify", "fast", "--enforce-eager", "--max-model-len", "512",
+            "--max-num-seqs", str(CLIENTS)]
+    with anychip_serve(model, port, args, log, READY_S) as proc:
+        yield Server(f"http://127.0.0.1:{port}/v1", port, model.name, cov, log, proc)
 
 
 def metrics(srv: Server) -> dict[str, float]:

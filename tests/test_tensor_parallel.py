@@ -92,9 +92,10 @@ def test_w4a8_on_two_ranks_matches_one_within_the_bf16_noise_floor(pair, tmp_pat
 
 def test_anychip_serve_two_ranks_answers_a_chat(tmp_path):
     """The front door: `anychip serve MODEL --tensor-parallel-size 2` (its profile binds one core a rank)."""
-    import signal
     import time
     import urllib.request
+
+    from serve_process import anychip_serve
 
     from anychip.bench.server import free_port
     from anychip.checkpoint.synthetic import PRESETS, make_synthetic
@@ -102,22 +103,10 @@ def test_anychip_serve_two_ranks_answers_a_chat(tmp_path):
     model = make_synthetic(PRESETS["tiny"], cache=Path(os.environ.get("ANYCHIP_CACHE") or ROOT / ".cache/models")).path
 
     port, cov = free_port(), tmp_path / "serve-coverage.json"
-    cmd = [sys.executable, "-m", "anychip.cli", "serve", str(model), "--port", str(port),
-           "--coverage", str(cov), "--verify", "fast", "--tensor-parallel-size", "2", "--enforce-eager",
-           "--max-model-len", "1024"]
-    with open(tmp_path / "serve.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    args = ["--coverage", str(cov), "--verify", "fast", "--tensor-parallel-size", "2", "--enforce-eager",
+            "--max-model-len", "1024"]
     url = f"http://127.0.0.1:{port}/v1"
-    try:
-        deadline = time.monotonic() + 900
-        while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-4000:]
-            assert time.monotonic() < deadline, "anychip serve did not become ready"
-            try:
-                urllib.request.urlopen(f"{url}/models", timeout=5).read()
-                break
-            except OSError:
-                time.sleep(2)
+    with anychip_serve(model, port, args, tmp_path / "serve.log", 900):
         body = json.dumps({"model": model.name, "max_tokens": 8, "temperature": 0,
                            "messages": [{"role": "user", "content": "Name a colour."}]}).encode()
         req = urllib.request.Request(f"{url}/chat/completions", body, {"Content-Type": "application/json"})
@@ -130,9 +119,3 @@ def test_anychip_serve_two_ranks_answers_a_chat(tmp_path):
         ok = subprocess.run([sys.executable, "-m", "anychip.cli", "coverage", "check", str(cov)],
                             capture_output=True, text=True)
         assert ok.returncode == 0 and "2 tensor-parallel ranks" in ok.stdout, ok.stdout + ok.stderr
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
