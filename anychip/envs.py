@@ -31,6 +31,9 @@ ANYCHIP_KERNEL_ISA = "ANYCHIP_KERNEL_ISA"
 ANYCHIP_HEAD = "ANYCHIP_HEAD"
 #: Where the compiled C++ extension is cached (default: ~/.cache/anychip/torch_extensions).
 ANYCHIP_BUILD_DIR = "ANYCHIP_BUILD_DIR"
+#: GPU GEMM tuning: "load" (default: shapes that neither the shipped table nor the disk cache
+#: ~/.cache/anychip/gpu_tuning knows are timed once at load and cached) or "off" (never time: default configs).
+ANYCHIP_GPU_TUNE = "ANYCHIP_GPU_TUNE"
 #: "0" disables strict mode in the plugin (same as ANYCHIP_ALLOW_FALLBACK=1).
 ANYCHIP_STRICT = "ANYCHIP_STRICT"
 #: "1" lets the plugin run under a vLLM version it was not tested with (a warning; `vllm_tested: false` in coverage).
@@ -63,6 +66,10 @@ def build_dir() -> Path:
     return Path(value).expanduser() if value else Path.home() / ".cache" / "anychip" / "torch_extensions"
 
 
+def tuning_dir() -> Path:
+    return Path.home() / ".cache" / "anychip" / "gpu_tuning"
+
+
 def coverage_path() -> Path | None:
     value = os.environ.get(ANYCHIP_COVERAGE)
     return Path(value) if value else None
@@ -82,8 +89,10 @@ def allow_untested_vllm() -> bool:
 
 def kernel_policy(allow_fallback: bool | None = None) -> KernelPolicy:
     """The kernel policy from the environment (ANYCHIP_KERNEL_ISA, ANYCHIP_ALLOW_FALLBACK / ANYCHIP_STRICT,
-    ANYCHIP_BUILD_DIR, ANYCHIP_HEAD); `allow_fallback` overrides the environment's answer (a CLI flag)."""
+    ANYCHIP_BUILD_DIR, ANYCHIP_HEAD, ANYCHIP_GPU_TUNE); `allow_fallback` overrides the environment's answer (a CLI
+    flag)."""
     return KernelPolicy(route=forced_isa(), build_dir=build_dir(), head=os.environ.get(ANYCHIP_HEAD) or "bf16",
+                        gpu_tuning=os.environ.get(ANYCHIP_GPU_TUNE) or "load", tuning_dir=tuning_dir(),
                         allow_fallback=fallback_allowed() if allow_fallback is None else allow_fallback)
 
 

@@ -177,7 +177,7 @@ def test_plan_systems_reports_every_peer(tiny_llama, tmp_path):
 
     w4a8 = quantize_checkpoint(tiny_llama(), tmp_path / "w4a8", W4A8Scheme(group_size=32))
     rows = latency.plan_systems(ModelDir.open(w4a8), with_peers=True)
-    assert [r.name for r in rows] == list(latency.SYSTEMS)
+    assert [r.name for r in rows] == [s for s in latency.SYSTEMS if not s.startswith("vllm-w4a16")]
     assert rows[0].plugin and rows[1].plugin and not any(r.plugin for r in rows[2:])
     assert rows[1].env == {"ANYCHIP_HEAD": "int8"}  # the same model served with --head int8
     gguf = rows[-1]
@@ -190,6 +190,58 @@ def test_plan_systems_reports_every_peer(tiny_llama, tmp_path):
     assert "random weights" in by["vllm-bf16"].skipped and "BF16 source" in by["vllm-w8a8"].skipped
     assert by["anychip-w4a8"].notes and by["vllm-w4a8-stock"].skipped is None
     assert [r.name for r in latency.plan_systems(ModelDir(w4a8, synthetic), with_peers=False)] == ["anychip-w4a8"]
+
+
+def test_gpu_peers_are_bf16_of_the_same_weights_and_stock_routes(tiny_llama, tmp_path):
+    from anychip.checkpoint.quantize import quantize_checkpoint
+    from anychip.checkpoint.io import read_tensor, read_tensor_infos
+    from anychip.checkpoint.scheme import W4A8Scheme
+    from anychip.formats import unpack_int4
+
+    w4a8 = quantize_checkpoint(tiny_llama(), tmp_path / "w4a8", W4A8Scheme(group_size=32))
+    synthetic = dict(ModelDir.open(w4a8).config)
+    synthetic["quantization_config"] = dict(synthetic["quantization_config"],
+                                            anychip={"source": "synthetic", "method": "random"})
+    rows = latency.plan_systems(ModelDir(w4a8, synthetic), with_peers=True, device="cuda")
+    assert [r.name for r in rows] == ["anychip-w4a8", "vllm-bf16", *latency.GPU_STOCK]
+    assert not any(r.skipped for r in rows) and not any(r.plugin for r in rows[1:])
+    assert rows[-1].env == {"VLLM_DISABLED_KERNELS": "MacheteLinearKernel"}
+    assert "dequantized" in rows[1].weights
+    bf16 = rows[1].build()  # no BF16 source: the W4A8 weights dequantized
+    assert ModelDir.open(bf16).kind == "bf16"
+    packed, dense = read_tensor_infos(w4a8), read_tensor_infos(bf16)
+    name = "model.layers.1.mlp.down_proj"
+    q = unpack_int4(read_tensor(packed[f"{name}.weight_packed"]))
+    scale = read_tensor(packed[f"{name}.weight_scale"]).float().repeat_interleave(32, dim=1)
+    assert torch.equal(read_tensor(dense[f"{name}.weight"]), (q.float() * scale).to(torch.bfloat16))
+    assert not any(n.endswith(("_packed", "_scale", "_shape")) for n in dense)
+    assert rows[2].build() == w4a8  # stock vLLM on the very checkpoint
+    w4a16 = rows[3].build()
+    qc = ModelDir.open(w4a16).quantization_config
+    assert all(g["input_activations"] is None for g in qc["config_groups"].values())
+    assert read_tensor_infos(w4a16).keys() == packed.keys()
+    assert rows[4].build() == w4a16  # Marlin: the same cached copy
+
+
+def test_gpu_targets_batch_and_stock_kernels(tmp_path):
+    rows = [_latency_row("anychip-w4a8", 20000, 400), _latency_row("vllm-bf16", 30000, 360),
+            _latency_row("vllm-w4a16-marlin", 25000, 430)]
+    for r, tps in zip(rows, (7000.0, 9500.0, 6900.0)):
+        r.update(batch=64, batch_pp=512, batch_tg=128, batch_tps=metrics.mean_sd([tps, tps]))
+    checks = {(t["metric"], t["peer"]): t for t in latency.target_checks(rows, "cuda")}
+    assert checks[("batch64", "vllm-bf16")]["ratio"] == pytest.approx(7000 / 9500)
+    assert checks[("tg128", "vllm-w4a16-marlin")]["met"] is False and checks[("tg128", "vllm-bf16")]["met"] is False
+    assert ("pp512", "vllm-w8a8") not in checks  # a CPU target
+    rows[2]["vllm_kernels"] = ["MarlinLinearKernel for CompressedTensorsWNA16"]
+    doc = {"commands": ["c"], "created": "now", "machine": {"cpu": "x", "cpus": 16, "gpu": "NVIDIA H200"},
+           "threads": 16, "requested": {"pp": 512, "tg": 128, "reps": 2}, "rows": rows,
+           "targets": latency.target_checks(rows, "cuda")}
+    md = latency.render_markdown(doc)
+    assert "batch 64 (512 in, 128 out) output tok/s" in md and "NVIDIA H200" in md
+    assert "vLLM chose MarlinLinearKernel for CompressedTensorsWNA16" in md
+    log = tmp_path / "x.log"
+    log.write_text("INFO [x.py:1] Using CutlassW4A8LinearKernel for CompressedTensorsW4A8Fp8\n" * 3)
+    assert latency.chosen_kernels(log) == ["CutlassW4A8LinearKernel for CompressedTensorsW4A8Fp8"]
 
 
 def test_stock_systems_leave_the_plugin_out(monkeypatch):

@@ -283,3 +283,32 @@ def test_device_counter_counts_every_graph_replay() -> None:
     torch.cuda.synchronize()
     assert counter.cell.tolist() == [[1, 5], [1, 5], [3, 15]]
 
+
+
+def test_tuning_at_load_is_cached_on_disk_and_calls_never_time(tmp_path, monkeypatch) -> None:
+    """prepare (mode "load") decides every M bucket of the shape at load and writes the disk cache; a fresh process
+    state reads it back without timing; a call of an untuned shape runs the default config, untimed."""
+    from anychip.kernels.gpu import tuning
+    from anychip.kernels.policy import KernelPolicy
+
+    n, k, g = 48, 1024, 128
+    q, s = weights(n, k, g, seed=21)
+    launch.clear_tuning()
+    policy = KernelPolicy(gpu_tuning="load", tuning_dir=tmp_path)
+    p = prepare_w4a8(q.to(DEV), s.to(DEV), g, packed=False, policy=policy)
+    chosen = {b: launch.config_for(m, n, k, g, DEV) for b, m in tuning.BUCKETS}
+    assert all(cfg is not None for cfg in chosen.values())
+    doc = (tmp_path / f"{tuning.gpu_slug(DEV)}.json").read_text()
+    assert all(tuning.entry_key(b, n, k, g) in doc for b, _ in tuning.BUCKETS)
+
+    launch.clear_tuning()
+    tuning._files.clear()
+    monkeypatch.setattr(tuning, "_time_candidates", lambda *a: pytest.fail("timed a shape the cache knows"))
+    prepare_w4a8(q.to(DEV), s.to(DEV), g, packed=False, policy=policy)
+    assert {b: launch.config_for(m, n, k, g, DEV) for b, m in tuning.BUCKETS} == chosen
+
+    launch.clear_tuning()
+    x = activations(5, k, torch.bfloat16, seed=22).to(DEV)
+    xq, sx = quantize_activations_ref(x.cpu())
+    assert_close(w4a8_linear(x, p), w4a8_linear_ref(xq, sx, q, s, None, out_dtype=torch.float64))
+    assert launch.config_for(5, n, k, g, DEV) is None  # the call used the default and tuned nothing

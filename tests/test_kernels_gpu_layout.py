@@ -77,3 +77,18 @@ def test_kernels_import_and_cpu_prepare_without_triton() -> None:
         "assert p.route.device == 'cpu', p.route.id\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def test_tuning_shapes_of_a_config_are_vllms_merged_linears() -> None:
+    from anychip.kernels.gpu.tuning import shapes_of
+
+    config = {"hidden_size": 2048, "intermediate_size": 6144, "num_attention_heads": 16, "num_key_value_heads": 8,
+              "quantization_config": {"config_groups": {"group_0": {"weights": {"group_size": 128}}}}}
+    assert shapes_of(config) == [(2048, 2048, 128), (2048, 6144, 128), (4096, 2048, 128), (12288, 2048, 128)]
+
+
+def test_gpu_tuning_policy_is_checked() -> None:
+    from anychip.kernels.policy import KernelPolicy
+
+    with pytest.raises(ValueError, match="ANYCHIP_GPU_TUNE"):
+        KernelPolicy(gpu_tuning="sometimes")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -24,7 +25,7 @@ from typing import Any
 from anychip import envs
 from anychip.bench import gguf_peers, peers
 from anychip.bench.host import machine, wait_for_idle
-from anychip.bench.metrics import MeanSd, RepTiming, ratio, summarize_latency
+from anychip.bench.metrics import MeanSd, RepTiming, mean_sd, ratio, summarize_latency
 from anychip.bench.report import command_line, fmt, markdown_table, now, source_notes, write_outputs
 from anychip.bench.runners import Engine, RunSpec
 from anychip.checkpoint.model_dir import ModelDir, ModelDirError
@@ -32,8 +33,10 @@ from anychip.errors import AnychipError
 
 OURS = "anychip-w4a8"
 OURS_INT8_HEAD = "anychip-w4a8-head-int8"  # the same, with `--head int8` (ANYCHIP_HEAD=int8)
-SYSTEMS: tuple[str, ...] = (OURS, OURS_INT8_HEAD, "vllm-bf16", "vllm-w8a8", "vllm-w4a8-stock", "llama.cpp-q4_0",
-                            "llama.cpp-q8_0", "llama.cpp-q4_1")
+SYSTEMS: tuple[str, ...] = (OURS, OURS_INT8_HEAD, "vllm-bf16", "vllm-w8a8", "vllm-w4a8-stock", "vllm-w4a16-machete",
+                            "vllm-w4a16-marlin", "llama.cpp-q4_0", "llama.cpp-q8_0", "llama.cpp-q4_1")
+#: Stock vLLM's own routes for the same INT4 weights on NVIDIA GPUs (the best of them is a target's peer).
+GPU_STOCK = ("vllm-w4a8-stock", "vllm-w4a16-machete", "vllm-w4a16-marlin")
 
 #: (ours, metric, peer, minimum ratio ours / peer): the issues' acceptance targets.
 TARGETS: tuple[tuple[str, str, str, float], ...] = (
@@ -46,6 +49,13 @@ TARGETS: tuple[tuple[str, str, str, float], ...] = (
     (OURS, "pp", "vllm-bf16", 1.5),
     (OURS, "pp", "vllm-w8a8", 1.2),
 )
+#: The NVIDIA GPU issue's targets ("batch": the batched run's output tok/s).
+GPU_TARGETS: tuple[tuple[str, str, str, float], ...] = (
+    (OURS, "tg", "vllm-bf16", 1.3),
+    (OURS, "batch", "vllm-bf16", 1.3),
+    (OURS, "pp", "vllm-bf16", 1.0),
+    (OURS, "pp", "vllm-w4a8-stock", 1.0),
+) + tuple((OURS, "tg", peer, 1.0) for peer in GPU_STOCK)
 
 
 @dataclass
@@ -67,9 +77,9 @@ def _skip(name: str, engine: Engine, weights: str, reason: str) -> System:
     return System(name, engine, weights, skipped=reason)
 
 
-def plan_systems(md: ModelDir, with_peers: bool) -> list[System]:
-    """The main system (what the model directory is) and, with peers, every peer: runnable or skipped with the
-    reason."""
+def plan_systems(md: ModelDir, with_peers: bool, device: str = "cpu") -> list[System]:
+    """The main system (what the model directory is) and, with peers, every peer of that device: runnable or
+    skipped with the reason."""
     model, scheme = md.path, md.scheme
     kind = "w4a8" if scheme is not None else "unquantized" if md.kind == "bf16" else (md.quant_method or "quantized")
     if scheme is not None:
@@ -83,6 +93,8 @@ def plan_systems(md: ModelDir, with_peers: bool) -> list[System]:
         main = System(f"vllm-{kind}", "vllm", f"{kind} (stock vLLM)", build=lambda: model)
     if not with_peers:
         return [main]
+    if device == "cuda":
+        return [main] + _gpu_peers(md, kind)
     rows = [main]
     if main.name == OURS:
         rows.append(System(OURS_INT8_HEAD, "vllm", main.weights + ", output head INT8 per channel (--head int8)",
@@ -124,6 +136,51 @@ def plan_systems(md: ModelDir, with_peers: bool) -> list[System]:
     except peers.PeerUnavailable as exc:
         rows.append(_skip("llama.cpp-q4_1", "llama.cpp", "Q4_1 GGUF", str(exc)))
     return rows
+
+
+def _gpu_peers(md: ModelDir, kind: str) -> list[System]:
+    """BF16 of the same weights, and stock vLLM's routes for the same INT4 weights (issue: NVIDIA end to end)."""
+    model = md.path
+    if kind != "w4a8":
+        return [_skip(name, "vllm", "", f"needs a W4A8 model; {model.name} is {kind}")
+                for name in ("vllm-bf16",) + GPU_STOCK]
+    try:
+        source = md.bf16_source()
+        bf16 = System("vllm-bf16", "vllm", "BF16 (source of the W4A8 weights)", build=lambda: source)
+    except ModelDirError:
+        bf16 = System("vllm-bf16", "vllm", "BF16: the W4A8 weights dequantized (no BF16 source)",
+                      build=lambda: peers.make_bf16_dequant(model))
+    marlin = {"VLLM_DISABLED_KERNELS": "MacheteLinearKernel"}
+    return [
+        bf16,
+        System("vllm-w4a8-stock", "vllm", "the same W4A8 checkpoint, stock vLLM's choice of kernel", build=lambda: model),
+        System("vllm-w4a16-machete", "vllm", "W4A16 copy of the same INT4 weights (input_activations: null)",
+               build=lambda: peers.make_w4a16(model)),
+        System("vllm-w4a16-marlin", "vllm", "the W4A16 copy, Machete disabled (VLLM_DISABLED_KERNELS)",
+               build=lambda: peers.make_w4a16(model), env=marlin),
+    ]
+
+
+def resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+#: vLLM's log line naming the kernel a quantized linear got, e.g.
+#: "Using CutlassW4A8LinearKernel for CompressedTensorsW4A8Fp8".
+_KERNEL_LINE = re.compile(r"Using (\w+Kernel) for (\w+)")
+
+
+def chosen_kernels(log: Path) -> list[str]:
+    """'<kernel> for <scheme>' for every distinct such line of a system's log (stock vLLM's own choice)."""
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return []
+    return list(dict.fromkeys(f"{m.group(1)} for {m.group(2)}" for m in _KERNEL_LINE.finditer(text)))
 
 
 def plugins_without_anychip() -> str:
@@ -198,6 +255,7 @@ def run_system(system: System, args: argparse.Namespace, workdir: Path) -> dict[
     coverage = workdir / f"{system.name}.coverage.json" if system.plugin else None
     spec = RunSpec(system=system.name, engine=system.engine, model=str(model), pp=args.pp, tg=args.tg,
                    reps=args.reps, threads=args.threads, eager=args.eager, budget_s=args.budget_s,
+                   device=args.device, batch=args.batch if system.engine == "vllm" else 0,
                    env=system_env(system, args.threads, coverage), notes=system.notes)
     result = _run_child(spec, workdir, timeout_s=args.budget_s + 900)
     if not result.get("ok") and not result.get("timed_out") and system.engine == "vllm" and not args.eager:
@@ -206,6 +264,8 @@ def run_system(system: System, args: argparse.Namespace, workdir: Path) -> dict[
         result = _run_child(spec, workdir, timeout_s=args.budget_s + 900)
         row["notes"] = system.notes + [f"compiled mode failed ({compiled_error}); measured eager"]
     row["model"] = str(model)
+    if system.engine == "vllm" and not system.plugin:
+        row["vllm_kernels"] = chosen_kernels(workdir / f"{system.name}{'-eager' if spec.eager else ''}.log")
     if not result.get("ok"):
         return dict(row, status="failed", error=result.get("error"))
     summary = summarize_latency(result["pp"], result["tg"], [RepTiming(*t) for t in result["timings"]])
@@ -214,18 +274,22 @@ def run_system(system: System, args: argparse.Namespace, workdir: Path) -> dict[
                t_tg_s=summary.t_tg_s, timings=result["timings"], engine_start_s=result["engine_start_s"],
                settings=result["settings"], loadavg=result.get("loadavg"), cpu_share=result.get("cpu_share"),
                waited_for_idle_s=waited, peak_rss_mib=result.get("peak_rss_mib"))
+    if result.get("batch_timings"):
+        n, tg = result["batch"], result["batch_tg"]
+        row.update(batch=n, batch_pp=result["batch_pp"], batch_tg=tg, batch_timings=result["batch_timings"],
+                   batch_tps=mean_sd([n * tg / t for t in result["batch_timings"]]))
     if coverage is not None:
         row["coverage"] = _coverage_summary(coverage)
     return row
 
 
-def target_checks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Ours ÷ peer for every target whose two rows were measured; sizes that differ are flagged."""
+def target_checks(rows: list[dict[str, Any]], device: str = "cpu") -> list[dict[str, Any]]:
+    """Ours ÷ peer for every target of the device whose two rows were measured; sizes that differ are flagged."""
     by = {r["system"]: r for r in rows if r.get("status") == "ok"}
     out = []
-    for mine, metric, peer, target in TARGETS:
+    for mine, metric, peer, target in GPU_TARGETS if device == "cuda" else TARGETS:
         ours, theirs = by.get(mine), by.get(peer)
-        if ours is None or theirs is None:
+        if ours is None or theirs is None or f"{metric}_tps" not in ours or f"{metric}_tps" not in theirs:
             continue
         value = ratio(ours[f"{metric}_tps"].mean, theirs[f"{metric}_tps"].mean)
         same = ours[metric] == theirs[metric]
@@ -243,21 +307,30 @@ def render_markdown(doc: dict[str, Any]) -> str:
     req = doc["requested"]
     lines = [f"# anychip bench latency: pp{req['pp']} / tg{req['tg']}", "", "Commands:", ""]
     lines += [f"- `{c}`" for c in doc["commands"]] + [""]
-    lines += [f"Machine: {doc['machine']['cpu']}, {doc['machine']['cpus']} CPUs, {doc['threads']} thread(s) per "
-              f"system; {doc['created']}. Tokens/s, mean ± sd over repetitions (llama-bench semantics: random token "
-              "ids, empty KV cache per repetition).", ""]
+    gpu = doc["machine"].get("gpu")
+    where = f"{gpu} (host: {doc['machine']['cpu']})" if gpu else \
+        f"{doc['machine']['cpu']}, {doc['machine']['cpus']} CPUs, {doc['threads']} thread(s) per system"
+    lines += [f"Machine: {where}; {doc['created']}. Tokens/s, mean ± sd over repetitions (llama-bench semantics: "
+              "random token ids, empty KV cache per repetition).", ""]
+    batched = [r for r in doc["rows"] if r.get("batch_tps")]
     headers = ["system", "weights", f"pp{req['pp']} tok/s", f"tg{req['tg']} tok/s", "total tok/s", "reps",
                "engine start s", "peak RSS MiB", "mode"]
+    if batched:
+        b = batched[0]
+        headers.insert(5, f"batch {b['batch']} ({b['batch_pp']} in, {b['batch_tg']} out) output tok/s")
     table = []
     for r in doc["rows"]:
         if r["status"] != "ok":
-            table.append([r["system"], r["weights"], "–", "–", "–", "–", "–", "–", r["status"]])
+            table.append([r["system"], r["weights"]] + ["–"] * (len(headers) - 3) + [r["status"]])
             continue
         pp = f"{fmt(r['pp_tps'].mean)} ± {fmt(r['pp_tps'].sd)}" + ("" if r["pp"] == req["pp"] else f" ({_size(r, 'pp')})")
         tg = f"{fmt(r['tg_tps'].mean)} ± {fmt(r['tg_tps'].sd)}" + ("" if r["tg"] == req["tg"] else f" ({_size(r, 'tg')})")
-        table.append([r["system"], r["weights"], pp, tg, f"{fmt(r['total_tps'].mean)} ± {fmt(r['total_tps'].sd)}",
-                      str(r["reps"]), fmt(r["engine_start_s"]), fmt(r.get("peak_rss_mib")),
-                      r["settings"].get("compile_mode", "")])
+        cells = [r["system"], r["weights"], pp, tg, f"{fmt(r['total_tps'].mean)} ± {fmt(r['total_tps'].sd)}",
+                 str(r["reps"]), fmt(r["engine_start_s"]), fmt(r.get("peak_rss_mib")),
+                 r["settings"].get("compile_mode", "")]
+        if batched:
+            cells.insert(5, f"{fmt(r['batch_tps'].mean)} ± {fmt(r['batch_tps'].sd)}" if r.get("batch_tps") else "–")
+        table.append(cells)
     lines.append(markdown_table(headers, table, text_columns=2))
     if doc["targets"]:
         lines += ["", "## Targets (ours ÷ peer)", ""]
@@ -274,6 +347,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
             if r.get("reduced"):
                 notes.append(f"- {r['system']}: reduced to fit the time budget (*): {r['reduced']}")
             notes += [f"- {r['system']}: {n}" for n in r["notes"]]
+            if r.get("vllm_kernels"):
+                notes.append(f"- {r['system']}: vLLM chose " + "; ".join(r["vllm_kernels"]))
             cov = r.get("coverage")
             if cov:
                 routes = ", ".join(f"{k}: {v}" for k, v in cov["routes"].items())
@@ -319,7 +394,7 @@ def plot(doc: dict[str, Any], png: Path) -> None:
     plt.close(fig)
 
 
-_STATS = ("pp_tps", "tg_tps", "total_tps", "t_pp_s", "t_tg_s")
+_STATS = ("pp_tps", "tg_tps", "total_tps", "t_pp_s", "t_tg_s", "batch_tps")
 
 
 def merge_into(path: Path, doc: dict[str, Any]) -> dict[str, Any]:
@@ -343,6 +418,12 @@ def merge_into(path: Path, doc: dict[str, Any]) -> dict[str, Any]:
     return doc
 
 
+def _gpu_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0)
+
+
 def _default_model() -> Path:
     from anychip.checkpoint.prepare import prepare_default
 
@@ -354,7 +435,10 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
     model = Path(args.model).expanduser().resolve() if args.model else _default_model()
     md = ModelDir.open(model)
     args.threads = args.threads or len(os.sched_getaffinity(0))
-    systems = plan_systems(md, args.peers)
+    args.device = resolve_device(getattr(args, "device", "cpu"))
+    batch = getattr(args, "batch", None)
+    args.batch = (64 if args.device == "cuda" else 0) if batch is None else batch
+    systems = plan_systems(md, args.peers, args.device)
     if args.systems:
         unknown = sorted(set(args.systems) - {s.name for s in systems} - set(SYSTEMS))
         if unknown:
@@ -378,12 +462,15 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
     command = command_line(getattr(args, "argv", None))
     for row in rows:
         row.update(command=command, measured_at=now(), source=where.get("source"))
+    if args.device == "cuda":
+        where["gpu"] = _gpu_name()
     doc = {"benchmark": "latency", "created": now(), "machine": where, "model": str(model), "threads": args.threads,
+           "device": args.device,
            "requested": {"pp": args.pp, "tg": args.tg, "reps": args.reps}, "rows": rows}
     if args.json and args.append:
         doc = merge_into(Path(args.json), doc)
     doc["commands"] = list(dict.fromkeys(r["command"] for r in doc["rows"] if r.get("command")))
-    doc["targets"] = target_checks(doc["rows"])
+    doc["targets"] = target_checks(doc["rows"], args.device)
     for t in doc["targets"]:
         print(f"  {t['metric']:>6} vs {t['peer']:<16} {t['ratio']:.2f}x (target {t['target']:.1f}x) "
               f"{'met' if t['met'] else 'NOT met'}")

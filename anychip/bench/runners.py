@@ -3,7 +3,8 @@
 `anychip bench latency` starts this module once per system so that engines share neither memory nor threads. It
 builds the engine (vLLM's offline `LLM`, or llama.cpp through llama-cpp-python), then runs the llama-bench loop
 that both engines share (`measure`): a probe, a warm-up, and `reps` repetitions of one prefill of `pp` random
-tokens and `tg` single-token decode steps, each on an empty KV cache (prefix caching off, fresh random ids).
+tokens and `tg` single-token decode steps, each on an empty KV cache (prefix caching off, fresh random ids);
+with `batch`, then `batch` requests of `pp` random tokens generating `tg` each, all submitted at once (vLLM only).
 It records raw seconds only; `anychip.bench.metrics` turns them into rates.
 """
 
@@ -36,6 +37,8 @@ class RunSpec:
     system: row name in the report ("anychip-w4a8", "vllm-bf16", ...).
     env: environment the parent set for this system (recorded, already applied when the child starts).
     budget_s: wall-time budget for probe + warm-up + repetitions; pp, tg and reps shrink to fit (recorded).
+    device: "cpu" or "cuda", where the engine runs (vLLM picks it from its build; recorded).
+    batch: requests in the batched run (0: none); batch_reps: its timed repetitions.
     """
 
     system: str
@@ -49,13 +52,20 @@ class RunSpec:
     budget_s: float = 600.0
     seed: int = 0
     dtype: str = "bfloat16"
+    device: str = "cpu"
+    batch: int = 0
+    batch_reps: int = 3
     env: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        for name in ("pp", "tg", "reps", "threads"):
+        for name in ("pp", "tg", "reps", "threads", "batch_reps"):
             if getattr(self, name) < 1:
-                raise ValueError(f"--{name} must be at least 1, got {getattr(self, name)}")
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.batch < 0:
+            raise ValueError(f"--batch must be 0 (off) or a number of requests, got {self.batch}")
+        if self.batch and self.engine != "vllm":
+            raise ValueError(f"--batch: {self.system} runs one sequence at a time (llama-cpp-python); leave it out")
 
 
 class Timed(Protocol):
@@ -76,6 +86,7 @@ class VllmTimed:
     ignore_eos, i.e. `steps` forward passes of one token each, the first of them the one-token prefill."""
 
     def __init__(self, spec: RunSpec, max_len: int):
+        seqs = max(1, spec.batch)
         for name, value in envs.VLLM_STARTUP.items():  # the child process owns its environment
             os.environ.setdefault(name, value)
         from anychip.vllm_plugin import offline  # vLLM's public offline API only
@@ -83,14 +94,15 @@ class VllmTimed:
         self._offline = offline
         cfg = ModelDir.open(spec.model).config
         self.vocab_size = int(cfg["vocab_size"])
-        kv_bytes = _kv_cache_bytes(cfg, max_len)
+        kv_bytes = _kv_cache_bytes(cfg, max_len) * seqs
         self._kwargs: dict[str, Any] = dict(
             model=spec.model,
             dtype=spec.dtype,
             skip_tokenizer_init=True,
             max_model_len=max_len,
-            max_num_batched_tokens=max(max_len, 256),
-            max_num_seqs=1,
+            # batched: vLLM's GPU default step size, so 64 prompts prefill in a few steps
+            max_num_batched_tokens=max(max_len, 8192 if spec.batch else 256),
+            max_num_seqs=seqs,
             enable_prefix_caching=False,
             enforce_eager=spec.eager,
             distributed_executor_backend="uni",
@@ -99,22 +111,26 @@ class VllmTimed:
         )
         self.llm = offline.make_llm(**self._kwargs)
 
-    def _run(self, ids: list[int], max_tokens: int) -> float:
-        sp = self._offline.sampling_params(max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True, temperature=0.0,
-                      detokenize=False)
+    def _run(self, prompts: list[list[int]], max_tokens: int) -> float:
+        sp = self._offline.sampling_params(max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True,
+                                           temperature=0.0, detokenize=False)
         t0 = time.perf_counter()
-        out = self.llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)
+        out = self.llm.generate([{"prompt_token_ids": ids} for ids in prompts], sp, use_tqdm=False)
         dt = time.perf_counter() - t0
-        got = len(out[0].outputs[0].token_ids)
-        if got != max_tokens:
-            raise RuntimeError(f"vLLM generated {got} tokens, expected {max_tokens}")
+        got = sorted({len(o.outputs[0].token_ids) for o in out})
+        if len(out) != len(prompts) or got != [max_tokens]:
+            raise RuntimeError(f"vLLM generated {got} tokens for {len(out)} of {len(prompts)} requests, expected "
+                               f"{max_tokens} each")
         return dt
 
     def prefill(self, ids: list[int]) -> float:
-        return self._run(ids, 1)
+        return self._run([ids], 1)
 
     def decode(self, first: int, steps: int) -> float:
-        return self._run([first], steps)
+        return self._run([[first]], steps)
+
+    def batch(self, prompts: list[list[int]], steps: int) -> float:
+        return self._run(prompts, steps)
 
     def settings(self) -> dict[str, Any]:
         import torch
@@ -206,7 +222,15 @@ def measure(engine: Timed, spec: RunSpec, probe: tuple[int, int] = (32, 4)) -> d
             break
     # CPU seconds this process got per wall second per thread: well below 1 means other work took the cores
     cpu_share = cpu_s / (sum(map(sum, timings)) * spec.threads)
-    return {"pp": plan.pp, "tg": plan.tg, "reps": len(timings), "reduced": reason, "timings": timings,
+    batched: dict[str, Any] = {}
+    if spec.batch:  # at the requested sizes: the budget plan sizes the batch-one loop only
+        def prompts() -> list[list[int]]:
+            return [ids(spec.pp) for _ in range(spec.batch)]
+
+        engine.batch(prompts(), spec.tg)  # warm-up
+        batched = {"batch": spec.batch, "batch_pp": spec.pp, "batch_tg": spec.tg,
+                   "batch_timings": [engine.batch(prompts(), spec.tg) for _ in range(spec.batch_reps)]}
+    return {"pp": plan.pp, "tg": plan.tg, "reps": len(timings), "reduced": reason, "timings": timings, **batched,
             "probe_s_per_token": {"pp": s_pp, "tg": s_tg}, "loadavg": [load_before, os.getloadavg()[0]],
             "cpu_share": cpu_share}
 
@@ -217,7 +241,7 @@ def _process_cpu_s() -> float:
 
 
 def run(spec: RunSpec) -> dict[str, Any]:
-    max_len = max(spec.pp, spec.tg) + 16
+    max_len = (spec.pp + spec.tg if spec.batch else max(spec.pp, spec.tg)) + 16
     t0 = time.perf_counter()
     engine: Timed = (VllmTimed if spec.engine == "vllm" else LlamaCppTimed)(spec, max_len)
     start_s = time.perf_counter() - t0
@@ -227,6 +251,7 @@ def run(spec: RunSpec) -> dict[str, Any]:
     settings["env"] = spec.env
     settings["seed"] = spec.seed
     settings["python"] = platform.python_version()
+    settings["device"] = spec.device
     peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB; the whole process
     return {"ok": True, "engine_start_s": start_s, "settings": settings, "peak_rss_mib": peak_rss_mib, **result}
 

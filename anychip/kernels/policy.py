@@ -11,6 +11,9 @@ from pathlib import Path
 
 #: How the output head is served: "bf16" as the checkpoint has it (default), "int8" quantized per channel at load.
 HEAD_KINDS = ("bf16", "int8")
+#: GPU GEMM configs (kernels/gpu/tuning.py): "load" times the shapes no table or cache knows, once, at load;
+#: "off" never times (those shapes run the default config).
+GPU_TUNING = ("load", "off")
 
 
 @dataclass(frozen=True)
@@ -19,16 +22,22 @@ class KernelPolicy:
     can serve.  allow_fallback: when no fast route can serve a linear, use the reference route instead of
     refusing.  build_dir: where the C++ extension is compiled and cached (None: ~/.cache/anychip/torch_extensions).
     head: one of HEAD_KINDS, how the output head is served (kernels/routes/head.py).
+    gpu_tuning: one of GPU_TUNING; tuning_dir: the disk cache of tuned GPU configs (None: none is read or written).
     """
 
     route: str | None = None
     allow_fallback: bool = False
     build_dir: Path | None = None
     head: str = "bf16"
+    gpu_tuning: str = "off"
+    tuning_dir: Path | None = None
 
     def __post_init__(self) -> None:
         if self.head not in HEAD_KINDS:
             raise ValueError(f"head={self.head!r} is not one of {HEAD_KINDS}: use --head bf16 or --head int8")
+        if self.gpu_tuning not in GPU_TUNING:
+            raise ValueError(f"gpu_tuning={self.gpu_tuning!r} is not one of {GPU_TUNING}: set ANYCHIP_GPU_TUNE=load "
+                             "or off")
 
     def forcing(self, route: str | None) -> KernelPolicy:
         """This policy with `route` forced (None keeps the policy's own)."""

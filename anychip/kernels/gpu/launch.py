@@ -1,10 +1,11 @@
-"""Launchers for the Triton W4A8 kernels: tile configs, split-K, and a small tuner.
+"""Launchers for the Triton W4A8 kernels: tile configs and split-K.
 
 Three regimes by tokens M: decode (M <= 16: memory-bound, a GEMV in disguise; 16-row tiles and split-K to put
 several programs on every multiprocessor), mid (M <= 64) and prefill (compute-bound; 64-128 row tiles on Hopper's
-wgmma). Each regime has a few candidate configs, the first being the default. The first call of a shape (regime,
-or M's octave for prefill; N, K, G) times the candidates and remembers the fastest for the process (`tuned()`, `clear_tuning()`); during CUDA graph
-capture, or off CUDA (the Triton interpreter), the default is used untimed.
+wgmma). Each regime has a few candidate configs, the first being the default. Which one serves a shape (regime,
+or M's octave for prefill; N, K, G) is decided at load by tuning.py (a shipped table, a disk cache, or timing the
+candidates once) and remembered here for the process (`remember`, `tuned()`, `clear_tuning()`); a call never
+times anything: a shape nobody tuned runs its regime's default config.
 """
 
 from __future__ import annotations
@@ -130,7 +131,7 @@ def w4a8_linear_q(
         return out
     if config is None:
         config = _tuned_config(xq, sx, weight, scales, bias, n, kk, group_size, out)
-    _launch(config, xq, sx, weight, scales, bias, n, kk, group_size, out, counter)
+    launch_config(config, xq, sx, weight, scales, bias, n, kk, group_size, out, counter)
     return out
 
 
@@ -158,8 +159,9 @@ def _check(xq: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, n: int,
                          "them with anychip.kernels.prepare.prepare_w4a8")
 
 
-def _launch(cfg: GemmConfig, xq, sx, weight, scales, bias, n, kk, g, out, counter: DeviceCounter | None = None):
-    """Runs the GEMM; returns its compiled kernel (registers, spills, PTX)."""
+def launch_config(cfg: GemmConfig, xq, sx, weight, scales, bias, n, kk, g, out,
+                  counter: DeviceCounter | None = None):
+    """Runs the GEMM with `cfg` into `out`; returns its compiled kernel (registers, spills, PTX)."""
     m = xq.shape[0]
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     split = cfg.split_k if tiles <= LOCKS else 1
@@ -191,7 +193,7 @@ def _locks(device: torch.device) -> torch.Tensor:
 def compile_report(xq, sx, weight, scales, n: int, kk: int, g: int, cfg: GemmConfig) -> dict[str, object]:
     """Run one config and read the compiler's resource report: registers, spills, shared memory, MMA kind."""
     out = torch.empty((xq.shape[0], n), dtype=torch.bfloat16, device=xq.device)
-    compiled = _launch(cfg, xq, sx.reshape(-1).float().contiguous(), weight, scales, None, n, kk, g, out)
+    compiled = launch_config(cfg, xq, sx.reshape(-1).float().contiguous(), weight, scales, None, n, kk, g, out)
     ptx = compiled.asm.get("ptx", "")
     mma = "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "none"
     return {"config": str(cfg), "registers": compiled.n_regs, "spills": compiled.n_spills,
@@ -200,22 +202,12 @@ def compile_report(xq, sx, weight, scales, n: int, kk: int, g: int, cfg: GemmCon
 
 def _tuned_config(xq, sx, weight, scales, bias, n, kk, g, out) -> GemmConfig:
     m, device = xq.shape[0], xq.device
-    options = candidates(m, n, kk, g, multiprocessors(device))
-    key = _key(m, n, kk, g, device)
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return _TUNED.get(key, options[0])
-    if key not in _TUNED:
-        from triton.testing import do_bench
+    return _TUNED.get(_key(m, n, kk, g, device)) or candidates(m, n, kk, g, multiprocessors(device))[0]
 
-        times = []
-        for cfg in options:
-            def run(cfg: GemmConfig = cfg) -> None:
-                _launch(cfg, xq, sx, weight, scales, bias, n, kk, g, out)
 
-            run()  # compile outside the timing
-            times.append(do_bench(run, warmup=5, rep=20, return_mode="median"))
-        _TUNED[key] = options[min(range(len(options)), key=times.__getitem__)]
-    return _TUNED[key]
+def remember(m: int, n: int, kk: int, g: int, device: torch.device, cfg: GemmConfig) -> None:
+    """Serve M's bucket of this shape on `device` with `cfg` for the rest of the process (tuning.py)."""
+    _TUNED[_key(m, n, kk, g, device)] = cfg
 
 
 def config_for(m: int, n: int, kk: int, g: int, device: torch.device) -> GemmConfig | None:

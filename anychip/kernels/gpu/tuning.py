@@ -1,0 +1,178 @@
+"""Tuned GEMM configs per GPU and shape, so that no request ever waits for the tuner.
+
+A config is looked up by (M bucket, N, K, G) on one GPU model (launch._key's bucket: "decode" for M <= 16, "mid"
+for M <= 64, then one entry an octave of M up to 4096). Where the answer comes from, first hit wins:
+  1. this process (`launch.tuned()`);
+  2. the disk cache, `<tuning_dir>/<gpu>.json`, written by earlier engines on this machine;
+  3. the table shipped with anychip, `anychip/kernels/gpu/tuned/<gpu>.json` (made on a lent GPU with
+     `python -m anychip.kernels.gpu.tuning`);
+  4. at load (`KernelPolicy.gpu_tuning == "load"`, the default), `tune_linear` times every bucket's candidates on
+     the layer's own weights once and writes the disk cache; with "off", the regime's default config.
+The request path only reads: a shape first seen at run time gets the default config, never a timing stall.
+
+File format: {"gpu": name, "triton": version, "entries": {"<bucket>:<N>:<K>:<G>": {GemmConfig fields}}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from anychip.kernels.gpu import launch
+
+SHIPPED_DIR = Path(__file__).parent / "tuned"
+#: (bucket, M the candidates are timed at): decode at batch one, its headline case; prefill at the octave's top.
+BUCKETS: tuple[tuple[str | int, int], ...] = (("decode", 1), ("mid", 64)) + tuple(
+    (m, m) for m in (128, 256, 512, 1024, 2048, 4096))
+TUNING_MODES = ("load", "off")
+
+_files: dict[Path, dict[str, dict]] = {}  # path -> entries, read once a process
+
+
+def gpu_slug(device: torch.device) -> str:
+    """'nvidia-h200' for 'NVIDIA H200': the file name of the GPU model's table."""
+    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).lower()).strip("-")
+
+
+def entry_key(bucket: str | int, n: int, k: int, g: int) -> str:
+    return f"{bucket}:{n}:{k}:{g}"
+
+
+def _read(path: Path) -> dict[str, dict]:
+    if path not in _files:
+        try:
+            _files[path] = dict(json.loads(path.read_text()).get("entries", {}))
+        except FileNotFoundError:
+            _files[path] = {}
+        except (OSError, ValueError) as exc:  # a damaged cache is rebuilt, never fatal
+            print(f"anychip: ignoring unreadable GPU tuning file {path}: {exc}", file=sys.stderr)
+            _files[path] = {}
+    return _files[path]
+
+
+def _write(path: Path, device: torch.device, new: dict[str, dict]) -> None:
+    """Merge `new` into the file atomically (re-read first: another engine may have written since)."""
+    import triton
+
+    _files.pop(path, None)
+    entries = {**_read(path), **new}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"gpu": torch.cuda.get_device_name(device), "triton": triton.__version__, "entries": dict(sorted(
+        entries.items()))}
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(tmp, path)
+    _files[path] = entries
+
+
+def _config(fields: dict) -> launch.GemmConfig | None:
+    try:
+        return launch.GemmConfig(**fields)
+    except (TypeError, ValueError):  # written by another anychip version: retune rather than fail
+        return None
+
+
+def lookup(bucket: str | int, n: int, k: int, g: int, device: torch.device,
+           tuning_dir: Path | None) -> launch.GemmConfig | None:
+    """The disk cache's or the shipped table's config for this shape on this GPU model, if either has one."""
+    slug, key = gpu_slug(device), entry_key(bucket, n, k, g)
+    for path in ([tuning_dir / f"{slug}.json"] if tuning_dir else []) + [SHIPPED_DIR / f"{slug}.json"]:
+        if key in (entries := _read(path)) and (cfg := _config(entries[key])) is not None:
+            return cfg
+    return None
+
+
+def tune_linear(weight: torch.Tensor, scales: torch.Tensor, n: int, k: int, g: int, mode: str,
+                tuning_dir: Path | None) -> None:
+    """Make every bucket's config known for this linear before it serves (called at load, by the route's
+    prepare): from the caches, else (mode "load") timed here on the layer's weights and written to the disk
+    cache; mode "off" leaves unknown buckets on their default config."""
+    if mode not in TUNING_MODES:
+        raise ValueError(f"GPU tuning mode {mode!r} is not one of {TUNING_MODES}")
+    device = weight.device
+    if device.type != "cuda":
+        return
+    fresh: dict[str, dict] = {}
+    for bucket, m in BUCKETS:
+        if launch.config_for(m, n, k, g, device) is not None:
+            continue
+        cfg = lookup(bucket, n, k, g, device, tuning_dir)
+        if cfg is None and mode == "load":
+            cfg = _time_candidates(m, weight, scales, n, k, g)
+            fresh[entry_key(bucket, n, k, g)] = asdict(cfg)
+        if cfg is not None:
+            launch.remember(m, n, k, g, device, cfg)
+    if fresh and tuning_dir is not None:
+        _write(tuning_dir / f"{gpu_slug(device)}.json", device, fresh)
+
+
+def _time_candidates(m: int, weight: torch.Tensor, scales: torch.Tensor, n: int, k: int, g: int
+                     ) -> launch.GemmConfig:
+    from triton.testing import do_bench
+
+    gen = torch.Generator(device=weight.device).manual_seed(m * 7919 + n)
+    xq = torch.randint(-127, 128, (m, k), dtype=torch.int8, device=weight.device, generator=gen)
+    sx = torch.rand((m,), dtype=torch.float32, device=weight.device, generator=gen) / 100 + 1e-4
+    out = torch.empty((m, n), dtype=torch.bfloat16, device=weight.device)
+    options = launch.candidates(m, n, k, g, launch.multiprocessors(weight.device))
+    times = []
+    for cfg in options:
+        def run(cfg: launch.GemmConfig = cfg) -> None:
+            launch.launch_config(cfg, xq, sx, weight, scales, None, n, k, g, out)
+
+        run()  # compile outside the timing
+        times.append(do_bench(run, warmup=5, rep=20, return_mode="median"))
+    return options[min(range(len(options)), key=times.__getitem__)]
+
+
+def shapes_of(config: dict) -> list[tuple[int, int, int]]:
+    """(N, K, G) of every quantized linear a Llama-style config.json has, as vLLM merges them (qkv, gate_up)."""
+    hidden, inter = int(config["hidden_size"]), int(config["intermediate_size"])
+    heads = int(config["num_attention_heads"])
+    kv = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    groups = [grp for grp in config["quantization_config"]["config_groups"].values()]
+    g = int(groups[0]["weights"]["group_size"])
+    return sorted({((heads + 2 * kv) * head_dim, hidden, g), (hidden, heads * head_dim, g), (2 * inter, hidden, g),
+                   (hidden, inter, g)})
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Tune the shapes of the given model directories (or N,K,G triples) on this GPU into a table file."""
+    parser = argparse.ArgumentParser(prog="python -m anychip.kernels.gpu.tuning", description=main.__doc__)
+    parser.add_argument("shapes", nargs="+", help="a model directory (its config.json) or N,K,G")
+    parser.add_argument("--out", type=Path, default=SHIPPED_DIR, help="folder of the <gpu>.json table")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda")
+    triples: list[tuple[int, int, int]] = []
+    for text in args.shapes:
+        path = Path(text)
+        if (path / "config.json").exists():
+            triples += shapes_of(json.loads((path / "config.json").read_text()))
+        else:
+            triples.append(tuple(int(v) for v in text.split(",")))  # type: ignore[arg-type]
+    launch.clear_tuning()
+    t0 = time.perf_counter()
+    for n, k, g in sorted(set(triples)):
+        gen = torch.Generator(device=device).manual_seed(n * 31 + k)
+        weight = torch.randint(-128, 128, (n, k // 2), dtype=torch.int8, device=device, generator=gen)
+        scales = torch.rand((k // g, n), dtype=torch.float32, device=device, generator=gen) / 50 + 1e-3
+        tune_linear(weight, scales, n, k, g, "load", args.out)
+        print(f"N={n} K={k} G={g}: " + ", ".join(
+            f"{b}={launch.config_for(m, n, k, g, device)}" for b, m in BUCKETS), flush=True)
+    print(f"tuned {len(set(triples))} shapes in {time.perf_counter() - t0:.0f} s -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
