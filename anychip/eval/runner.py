@@ -18,12 +18,16 @@ from pathlib import Path
 from typing import Any
 
 from anychip.checkpoint.model_dir import ModelDir, ModelDirError
+from anychip.envs import ANYCHIP_HEAD, patched_environ
 from anychip.eval.requests import PairEncoder, pair_sequence, plan_requests, rolling_windows
 from anychip.eval.scoring import TaskScore, compare, perplexity, score_task
 from anychip.eval.tasks import (PERPLEXITY, EvalDataError, data_source, load_task, load_text, resolve_data_dir,
                                 select_tasks)
 
-ENGINES: tuple[str, ...] = ("vllm", "torch")
+ENGINES: tuple[str, ...] = ("vllm", "torch", "llama.cpp")
+#: Label prefix of llama.cpp peers in the report ("llama.cpp-Q4_0") and the suffix of the INT8-head variant.
+LLAMA_CPP = "llama.cpp"
+HEAD_INT8 = "+head-int8"
 
 
 @dataclass(frozen=True)
@@ -34,7 +38,8 @@ class EvalSettings:
     window, stride: perplexity windows of `window` tokens every `stride` tokens (each token scored once, with at
         least window - stride tokens of context after the first window).
     max_len: the engine's context length; longer requests are left-truncated as lm-eval does.
-    engine: "vllm" (the serving path) or "torch" (transformers; W4A8 on the torch reference arithmetic).
+    engine: "vllm" (the serving path) or "torch" (transformers; W4A8 on the torch reference arithmetic); a
+        Target's own engine wins (llama.cpp peers).
     device: torch device for engine="torch".
     """
 
@@ -65,6 +70,25 @@ class ModelResult:
     logliks: dict[str, list[list[float]]] = field(default_factory=dict)  # per task, per item, per choice
 
 
+@dataclass(frozen=True)
+class Target:
+    """One model of a report: its label, what the engine loads and how.
+
+    path: a model directory, or a GGUF file for engine="llama.cpp".
+    engine: None takes EvalSettings.engine.
+    env: variables set while the engine starts and runs (ANYCHIP_HEAD=int8 for the INT8-head variant).
+    tokenizer: the Hugging Face tokenizer directory (llama.cpp: the BF16 source the GGUF was made from).
+    baseline: the label this one's delta is taken against ("" for none).
+    """
+
+    label: str
+    path: Path
+    engine: str | None = None
+    env: tuple[tuple[str, str], ...] = ()
+    tokenizer: Path | None = None
+    baseline: str = ""
+
+
 def bf16_source(model_dir: Path) -> Path:
     """The BF16 directory a W4A8 checkpoint was quantized from (recorded by `anychip quantize`)."""
     try:
@@ -73,24 +97,31 @@ def bf16_source(model_dir: Path) -> Path:
         raise ModelDirError(f"--compare-bf16: {exc}") from None
 
 
-def make_engine(model_dir: Path, settings: EvalSettings):
-    if settings.engine == "vllm":
+def make_engine(target: Target, settings: EvalSettings):
+    engine = target.engine or settings.engine
+    if engine == "vllm":
         from anychip.eval.engines import VllmEngine
 
-        return VllmEngine(model_dir, max_len=settings.max_len)
+        return VllmEngine(target.path, max_len=settings.max_len)
+    if engine == LLAMA_CPP:
+        from anychip.eval.llama_cpp_engine import LlamaCppEngine
+
+        return LlamaCppEngine(target.path, target.tokenizer or target.path.parent, max_len=settings.max_len)
     from anychip.eval.engines import TorchEngine
 
-    return TorchEngine.from_dir(model_dir, device=settings.device, max_len=settings.max_len)
+    return TorchEngine.from_dir(target.path, device=settings.device, max_len=settings.max_len)
 
 
-def evaluate_model(model_dir: Path, task_files: list[Path], text: str | None, settings: EvalSettings) -> ModelResult:
-    """Score every task (and the perplexity text, if given) with one engine on `model_dir`, in this process."""
+def evaluate_model(model: Path | Target, task_files: list[Path], text: str | None,
+                   settings: EvalSettings) -> ModelResult:
+    """Score every task (and the perplexity text, if given) with one engine on `model`, in this process."""
     from anychip.eval.engines import vllm_environment
 
-    with vllm_environment():
-        engine = make_engine(model_dir, settings)
+    target = model if isinstance(model, Target) else Target(Path(model).name, Path(model))
+    with vllm_environment(), patched_environ(dict(target.env)):
+        engine = make_engine(target, settings)
         try:
-            return evaluate_engine(engine, str(model_dir), task_files, text, settings)
+            return evaluate_engine(engine, str(target.path), task_files, text, settings)
         finally:
             engine.close()
 
@@ -127,58 +158,105 @@ def _perplexity(engine, text: str, settings: EvalSettings, label: str) -> dict[s
     return {"ppl": perplexity(-nll, scored), "nll_per_token": nll / scored, "tokens": scored, "windows": len(windows)}
 
 
-def evaluate_isolated(model_dir: Path, task_files: list[Path], text: str | None,
+def evaluate_isolated(model: Path | Target, task_files: list[Path], text: str | None,
                       settings: EvalSettings) -> ModelResult:
     """evaluate_model in a fresh spawned process; its memory and engine state go when it returns."""
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(evaluate_model, model_dir, task_files, text, settings).result()
+        return pool.submit(evaluate_model, model, task_files, text, settings).result()
 
 
-def build_report(results: dict[str, ModelResult], settings: EvalSettings, extra: dict[str, Any]) -> dict[str, Any]:
-    """The JSON report: per task, each model's summary and (with two models) the W4A8 - BF16 delta."""
+def report_pairs(labels: list[str], baselines: dict[str, str] | None = None) -> list[tuple[str, str]]:
+    """(model, base) pairs the report gives deltas for: W4A8 - BF16, each Target's own baseline, and W4A8 -
+    each llama.cpp peer (the peer quantizes the same BF16 weights)."""
+    pairs = [("w4a8", "bf16")] if "w4a8" in labels and "bf16" in labels else []
+    pairs += [(label, base) for label, base in (baselines or {}).items() if base and base in labels]
+    if "w4a8" in labels:
+        pairs += [("w4a8", label) for label in labels if label.startswith(LLAMA_CPP)]
+    return list(dict.fromkeys(pairs))
+
+
+def _ppl_delta(model: dict[str, Any], base: dict[str, Any]) -> dict[str, float]:
+    ratio = model["ppl"] / base["ppl"]
+    return {"ppl_ratio": ratio, "ppl_increase_pct": 100.0 * (ratio - 1.0)}
+
+
+def build_report(results: dict[str, ModelResult], settings: EvalSettings, extra: dict[str, Any],
+                 baselines: dict[str, str] | None = None) -> dict[str, Any]:
+    """The JSON report: per task, each model's summary and the deltas of report_pairs ("delta": W4A8 - BF16;
+    "deltas": {"A - B": ...} for every pair); per task and model, the items' 0/1 outcomes as strings (to pair
+    them with another report's)."""
+    pairs = report_pairs(list(results), baselines)
     tasks: dict[str, Any] = {}
+    items: dict[str, Any] = {}
     names = list(next(iter(results.values())).tasks)
     for name in names:
         entry: dict[str, Any] = {label: r.tasks[name].summary() for label, r in results.items()}
-        if "w4a8" in results and "bf16" in results:
-            entry["delta"] = compare(results["w4a8"].tasks[name], results["bf16"].tasks[name])
+        deltas = {f"{a} - {b}": {**compare(results[a].tasks[name], results[b].tasks[name]),
+                                 "mean_abs_loglik_diff": _mean_abs_diff(results[a].logliks.get(name),
+                                                                        results[b].logliks.get(name))}
+                  for a, b in pairs}
+        if ("w4a8", "bf16") in pairs:
+            entry["delta"] = deltas["w4a8 - bf16"]
+        if deltas:
+            entry["deltas"] = deltas
         tasks[name] = entry
+        items[name] = {label: {"acc": _bits(r.tasks[name].acc_items), "acc_norm": _bits(r.tasks[name].acc_norm_items)}
+                       for label, r in results.items()}
     if all(r.ppl is not None for r in results.values()):
         entry = {label: r.ppl for label, r in results.items()}
-        if "w4a8" in results and "bf16" in results:
-            ratio = results["w4a8"].ppl["ppl"] / results["bf16"].ppl["ppl"]  # type: ignore[index]
-            entry["delta"] = {"ppl_ratio": ratio, "ppl_increase_pct": 100.0 * (ratio - 1.0)}
+        deltas = {f"{a} - {b}": _ppl_delta(results[a].ppl, results[b].ppl) for a, b in pairs}  # type: ignore[arg-type]
+        if ("w4a8", "bf16") in pairs:
+            entry["delta"] = deltas["w4a8 - bf16"]
+        if deltas:
+            entry["deltas"] = deltas
         tasks[PERPLEXITY] = entry
     return {
         "models": {label: r.model for label, r in results.items()},
         "settings": asdict(settings),
         **extra,
-        "ci": "delta = W4A8 - BF16 in accuracy units; acc*_ci95: paired per-item differences, normal "
-              "approximation (mean +- 1.96 * sd(ddof=1) / sqrt(n))",
+        "ci": "delta = A - B in accuracy units (W4A8 - BF16 unless named); acc*_ci95: paired per-item differences, "
+              "normal approximation (mean +- 1.96 * sd(ddof=1) / sqrt(n))",
         "tasks": tasks,
+        "items": items,
         "seconds": {label: r.seconds for label, r in results.items()},
     }
 
 
+def _mean_abs_diff(a: list[list[float]] | None, b: list[list[float]] | None) -> float | None:
+    """Mean |loglik difference| over every choice of every item (nats): how far apart two engines score."""
+    if not a or not b:
+        return None
+    diffs = [abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)]
+    return sum(diffs) / len(diffs) if diffs else None
+
+
+def _bits(outcomes: tuple[float, ...]) -> str:
+    return "".join("1" if x else "0" for x in outcomes)
+
+
+_NOT_MODELS = ("delta", "deltas")
+
+
 def format_report(report: dict[str, Any]) -> str:
     """A plain-text table of the report (accuracies in percent)."""
-    lines = [f"{'task':<18} {'model':<6} {'acc':>7} {'acc_norm':>9} {'n':>6}   delta acc_norm [95% CI]"]
+    labels = list(report["models"])
+    w = max(6, *(len(label) for label in labels))
+    lines = [f"{'task':<18} {'model':<{w}} {'acc':>7} {'acc_norm':>9} {'n':>6}   delta acc_norm [95% CI]"]
     for name, entry in report["tasks"].items():
-        for label in ("bf16", "w4a8"):
-            if label not in entry:
-                continue
+        for label in [x for x in entry if x not in _NOT_MODELS]:
             m = entry[label]
             if name == PERPLEXITY:
-                lines.append(f"{name:<18} {label:<6} ppl {m['ppl']:.4f} over {m['tokens']} tokens")
+                lines.append(f"{name:<18} {label:<{w}} ppl {m['ppl']:.4f} over {m['tokens']} tokens")
                 continue
-            lines.append(f"{name:<18} {label:<6} {100 * m['acc']:7.2f} {100 * m['acc_norm']:9.2f} {m['n']:>6}")
-        d = entry.get("delta")
-        if d and name == PERPLEXITY:
-            lines.append(f"{'':<18} delta  ppl {d['ppl_increase_pct']:+.2f}%")
-        elif d:
+            lines.append(f"{name:<18} {label:<{w}} {100 * m['acc']:7.2f} {100 * m['acc_norm']:9.2f} {m['n']:>6}")
+        deltas = entry.get("deltas") or ({"w4a8 - bf16": entry["delta"]} if "delta" in entry else {})
+        for pair, d in deltas.items():
+            if name == PERPLEXITY:
+                lines.append(f"{'':<18} {'delta':<{w}} ppl {d['ppl_increase_pct']:+.2f}%  ({pair})")
+                continue
             lo, hi = d["acc_norm_ci95"]
-            lines.append(f"{'':<18} delta  {100 * d['acc']:+7.2f} {100 * d['acc_norm']:+9.2f}"
-                         f"          [{_pct(lo)}, {_pct(hi)}]")
+            lines.append(f"{'':<18} {'delta':<{w}} {100 * d['acc']:+7.2f} {100 * d['acc_norm']:+9.2f}"
+                         f"          [{_pct(lo)}, {_pct(hi)}]  ({pair})")
     return "\n".join(lines)
 
 
@@ -194,22 +272,45 @@ def models_to_evaluate(model: Path, compare_bf16: bool) -> dict[str, Path]:
     return models
 
 
+def targets_to_evaluate(model: Path, compare_bf16: bool, head_int8: bool = False,
+                        llama_cpp: list[str] | None = None) -> list[Target]:
+    """The report's models: `model` (and its BF16 source), `model` with the INT8 head (ANYCHIP_HEAD=int8), and
+    llama.cpp GGUFs of the BF16 source in each file type of `llama_cpp` (made once with llama.cpp's quantizer)."""
+    targets = [Target(label, path) for label, path in models_to_evaluate(model, compare_bf16).items()]
+    own = targets[0].label
+    if head_int8:
+        targets.append(Target(own + HEAD_INT8, model, env=((ANYCHIP_HEAD, "int8"),), baseline=own))
+    if llama_cpp:
+        from anychip.eval.llama_cpp_engine import gguf_for
+
+        bf16 = model if own == "bf16" else bf16_source(model)
+        for ftype in llama_cpp:
+            targets.append(Target(f"{LLAMA_CPP}-{ftype}", gguf_for(bf16, ftype), engine=LLAMA_CPP, tokenizer=bf16,
+                                  baseline="bf16"))
+    return targets
+
+
 def run_eval(model: Path, task_names: list[str] | None, data: str | None, settings: EvalSettings,
-             compare_bf16: bool, text_path: str | None) -> dict[str, Any]:
-    """Resolve data, evaluate the model (and its BF16 source), return the report."""
+             compare_bf16: bool, text_path: str | None, head_int8: bool = False,
+             llama_cpp: list[str] | None = None) -> dict[str, Any]:
+    """Resolve data, evaluate the model (its BF16 source, its INT8-head variant, llama.cpp peers), return the
+    report."""
     needs_data = task_names is None or any(n != PERPLEXITY for n in task_names)
     data_dir = resolve_data_dir(data) if needs_data else None
     task_files, want_ppl = select_tasks(task_names, data_dir)
     text_file, text = load_text(text_path) if want_ppl else (None, None)
-    models = models_to_evaluate(model, compare_bf16)
-    results = {label: evaluate_isolated(path, task_files, text, settings) for label, path in models.items()}
-    extra = {"data": data_source(data_dir, task_files), "text": str(text_file) if text_file else None}
-    return build_report(results, settings, extra)
+    targets = targets_to_evaluate(model, compare_bf16, head_int8, llama_cpp)
+    results = {t.label: evaluate_isolated(t, task_files, text, settings) for t in targets}
+    extra = {"data": data_source(data_dir, task_files), "text": str(text_file) if text_file else None,
+             "engines": {t.label: {"engine": t.engine or settings.engine, "env": dict(t.env),
+                                   "tokenizer": str(t.tokenizer or t.path)} for t in targets}}
+    return build_report(results, settings, extra, {t.label: t.baseline for t in targets})
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
     settings = EvalSettings(limit=args.limit)
-    report = run_eval(Path(args.model), args.tasks, args.data, settings, args.compare_bf16, args.text)
+    report = run_eval(Path(args.model), args.tasks, args.data, settings, args.compare_bf16, args.text,
+                      head_int8=getattr(args, "head_int8", False), llama_cpp=getattr(args, "llama_cpp", None))
     report["command"] = "anychip " + " ".join(getattr(args, "argv", None) or sys.argv[1:])
     print(format_report(report))
     if args.json:
