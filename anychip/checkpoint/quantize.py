@@ -42,6 +42,8 @@ from anychip.formats import GROUP_SIZES, pack_int4
 
 #: (linear prefix, BF16 weight (N, K)) -> (wq (N, K) int8 in [-8, 7], scales (N, K // G)). Scales are stored
 #: BF16: a quantizer should compute q against BF16-rounded scales so that q * scale is what readers see.
+#: A quantizer may also carry `replaced` ({tensor name: BF16 tensor} written instead of the source's, e.g.
+#: RMSNorm weights with smoothing folded in) and `recipe` (a JSON-able dict recorded in the provenance).
 WeightQuantizer = Callable[[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 METHODS: tuple[str, ...] = ("rtn", "gptq")
@@ -54,7 +56,7 @@ def rtn_quantizer(scheme: W4A8Scheme) -> WeightQuantizer:
 
 
 def make_quantizer(method: str, src: Path, scheme: W4A8Scheme, **options: Any) -> WeightQuantizer:
-    """The quantizer for `method`; `options` go to GPTQ (calibration, samples, seq_len, damp)."""
+    """The quantizer for `method`; `options` go to GPTQ (calibration, samples, seq_len, damp, config)."""
     if method == "rtn":
         return rtn_quantizer(scheme)
     if method == "gptq":
@@ -155,6 +157,11 @@ def quantize_checkpoint(src: Path, dst: Path, scheme: W4A8Scheme, quantizer: Wei
     specs = [spec for _, outs in plan for spec in outs]
     provenance = {"source": str(src), "method": method, "group_size": scheme.group_size,
                   "format": scheme.format, "anychip_version": __version__}
+    recipe = getattr(quantizer, "recipe", None)
+    if recipe is not None:
+        provenance["recipe"] = recipe
+    replaced: dict[str, torch.Tensor] = dict(getattr(quantizer, "replaced", None) or {})
+    _check_replaced(replaced, plan)
     with atomic_directory(dst, overwrite=overwrite) as tmp, ExitStack() as stack:
         handles: dict[Path, Any] = {}
         with ShardedWriter(tmp, specs, max_shard_bytes) as writer:
@@ -163,7 +170,7 @@ def quantize_checkpoint(src: Path, dst: Path, scheme: W4A8Scheme, quantizer: Wei
                     handles[info.file] = stack.enter_context(safe_open(str(info.file), framework="pt"))
                 t = handles[info.file].get_tensor(info.name)
                 if len(outs) == 1 and outs[0].name == info.name:
-                    tensors = [t.to(outs[0].dtype)]
+                    tensors = [replaced.pop(info.name, t).to(outs[0].dtype)]
                 else:
                     tensors = _quantized_tensors(info.name.removesuffix(".weight"), t.to(torch.bfloat16),
                                                  quantizer, scheme)
@@ -176,6 +183,17 @@ def quantize_checkpoint(src: Path, dst: Path, scheme: W4A8Scheme, quantizer: Wei
         write_manifest(tmp)
         verify_checkpoint(tmp, checksums=False)
     return dst
+
+
+def _check_replaced(replaced: dict[str, torch.Tensor], plan: list[tuple[TensorInfo, list[TensorSpec]]]) -> None:
+    """Every tensor a quantizer replaces is a BF16 tensor of the plan, with the source's shape."""
+    dense = {outs[0].name: outs[0] for _, outs in plan if len(outs) == 1}
+    for name, t in replaced.items():
+        spec = dense.get(name)
+        if spec is None or tuple(t.shape) != tuple(spec.shape):
+            want = "no such unquantized tensor" if spec is None else f"the source has shape {list(spec.shape)}"
+            raise AnychipError(f"the quantizer replaces {name} with shape {list(t.shape)}, but {want}: "
+                               "it was calibrated on another model")
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:

@@ -1,76 +1,116 @@
-"""The sweep behind docs/bench/accuracy.md: BF16 against W4A8 variants of one model, on full evaluation sets.
+"""The sweep behind docs/bench/accuracy.md: BF16 against W4A8 quantizer recipes of one model, in one run.
 
 Runs on any torch device through anychip.eval's TorchEngine: the BF16 model in bf16, and each W4A8 variant with
 its decoder linears on the reference arithmetic (INT4 weights dequantized, activations quantized per token to
-INT8; SimulatedW4A8Linear). Variants are named METHOD-gG[-sSAMPLES][-dDAMP][-mse][-gen][-wonly], e.g. rtn-g64,
-gptq-g32-s128-mse. -mse searches each group's clipping (GPTQ's `mse` option; for RTN the same search); -gen
-calibrates GPTQ on text sampled from the model itself; -wonly leaves activations in float (INT4 weights alone).
-`a8` keeps BF16 weights and quantizes activations only.
+INT8; SimulatedW4A8Linear) and, where smoothing changed them, its RMSNorm weights replaced. Variants:
 
-    python docs/bench/accuracy_sweep.py --bf16 DIR --data shared/evaldata --out sweep.json \
-        --variants bf16,rtn-g64,rtn-g32,gptq-g64-s128,gptq-g32-s128 --device cuda
+    bf16                          the source model
+    a8                            BF16 weights, INT8 activations only
+    default                       the recipe `anychip prepare` uses (PrepareRecipe + gptq.DEFAULT_GPTQ)
+    rtn-gG[-amax|-clip|-mse]      round to nearest, scales by scales.py (default amax)
+    gptq-gG[-sN][-dX][-amax|-clip|-mse][-ao][-ts][-sm|-smn][-gen]
+                                  GPTQ: N calibration sequences of 512 tokens (default 128), damp X, scale search,
+                                  act-order (static groups), true-sequential, smoothing at all four points (-sm)
+                                  or at the two RMSNorms only (-smn), calibration text sampled from the model (-gen)
+    any of these + -wonly         activations left in float (INT4 weights alone)
+
+Unnamed options take gptq.DEFAULT_GPTQ's values, except that every flag left out is off: `gptq-g32-s32-clip` is
+the recipe before act-order and smoothing existed. Deltas are W4A8 - BF16 with paired 95% CIs per item.
+
+    python docs/bench/accuracy_sweep.py --bf16 DIR --out sweep.json --variants bf16,default,gptq-g32-s32-clip
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from anychip.checkpoint.gptq import GPTQConfig, run_gptq, searched_scales
-from anychip.checkpoint.rtn import quantize_with_scales, rtn_quantize
+from anychip.checkpoint.gptq import DEFAULT_GPTQ, GPTQConfig, run_gptq
+from anychip.checkpoint.prepare import DEFAULT_RECIPE
+from anychip.checkpoint.rtn import quantize_with_scales
+from anychip.checkpoint.scales import SCALE_SEARCHES, search_scales
 from anychip.checkpoint.scheme import DECODER_LINEARS, W4A8Scheme
+from anychip.checkpoint.smooth import POINT_NAMES
 from anychip.eval.engines import TorchEngine, simulate_w4a8
 from anychip.eval.runner import EvalSettings, evaluate_engine
-from anychip.eval.scoring import compare
+from anychip.eval.scoring import TaskScore, compare
 from anychip.eval.tasks import load_text, resolve_data_dir, select_tasks
 
-VARIANT = re.compile(r"^(rtn|gptq)-g(\d+)(?:-s(\d+))?(?:-d([0-9.]+))?(-mse)?(-gen)?(-wonly)?$")
+NORM_POINTS = ("attn_in", "mlp_in")
 
 
 def linears(model) -> list[str]:
     return [f"model.layers.{i}.{lin}" for i in range(model.config.num_hidden_layers) for lin in DECODER_LINEARS]
 
 
-def rtn_searched(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    n, k = w.shape
-    scales = torch.cat([searched_scales(w[:, g:g + group], group) for g in range(0, k, group)], dim=1)
-    return quantize_with_scales(w, scales), scales
+def parse_variant(name: str) -> tuple[str, int, GPTQConfig | str, bool, bool]:
+    """name -> (method, group size, GPTQConfig for gptq or the scale search for rtn, -gen, quantize activations)."""
+    if name == "default":
+        config = replace(DEFAULT_GPTQ, samples=DEFAULT_RECIPE.gptq_samples)
+        return DEFAULT_RECIPE.method, DEFAULT_RECIPE.group_size or 32, config, False, True
+    method, group, *flags = name.split("-")
+    if method not in ("rtn", "gptq") or not group.startswith("g") or not group[1:].isdigit():
+        raise SystemExit(f"variant {name!r}: use bf16, a8, default, rtn-gG[...] or gptq-gG[...] (see --help)")
+    act = "wonly" not in flags
+    gen = "gen" in flags
+    search = next((f for f in flags if f in SCALE_SEARCHES), "amax" if method == "rtn" else None)
+    known = {"wonly", "gen", "ao", "ts", "sm", "smn", *SCALE_SEARCHES}
+    for f in flags:
+        if f not in known and not (f[0] in "sd" and f[1:].replace(".", "").isdigit()):
+            raise SystemExit(f"variant {name!r}: unknown option -{f}")
+    if method == "rtn":
+        return method, int(group[1:]), search, False, act
+    samples = next((int(f[1:]) for f in flags if f[0] == "s" and f[1:].isdigit()), 128)
+    damp = next((float(f[1:]) for f in flags if f[0] == "d" and f[1:].replace(".", "").isdigit()), 0.01)
+    smooth = POINT_NAMES if "sm" in flags else NORM_POINTS if "smn" in flags else ()
+    config = replace(DEFAULT_GPTQ, samples=samples, damp=damp, scale_search=search or "clip",
+                     act_order="ao" in flags, true_sequential="ts" in flags, smooth=smooth)
+    return method, int(group[1:]), config, gen, act
 
 
-def quantized_weights(name: str, bf16: Path, model, device: str) -> tuple[dict, bool]:
-    """{prefix: (wq, scales) or None} and whether activations are quantized."""
+def quantize_variant(name: str, bf16: Path, model, device: str) -> tuple[dict, dict, bool, dict]:
+    """({prefix: (wq, scales) or None}, {BF16 tensor: replacement}, quantize activations, recipe record)."""
     if name == "a8":
-        return {p: None for p in linears(model)}, True
-    m = VARIANT.match(name)
-    if not m:
-        raise SystemExit(f"variant {name!r}: use bf16, a8 or METHOD-gG[-sSAMPLES][-dDAMP][-mse][-wonly]")
-    method, group, mse, gen, act = m.group(1), int(m.group(2)), bool(m.group(5)), bool(m.group(6)), not m.group(7)
-    scheme = W4A8Scheme(group_size=group)
+        return {p: None for p in linears(model)}, {}, True, {}
+    method, group, how, gen, act = parse_variant(name)
     if method == "gptq":
-        config = GPTQConfig(samples=int(m.group(3) or 128), damp=float(m.group(4) or 0.01), scale_search=mse)
-        return run_gptq(bf16, scheme, calibration="generated" if gen else None, config=config, device=device), act
+        res = run_gptq(bf16, W4A8Scheme(group_size=group), calibration="generated" if gen else None, config=how,
+                       device=device)
+        return res.weights, res.dense, act, {"gptq": how.recipe(), "smoothing": res.smoothing}
     out = {}
     for prefix in linears(model):
         w = model.get_submodule(prefix).weight.data.float()
-        out[prefix] = rtn_searched(w, group) if mse else rtn_quantize(w.cpu(), group, prefix)
-    return out, act
+        scales = search_scales(w, group, how)
+        out[prefix] = (quantize_with_scales(w, scales).cpu(), scales.cpu())
+    return out, {}, act, {"rtn": how}
+
+
+def load_base(path: Path) -> tuple[dict, dict]:
+    """The bf16 entry of an earlier sweep's report (and its per-item outcomes) to take deltas against."""
+    report = json.loads(path.read_text())
+    items = json.loads(path.with_suffix(".items.json").read_text())["bf16"]
+    tasks = {t: TaskScore(tuple(v["acc"]), tuple(v["acc_norm"])) for t, v in items.items()}
+    return report["variants"]["bf16"], tasks
 
 
 def main() -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--bf16", required=True, type=Path)
-    p.add_argument("--data")
-    p.add_argument("--tasks", help="comma-separated (default: every *.jsonl in --data, plus perplexity)")
-    p.add_argument("--variants", default="bf16,rtn-g64,rtn-g32,gptq-g64-s128,gptq-g32-s128")
-    p.add_argument("--limit", type=int)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--bf16", required=True, type=Path, help="the BF16 model directory (anychip prepare's bf16/)")
+    p.add_argument("--data", help="a folder of *.jsonl tasks (default: the built-in tasks)")
+    p.add_argument("--tasks", help="comma-separated (default: the four built-in tasks, or every *.jsonl in "
+                                   "--data, plus perplexity)")
+    p.add_argument("--variants", default="bf16,default")
+    p.add_argument("--base", type=Path, help="an earlier sweep's JSON whose bf16 run the deltas use (skips bf16)")
+    p.add_argument("--limit", type=int, help="first N items of each task (a subset: say so when reporting)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", required=True, type=Path)
     args = p.parse_args()
@@ -82,34 +122,57 @@ def main() -> int:
     settings = EvalSettings(limit=args.limit, engine="torch", device=args.device)
     tokenizer = AutoTokenizer.from_pretrained(args.bf16, local_files_only=True)
     report: dict = {"command": "python " + " ".join(sys.argv), "device": args.device,
+                    "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
                     "torch": torch.__version__, "settings": settings.__dict__, "text": str(text_file),
                     "variants": {}}
-    results = {}
+    base_tasks, base_ppl = None, None
+    if args.base:
+        entry, base_tasks = load_base(args.base)
+        base_ppl = entry.get("ppl")
+        report["base"] = str(args.base)
+        report["variants"]["bf16"] = entry
+    items: dict = {}
     for name in args.variants.split(","):
         t0 = time.perf_counter()
         model = AutoModelForCausalLM.from_pretrained(args.bf16, dtype=torch.bfloat16, local_files_only=True)
         model = model.to(args.device).eval()
+        recipe: dict = {}
         if name != "bf16":
-            weights, act = quantized_weights(name, args.bf16, model, args.device)
+            weights, dense, act, recipe = quantize_variant(name, args.bf16, model, args.device)
+            with torch.no_grad():
+                for tensor, value in dense.items():
+                    model.get_parameter(tensor).copy_(value)
             simulate_w4a8(model, weights, quantize_activations=act)
         quant_s = time.perf_counter() - t0
         res = evaluate_engine(TorchEngine(model, tokenizer, name=name), name, task_files, text, settings)
         del model
-        results[name] = res
-        entry = {"quantize_s": quant_s, "seconds": res.seconds, "ppl": res.ppl,
+        if name == "bf16":
+            base_tasks, base_ppl = res.tasks, res.ppl
+        entry = {"quantize_s": quant_s, "seconds": res.seconds, "ppl": res.ppl, "recipe": recipe,
                  "tasks": {t: s.summary() for t, s in res.tasks.items()}}
-        if "bf16" in results and name != "bf16":
-            base = results["bf16"]
-            entry["delta"] = {t: compare(s, base.tasks[t]) for t, s in res.tasks.items()}
-            if res.ppl and base.ppl:
-                entry["delta"]["perplexity"] = {"ppl_increase_pct": 100 * (res.ppl["ppl"] / base.ppl["ppl"] - 1)}
+        if base_tasks is not None and name != "bf16":
+            entry["delta"] = {t: compare(s, base_tasks[t]) for t, s in res.tasks.items()}
+            if res.ppl and base_ppl:
+                entry["delta"]["perplexity"] = {"ppl_increase_pct": 100 * (res.ppl["ppl"] / base_ppl["ppl"] - 1)}
         report["variants"][name] = entry
+        items[name] = {t: {"acc": s.acc_items, "acc_norm": s.acc_norm_items} for t, s in res.tasks.items()}
         args.out.write_text(json.dumps(report, indent=2) + "\n")
-        items = {n: {t: {"acc": s.acc_items, "acc_norm": s.acc_norm_items} for t, s in r.tasks.items()}
-                 for n, r in results.items()}
         args.out.with_suffix(".items.json").write_text(json.dumps(items))
-        print(json.dumps({name: entry}, indent=1), flush=True)
+        print(summary_line(name, entry), flush=True)
     return 0
+
+
+def summary_line(name: str, entry: dict) -> str:
+    parts = [f"{name}: quantize {entry['quantize_s']:.0f}s eval {sum(entry['seconds'].values()):.0f}s"]
+    if entry.get("ppl"):
+        parts.append(f"ppl {entry['ppl']['ppl']:.3f}")
+    for t, d in entry.get("delta", {}).items():
+        if t == "perplexity":
+            parts.append(f"ppl {d['ppl_increase_pct']:+.1f}%")
+        else:
+            lo, hi = d["acc_norm_ci95"]
+            parts.append(f"{t} {100 * d['acc_norm']:+.2f} [{100 * lo:+.2f}, {100 * hi:+.2f}]")
+    return " | ".join(parts)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,167 @@
+"""Calibration for GPTQ and smoothing: token windows of the calibration text (or text the model samples), the
+hidden states entering decoder layer 0, and forward hooks that record what each linear of a layer is fed.
+
+Hooks stop the layer's forward (Capture) once every hooked linear has seen its input: a true-sequential stage
+needs only the part of the layer up to its linears.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from anychip.errors import AnychipError
+
+
+def calibration_batch(tokenizer, text: str, samples: int, seq_len: int, seed: int = 0) -> torch.Tensor:
+    """(samples, seq_len) token ids: windows at random offsets (fixed seed) of the tokenized text."""
+    ids = torch.tensor(tokenizer.encode(text, add_special_tokens=False), dtype=torch.long)
+    if ids.numel() <= seq_len:
+        raise AnychipError(f"calibration text has {ids.numel()} tokens, fewer than --seq-len {seq_len}: "
+                           "pass a longer --calibration file")
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, ids.numel() - seq_len, (samples,), generator=gen)
+    return torch.stack([ids[s:s + seq_len] for s in starts.tolist()])
+
+
+@torch.inference_mode()
+def generated_batch(model, tokenizer, samples: int, seq_len: int, seed: int = 0, batch: int = 32) -> torch.Tensor:
+    """(samples, seq_len) token ids sampled from the model itself (temperature 1, fixed seed), each sequence
+    started from the end-of-text token: data-free calibration in the model's own distribution."""
+    device = next(model.parameters()).device
+    start = 0 if tokenizer.convert_ids_to_tokens(0) == "<|endoftext|>" else tokenizer.eos_token_id
+    torch.manual_seed(seed)
+    rows = []
+    for i in range(0, samples, batch):
+        n = min(batch, samples - i)
+        ids = torch.full((n, 1), int(start), dtype=torch.long, device=device)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
+                             top_p=1.0, max_new_tokens=seq_len, min_new_tokens=seq_len, pad_token_id=int(start))
+        rows.append(out[:, 1:seq_len + 1])
+    return torch.cat(rows)
+
+
+class Capture(Exception):
+    """Raised by the first decoder layer's hook to stop the forward once its inputs are recorded."""
+
+
+def layer_inputs(model, batch: torch.Tensor, device: torch.device) -> tuple[list[torch.Tensor], dict]:
+    """Hidden states entering decoder layer 0 for each calibration sequence, and the keyword arguments the model
+    passes to its layers (rotary embeddings, mask), captured by running the model up to layer 0."""
+    layers = model.model.layers
+    inputs: list[torch.Tensor] = []
+    kwargs: dict = {}
+
+    def hook(_module, args, kw):
+        inputs.append((args[0] if args else kw["hidden_states"]).detach())
+        if not kwargs:
+            kwargs.update({k: v for k, v in kw.items() if k != "hidden_states"})
+        raise Capture
+
+    handle = layers[0].register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        for row in batch:
+            try:
+                model(input_ids=row[None].to(device), use_cache=False)
+            except Capture:
+                pass
+    finally:
+        handle.remove()
+    kwargs["use_cache"] = False
+    kwargs.pop("past_key_values", None)
+    kwargs.pop("past_key_value", None)
+    return inputs, kwargs
+
+
+class HessianHooks:
+    """Accumulates H = 2 X^T X / n for each linear of a layer; linears fed the same tensor share one H. Once every
+    hooked linear has seen its input in a forward, the forward is stopped (Capture): what follows is not needed."""
+
+    def __init__(self, linears: dict[str, torch.nn.Linear]) -> None:
+        self.h: dict[str, torch.Tensor] = {}
+        self.n: dict[str, int] = {}
+        self.alias: dict[str, str] = {}
+        self._seen: dict[int, tuple[torch.Tensor, str]] = {}  # holds the tensor so its id stays unique
+        self._called: set[str] = set()
+        self._names = set(linears)
+        self._handles = [m.register_forward_pre_hook(self._hook(name)) for name, m in linears.items()]
+
+    def _hook(self, name: str):
+        def hook(_module, args):
+            self._record(name, args[0])
+            self._called.add(name)
+            if self._called == self._names:
+                raise Capture
+        return hook
+
+    def _record(self, name: str, x: torch.Tensor) -> None:
+        seen = self._seen.get(id(x))
+        if seen is not None and seen[0] is x:
+            self.alias[name] = seen[1]
+            return
+        self._seen[id(x)] = (x, name)
+        x = x.reshape(-1, x.shape[-1]).float()
+        m = x.shape[0]
+        n = self.n.get(name, 0)
+        h = self.h.get(name)
+        if h is None:
+            h = self.h[name] = torch.zeros(x.shape[1], x.shape[1], device=x.device)
+        h.mul_(n / (n + m)).addmm_(x.t(), x, alpha=2.0 / (n + m))
+        self.n[name] = n + m
+
+    def new_forward(self, tokens: int) -> None:
+        self._seen.clear()
+        self._called.clear()
+
+    def hessian(self, name: str) -> torch.Tensor:
+        return self.h[self.alias.get(name, name)]
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+class InputSample:
+    """Per hooked linear: max |x| per input channel over every token, and every `step`-th token's input row."""
+
+    def __init__(self, linears: dict[str, torch.nn.Linear], step: int) -> None:
+        self.amax: dict[str, torch.Tensor] = {}
+        self.rows: dict[str, list[torch.Tensor]] = {name: [] for name in linears}
+        self._step, self._offset = step, 0
+        self._called: set[str] = set()
+        self._names = set(linears)
+        self._handles = [m.register_forward_pre_hook(self._hook(name)) for name, m in linears.items()]
+
+    def _hook(self, name: str):
+        def hook(_module, args):
+            x = args[0].reshape(-1, args[0].shape[-1]).float()
+            a = x.abs().amax(dim=0)
+            self.amax[name] = torch.maximum(self.amax[name], a) if name in self.amax else a
+            self.rows[name].append(x[self._offset % self._step::self._step].clone())
+            self._called.add(name)
+            if self._called == self._names:
+                raise Capture
+        return hook
+
+    def new_forward(self, tokens: int) -> None:
+        self._called.clear()
+        self._offset += tokens
+
+    def sample(self, name: str) -> torch.Tensor:
+        return torch.cat(self.rows[name])
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def forward_all(layer, xs: list[torch.Tensor], kwargs: dict, hooks) -> None:
+    """Run the layer on every calibration sequence until the hooks have what they need."""
+    try:
+        for x in xs:
+            hooks.new_forward(x.shape[-2])
+            try:
+                layer(x, **kwargs)
+            except Capture:
+                pass
+    finally:
+        hooks.remove()
