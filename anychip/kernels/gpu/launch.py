@@ -217,4 +217,6 @@ def config_for(m: int, n: int, kk: int, g: int, device: torch.device) -> GemmCon
 
 def _key(m: int, n: int, kk: int, g: int, device: torch.device) -> tuple:
     bucket = regime(m) if m <= MID_M else min(triton.next_power_of_2(m), 4096)  # prefill: one entry an octave
+    if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" are one GPU
+        device = torch.device("cuda", torch.cuda.current_device())
     return (bucket, n, kk, g, str(device))
