@@ -28,6 +28,8 @@ ISAS = [r.id for r in routes.available("cpu")]  # route ids, best first
 # G in {32,64,128}, with and without bias, bf16 and fp32.
 CASES = [
     (1, 576, 1, 32, False, torch.bfloat16),
+    (8, 576, 192, 64, True, torch.bfloat16),  # the most tokens a fused call (quantized on every thread) takes
+    (9, 1536, 576, 32, False, torch.float32),  # the fewest a quantizing pass of its own takes
     (1, 2048, 1536, 128, True, torch.float32),
     (1, 6144, 100, 64, False, torch.bfloat16),
     (3, 1536, 17, 64, True, torch.bfloat16),
@@ -237,15 +239,92 @@ class _Tiny(torch.nn.Module):
         return w4a8_linear(h, self.p, self.bias, layer_id=5) + 1
 
 
-def test_torch_compile_fullgraph_and_hook() -> None:
+def test_torch_compile_fullgraph_counts_in_the_kernel() -> None:
+    """The C++ route's op stays opaque under torch.compile and counts its calls itself, at the phase slot the table
+    names, with no Python observer called."""
     k, n, g = 576, 100, 64
     wq, sw = _weights(n, k, g, seed=12)
     module = _Tiny(prepare_w4a8(wq, sw, g, packed=False), torch.randn(n).bfloat16())
+    assert module.p.route.counts_in_kernel
     x = _acts(4, k, torch.bfloat16, seed=5)
     expected = module(x)
     calls: list[tuple[int, int]] = []
     compiled = torch.compile(module, fullgraph=True, dynamic=False)
-    with hooks.observing(lambda layer, tokens: calls.append((layer, tokens))):
+    table = hooks.KernelCounts.zeros(8)
+    with hooks.observing(lambda layer, tokens: calls.append((layer, tokens))), hooks.counting_in_kernels(table):
         y = compiled(x)
+        table.slot.fill_(hooks.SLOTS.index("decode"))
+        compiled(x)
+        compiled(x)
     assert torch.equal(y, expected)
-    assert calls and calls[-1] == (5, 4)
+    assert calls == []
+    assert table.counts[5].tolist() == [[1, 4], [0, 0], [2, 8]]  # warmup, prefill, decode: [calls, tokens]
+    assert table.counts.sum().item() == 15  # no other layer counted
+    compiled(x)  # uninstalled: nothing counts
+    assert table.counts.sum().item() == 15
+
+
+def test_kernel_counts_skip_layers_outside_the_table() -> None:
+    k, n, g = 576, 17, 32
+    wq, sw = _weights(n, k, g, seed=13)
+    p = prepare_w4a8(wq, sw, g, packed=False)
+    x = _acts(3, k, torch.float32, seed=6)
+    table = hooks.KernelCounts.zeros(2)
+    with hooks.counting_in_kernels(table):
+        for layer in (-1, 1, 2, 99):
+            w4a8_linear(x, p, layer_id=layer)
+        xq, sx = torch.ops.anychip.quantize_act(x)
+        torch.ops.anychip.w4a8_linear_q(xq, sx, p.weight, p.scales, None, n, k, g, p.route.id, 0, torch.float32)
+        table.slot.fill_(7)  # not a slot: not counted
+        w4a8_linear(x, p, layer_id=1)
+    assert table.counts[:, 0].tolist() == [[1, 3], [1, 3]]
+    assert table.counts[:, 1:].sum().item() == 0
+    previous = hooks.install_kernel_counts(None)  # the context manager put back what was there before
+    hooks.install_kernel_counts(previous)
+    assert previous is None or previous.counts.data_ptr() != table.counts.data_ptr()
+
+
+def test_python_routes_go_through_the_same_op_and_notify() -> None:
+    """The reference route (Python) runs through the same op names: counted by the observer, not the table."""
+    k, n, g = 576, 17, 32
+    wq, sw = _weights(n, k, g, seed=14)
+    p = prepare_w4a8(wq, sw, g, packed=False, route="reference")
+    assert not p.route.counts_in_kernel
+    x = _acts(3, k, torch.bfloat16, seed=7)
+    calls: list[tuple[int, int]] = []
+    table = hooks.KernelCounts.zeros(8)
+    with hooks.observing(lambda layer, tokens: calls.append((layer, tokens))), hooks.counting_in_kernels(table):
+        y = w4a8_linear(x, p, layer_id=3)
+        compiled = torch.compile(lambda v: w4a8_linear(v, p, layer_id=4), fullgraph=True, dynamic=False)
+        y2 = compiled(x)
+    assert torch.equal(y, w4a8_linear_dynamic_ref(x, wq, sw)) and torch.equal(y2, y)
+    assert calls == [(3, 3), (4, 3)] and table.counts.sum().item() == 0
+
+
+def test_ops_keep_routing_strict() -> None:
+    """An id the C++ kernels do not serve goes to its route object, which refuses what it cannot serve: never
+    another route."""
+    k, n, g = 576, 17, 32
+    wq, sw = _weights(n, k, g, seed=15)
+    p = prepare_w4a8(wq, sw, g, packed=False)
+    x = _acts(2, k, torch.float32, seed=8)
+    args = (p.weight, p.scales, None, n, k, g)
+    with pytest.raises(NoKernelRoute, match="CUDA route cuda.triton"):
+        torch.ops.anychip.w4a8_linear(x, *args, "cuda.triton", -1)
+    with pytest.raises(NoKernelRoute, match="unknown kernel route 'no_such_route'"):
+        torch.ops.anychip.w4a8_linear(x, *args, "no_such_route", -1)
+    # an alias reaches the same C++ kernel through its route object
+    alias = p.route.aliases[0]
+    assert torch.equal(torch.ops.anychip.w4a8_linear(x, *args, alias, -1), w4a8_linear(x, p))
+    missing = [r for r in routes.ROUTES if getattr(r, "counts_in_kernel", False) and r.id not in ISAS]
+    for route in missing:  # a C++ route this CPU lacks is refused by the C++ kernel, naming the route
+        with pytest.raises(RuntimeError, match=f"lacks ISA .*{route.id}"):
+            torch.ops.anychip.w4a8_linear(x, *args, route.id, -1)
+
+
+def test_cpp_route_ids_match_the_python_routes() -> None:
+    """The C++ kernels map a route id to an ISA code: the same pairs the Python routes declare."""
+    cpp = cpu_ext.load().route_ids()
+    ours = [r for r in routes.ROUTES if getattr(r, "counts_in_kernel", False)]
+    assert sorted(r.id for r in ours) == sorted(cpp)
+    assert all(cpp[r.code] == r.id for r in ours)

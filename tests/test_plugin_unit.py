@@ -39,14 +39,18 @@ def test_leaves_other_checkpoints_to_vllm():
 
 @pytest.fixture(autouse=True)
 def restore_call_observer():
-    """The plugin's recorder installs itself as the kernels' call observer for the process (an engine's
-    lifetime); put back what was there so later tests' calls are not counted against these layers."""
+    """The plugin's recorder installs itself as the kernels' call observer and its table as the C++ kernels'
+    counts for the process (an engine's lifetime); put back what was there so later tests' calls are not counted
+    against these layers."""
     from anychip.kernels import hooks
 
     previous = hooks.install(None)
     hooks.install(previous)
+    counts = hooks.install_kernel_counts(None)
+    hooks.install_kernel_counts(counts)
     yield
     hooks.install(previous)
+    hooks.install_kernel_counts(counts)
 
 
 @pytest.fixture(autouse=True)
@@ -99,6 +103,43 @@ def test_channelwise_scales_are_served_as_repeated_groups():
     y = scheme.apply_weights(layer, x)
     ref = w4a8_linear_dynamic_ref(x, wq, scale.float().expand(48, 2).contiguous())
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
+
+
+def test_recorder_counts_cpp_layers_in_the_kernel_per_phase():
+    """A layer on a C++ route is counted by its op in C++ at the slot the step hook sets: no Python per call."""
+    from compressed_tensors.quantization import QuantizationArgs
+
+    from anychip.formats import pack_int4
+    from anychip.kernels import hooks, routes
+    from anychip.kernels.policy import KernelPolicy
+    from anychip.vllm_plugin.recorder import Recorder
+    from anychip.vllm_plugin.scheme import AnychipW4A8Scheme
+
+    recorder = Recorder(None, KernelPolicy())
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=64)
+    name = "model.layers.0.mlp.down_proj"
+    scheme = AnychipW4A8Scheme(args, "pack-quantized", name, recorder)
+    layer = torch.nn.Module()
+    scheme.create_weights(layer, 48, 256, [48], 256, torch.bfloat16, weight_loader=lambda *a: None)
+    layer.weight_packed.data.copy_(pack_int4(torch.randint(-8, 8, (48, 256), dtype=torch.int8)))
+    layer.weight_scale.data.copy_(torch.rand(48, 4, dtype=torch.bfloat16) + 0.01)
+    scheme.process_weights_after_loading(layer)
+    assert routes.get(scheme.route_id).counts_in_kernel
+    notified: list[tuple[int, int]] = []
+    hooks.install(lambda layer_id, tokens: notified.append((layer_id, tokens)))
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    scheme.apply_weights(layer, x)  # before any step: warmup
+    recorder.on_step("prefill", 3)
+    scheme.apply_weights(layer, x)
+    recorder.on_step("decode", 1)
+    scheme.apply_weights(layer, x[:1])
+    scheme.apply_weights(layer, x[:1])
+    doc = recorder.document()
+    assert notified == []
+    assert doc["layers"][name]["calls"] == {"warmup": 1, "prefill": 1, "decode": 2}
+    assert doc["layers"][name]["tokens"] == {"warmup": 3, "prefill": 3, "decode": 2}
+    assert doc["phases"] == {"prefill": {"forward_passes": 1, "tokens": 3},
+                             "decode": {"forward_passes": 1, "tokens": 1}}
 
 
 def test_row_parallel_refusal_names_sizes_that_work():

@@ -1,7 +1,12 @@
 """Call observation for the coverage report.
 
-The ops call `notify(layer_id, tokens)` at run time (inside the opaque custom op, so it also runs under
-torch.compile); the vLLM plugin installs the observer that turns these calls into per-layer, per-phase counts.
+The ops' Python implementation calls `notify(layer_id, tokens)` at run time (inside the opaque custom op, so it
+also runs under torch.compile); the vLLM plugin installs the observer that turns these calls into per-layer,
+per-phase counts.
+
+The C++ CPU routes run no Python per call: their ops count in a `KernelCounts` table that the plugin installs with
+`install_kernel_counts` (the same (layers, phase slots, [calls, tokens]) layout as the CUDA counters below, and the
+same slot tensor written before each model step), and never call `notify`.
 
 Under CUDA graphs the op's Python runs once, at capture, and never at replay, so a count kept in Python is
 wrong. An observer that wants replays counted returns a `DeviceCounter` from the call; a route whose kernel can
@@ -17,6 +22,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+
+from anychip.kernels import cpu_ext
 
 #: Phase slots of a DeviceCounter, in order.
 SLOTS = ("warmup", "prefill", "decode")
@@ -69,3 +76,36 @@ def observing(observer: Observer) -> Iterator[None]:
         yield
     finally:
         install(previous)
+
+
+@dataclass(frozen=True)
+class KernelCounts:
+    """The table the C++ CPU ops count in (csrc/call_counts.h).
+
+    counts: (layers, len(SLOTS), 2) int64 CPU, [calls, tokens] per layer id and phase slot; slot: (1,) int32 CPU,
+    the slot of the model step now running. Calls of layer ids outside the table (or -1) are not counted.
+    """
+
+    counts: torch.Tensor
+    slot: torch.Tensor
+
+    @classmethod
+    def zeros(cls, layers: int) -> KernelCounts:
+        with torch.inference_mode(False):  # written from outside vLLM's inference mode too (step hook, reports)
+            return cls(torch.zeros((layers, len(SLOTS), 2), dtype=torch.int64), torch.zeros(1, dtype=torch.int32))
+
+
+def install_kernel_counts(table: KernelCounts | None) -> KernelCounts | None:
+    """Make the C++ ops count into `table` (None: count nowhere) for the process lifetime (the engine's); returns
+    the previous table. Loads (builds, the first time) the CPU extension."""
+    counts, slot = cpu_ext.load().set_call_counts(*((table.counts, table.slot) if table is not None else (None, None)))
+    return None if counts is None else KernelCounts(counts, slot)
+
+
+@contextmanager
+def counting_in_kernels(table: KernelCounts) -> Iterator[KernelCounts]:
+    previous = install_kernel_counts(table)
+    try:
+        yield table
+    finally:
+        install_kernel_counts(previous)

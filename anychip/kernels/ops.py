@@ -9,9 +9,13 @@ torch.compile traces them as opaque calls.
     anychip::w4a8_group_dots(Tensor xq, Tensor weight, Tensor scales, int n, int k, int group_size, str route)
                              -> Tensor   (debug: the exact (M, N, K/G) int32 group sums)
 
-`route` is the id of the route the weights were prepared for (prepare.prepare_w4a8); the op hands the call to
-that route object. w4a8_linear quantizes its input once inside, so a merged qkv or gate_up layer quantizes its
-input once; it calls hooks.notify(layer_id, tokens) at run time, also under torch.compile.
+`route` is the id of the route the weights were prepared for (prepare.prepare_w4a8). The schemas live here; the
+CPU kernels are C++ (csrc/w4a8_cpu.cpp registers them when the extension loads, which preparing a C++ route does):
+they run this extension's routes without any Python, count the call in the kernels' coverage table (hooks.py) and
+quantize the input inside the GEMV, once for a merged qkv or gate_up layer. Every other route (the torch reference,
+arm.kleidiai, cuda.triton) goes through the Python implementation below, which calls hooks.notify(layer_id, tokens)
+and hands the call to the route object: on CUDA directly, on a CPU through the op's twin `<op>_torch`, which the C++
+kernel calls for a route id it does not know.
 """
 
 from __future__ import annotations
@@ -29,10 +33,14 @@ _SCHEMAS = {
     "int group_size, str route, int layer_id, ScalarType out_dtype) -> Tensor",
     "w4a8_group_dots": "(Tensor xq, Tensor weight, Tensor scales, int n, int k, int group_size, str route) -> Tensor",
 }
+ROUTED = ("w4a8_linear", "w4a8_linear_q", "w4a8_group_dots")  # the ops that take a route id (and have a twin)
+TWIN = "_torch"  # anychip::<op>_torch: the route objects' Python implementation (csrc/w4a8_cpu.cpp calls it)
 
 _LIB = torch.library.Library("anychip", "FRAGMENT")  # process lifetime, like every torch op registry
 for _name, _schema in _SCHEMAS.items():
     _LIB.define(_name + _schema)
+for _name in ROUTED:
+    _LIB.define(_name + TWIN + _SCHEMAS[_name])
 
 
 def _route(route_id: str, device: torch.device) -> Route:
@@ -60,40 +68,47 @@ def _w4a8_group_dots(xq, weight, scales, n, k, group_size, route):
     return _route(route, xq.device).group_dots(xq, weight, scales, n, k, group_size)
 
 
-def _quantize_act_cpu(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return cpu_ext.load().quantize_act(x.reshape(-1, x.shape[-1]))
+def _quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.device.type == "cuda":
+        from anychip.kernels.gpu import launch  # imports triton: only on the first CUDA call
+
+        return launch.quantize_act(x.reshape(-1, x.shape[-1]))
+    if x.device.type != "cpu":
+        raise NoKernelRoute(f"anychip quantize_act has kernels for CPU and CUDA tensors, not {x.device}")
+    # a CPU call before anything loaded the extension: load it (it registers the CPU kernel) and call that
+    cpu_ext.load()
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("anychip::quantize_act", "CPU"):
+        raise cpu_ext.ExtensionBuildError("the anychip CPU extension loaded without registering its kernels")
+    return torch.ops.anychip.quantize_act(x)
 
 
-def _quantize_act_cuda(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    from anychip.kernels.gpu import launch  # imports triton: only on the first CUDA call
-
-    return launch.quantize_act(x.reshape(-1, x.shape[-1]))
-
-
-for _device in ("CPU", "CUDA"):
-    _LIB.impl("w4a8_linear", _w4a8_linear, _device)
-    _LIB.impl("w4a8_linear_q", _w4a8_linear_q, _device)
-    _LIB.impl("w4a8_group_dots", _w4a8_group_dots, _device)
-_LIB.impl("quantize_act", _quantize_act_cpu, "CPU")
-_LIB.impl("quantize_act", _quantize_act_cuda, "CUDA")
+# CompositeExplicitAutograd: every device without a kernel of its own (CUDA; a CPU before the extension is loaded)
+for _name, _impl in (("w4a8_linear", _w4a8_linear), ("w4a8_linear_q", _w4a8_linear_q),
+                     ("w4a8_group_dots", _w4a8_group_dots)):
+    _LIB.impl(_name, _impl, "CompositeExplicitAutograd")
+    _LIB.impl(_name + TWIN, _impl, "CompositeExplicitAutograd")
+_LIB.impl("quantize_act", _quantize_act, "CompositeExplicitAutograd")
 
 
-@torch.library.register_fake("anychip::quantize_act", lib=_LIB)
 def _quantize_act_fake(x):
     m = x.numel() // x.shape[-1]
     return x.new_empty((m, x.shape[-1]), dtype=torch.int8), x.new_empty((m, 1), dtype=torch.float32)
 
 
-@torch.library.register_fake("anychip::w4a8_linear", lib=_LIB)
 def _w4a8_linear_fake(x, weight, scales, bias, n, k, group_size, route, layer_id):
     return x.new_empty((*x.shape[:-1], n))
 
 
-@torch.library.register_fake("anychip::w4a8_linear_q", lib=_LIB)
 def _w4a8_linear_q_fake(xq, sx, weight, scales, bias, n, k, group_size, route, layer_id, out_dtype):
     return xq.new_empty((xq.shape[0], n), dtype=out_dtype)
 
 
-@torch.library.register_fake("anychip::w4a8_group_dots", lib=_LIB)
 def _w4a8_group_dots_fake(xq, weight, scales, n, k, group_size, route):
     return xq.new_empty((xq.shape[0], n, k // group_size), dtype=torch.int32)
+
+
+torch.library.register_fake("anychip::quantize_act", _quantize_act_fake, lib=_LIB)
+for _name, _fake in (("w4a8_linear", _w4a8_linear_fake), ("w4a8_linear_q", _w4a8_linear_q_fake),
+                     ("w4a8_group_dots", _w4a8_group_dots_fake)):
+    torch.library.register_fake(f"anychip::{_name}", _fake, lib=_LIB)
+    torch.library.register_fake(f"anychip::{_name}{TWIN}", _fake, lib=_LIB)

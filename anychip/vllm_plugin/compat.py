@@ -141,9 +141,11 @@ def step_phase(scheduler_output: Any, dummy: bool) -> tuple[str, int]:
     return ("decode" if max(scheduled.values()) <= 1 else "prefill"), tokens
 
 
-def install_step_hook(on_step: Callable[[str, int], None]) -> bool:
-    """Call on_step(phase, tokens) before every step of vLLM's GPU model runners (V1 and V2), in Python, also
-    when the step replays CUDA graphs. Once a process; False when this vLLM has neither runner."""
+def install_step_hook(on_step: Callable[[str, int, Any], None]) -> bool:
+    """Call on_step(phase, tokens, model_runner) before every step of vLLM's GPU model runners (V1 and V2), in
+    Python, also when the step replays CUDA graphs. vLLM's CPU model runners (0.32: vllm.v1.worker.cpu_model_runner
+    and vllm.v1.worker.cpu.model_runner) subclass them without overriding execute_model, so the hook fires on CPUs
+    too. Once a process; False when this vLLM has neither runner."""
     global _step_hook
     if _step_hook is not None:
         _step_hook = on_step
@@ -159,7 +161,7 @@ def install_step_hook(on_step: Callable[[str, int], None]) -> bool:
         def execute_model(self: Any, scheduler_output: Any, *args: Any, _original: Callable = original,
                           **kwargs: Any) -> Any:
             if _step_hook is not None:
-                _step_hook(*step_phase(scheduler_output, bool(kwargs.get("dummy_run", False))))
+                _step_hook(*step_phase(scheduler_output, bool(kwargs.get("dummy_run", False))), self)
             return _original(self, scheduler_output, *args, **kwargs)
 
         runner.execute_model = functools.wraps(original)(execute_model)
@@ -169,14 +171,19 @@ def install_step_hook(on_step: Callable[[str, int], None]) -> bool:
     return patched
 
 
-_step_hook: Callable[[str, int], None] | None = None
+_step_hook: Callable[[str, int, Any], None] | None = None
 
 
-def attention_backend_name() -> str | None:
-    """Class name of the attention backend of the running model (e.g. CPUAttentionBackend)."""
-    if not is_forward_context_available():
+def attention_backend_name(model_runner: Any = None) -> str | None:
+    """Class name of the attention backend of the running model (e.g. CPUAttentionBackend): of the forward pass now
+    running, or of `model_runner`'s model (between passes)."""
+    if model_runner is not None:
+        layers = model_runner.vllm_config.compilation_config.static_forward_context
+    elif is_forward_context_available():
+        layers = get_forward_context().no_compile_layers
+    else:
         return None
-    for layer in get_forward_context().no_compile_layers.values():
+    for layer in layers.values():
         backend = getattr(layer, "attn_backend", None)
         if backend is not None:
             return getattr(backend, "__name__", type(backend).__name__)

@@ -1,9 +1,12 @@
-"""The process-wide coverage recorder: layers register their route when prepared; the kernels' call hook
-counts calls per phase; a daemon thread writes coverage.json atomically while the engine runs.
+"""The process-wide coverage recorder: layers register their route when prepared; the kernels count calls per
+phase; a daemon thread writes coverage.json atomically while the engine runs.
 
-Layers on a route that counts on the device (the CUDA route: CUDA graphs replay without Python) get a row of a
-per-device int64 table that their kernel bumps at the phase slot the step hook writes before every model-runner
-step; the table is read when the report is written. Other layers are counted in Python, per call.
+Layers whose kernels count themselves get a row of an int64 table [calls, tokens] per phase slot, which the kernel
+bumps at the slot the step hook (compat.install_step_hook) writes before every model-runner step; the table is read
+when the report is written. Two such tables: the C++ CPU routes' (hooks.KernelCounts, installed when the first such
+layer is prepared: their ops run no Python per call), and one per CUDA device for the CUDA route (CUDA graphs replay
+without Python; allocated at the first call). Other layers (the torch reference, arm.kleidiai) are counted in
+Python, per call, through hooks.notify.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from anychip.vllm_plugin import compat
 
 logger = logging.getLogger("anychip")
 FLUSH_SECONDS = 0.5
+KERNEL_TABLE_ROWS = 256  # first size of the C++ routes' table (layer ids); doubled when a model has more
 
 
 class Recorder:
@@ -44,6 +48,8 @@ class Recorder:
         self._stop = threading.Event()
         self._tables: dict[torch.device, _DeviceTable] = {}
         self._counters: dict[int, hooks.DeviceCounter | None] = {}  # layer id -> its row (None: counted here)
+        self._kernel_counts: hooks.KernelCounts | None = None  # the C++ routes' table
+        self._in_kernel: set[int] = set()  # layer ids counted in it
         self._steps: dict[str, Counter] = {}  # phase -> forward passes, tokens (device-counted engines)
         self._device_dirty = False
         hooks.install(self.on_call)
@@ -57,7 +63,24 @@ class Recorder:
         layer_id = self.coverage.add_layer(route)
         if self._first_layer is None and not route.route.startswith("vllm."):
             self._first_layer = layer_id  # the first linear our ops run in every forward pass
+        if not route.route.startswith("vllm.") and routes.get(route.route).counts_in_kernel:
+            self._count_in_kernel(layer_id)
         return layer_id
+
+    def _count_in_kernel(self, layer_id: int) -> None:
+        """Give the layer a row of the C++ routes' table (growing it, and installing it for the ops)."""
+        table = self._kernel_counts
+        if table is None or layer_id >= table.counts.shape[0]:
+            grown = hooks.KernelCounts.zeros(max(KERNEL_TABLE_ROWS, 2 * (layer_id + 1)))
+            if table is not None:
+                grown.counts[: table.counts.shape[0]] = table.counts
+                grown.slot.copy_(table.slot)
+            hooks.install_kernel_counts(grown)
+            self._kernel_counts = grown
+            if table is None and not compat.install_step_hook(self.on_step):
+                logger.warning("anychip: this vLLM has no model runner to hook: coverage phases are all counted "
+                               "as warmup")
+        self._in_kernel.add(layer_id)
 
     def note_unquantized_linear(self, prefix: str, layer: Any, ignored: bool) -> None:
         """A linear vLLM serves unquantized (BF16): in the checkpoint's ignore list, or not targeted at all."""
@@ -133,30 +156,35 @@ class Recorder:
         self._counters[layer_id] = counter
         return counter
 
-    def on_step(self, phase: str, tokens: int) -> None:
+    def on_step(self, phase: str, tokens: int, runner: Any = None) -> None:
         """Before every model-runner step (compat.install_step_hook): the phase slot the kernels count at."""
         counts = self._steps.setdefault(phase, Counter())
         counts["forward_passes"] += 1
         counts["tokens"] += tokens
         for table in self._tables.values():
             table.set_phase(phase)
+        if self._kernel_counts is not None:
+            self._kernel_counts.slot.fill_(hooks.SLOTS.index(phase))
+        if self.coverage.attention_backend is None and runner is not None:
+            self.coverage.attention_backend = compat.attention_backend_name(runner)
         self._device_dirty = True
 
     def document(self) -> dict[str, Any]:
         self.coverage.head_route = self.head_route()
         doc = self.coverage.snapshot()
-        if self._tables:
+        if self._tables or self._kernel_counts is not None:
             self._device_dirty = False
             self._merge_device_counts(doc)
         return doc
 
     def _merge_device_counts(self, doc: dict[str, Any]) -> None:
-        """Device-counted layers' calls and rows, and the step hook's passes and tokens per phase, into `doc`."""
+        """Kernel-counted layers' calls and rows, and the step hook's passes and tokens per phase, into `doc`."""
         tables = {device: table.read() for device, table in self._tables.items()}
-        for layer_id, counter in self._counters.items():
-            if counter is None:
-                continue
-            counts = tables[counter.cell.device][layer_id]  # (slots, 2)
+        in_kernel = self._kernel_counts.counts.clone() if self._kernel_counts is not None else None
+        rows = {layer_id: tables[counter.cell.device][layer_id]
+                for layer_id, counter in self._counters.items() if counter is not None}
+        rows |= {layer_id: in_kernel[layer_id] for layer_id in self._in_kernel}
+        for layer_id, counts in rows.items():  # counts: (slots, 2)
             entry = doc["layers"][self.coverage.layers[layer_id].name]
             entry["calls"] = {p: int(counts[i, 0]) for i, p in enumerate(hooks.SLOTS) if counts[i, 0]}
             entry["tokens"] = {p: int(counts[i, 1]) for i, p in enumerate(hooks.SLOTS) if counts[i, 0]}

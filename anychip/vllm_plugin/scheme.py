@@ -2,7 +2,8 @@
 
 create_weights declares the checkpoint's tensors with vLLM's parameter classes (so merged qkv/gate_up layers
 and tensor-parallel shards load through vLLM's own loaders); process_weights_after_loading prepares them once for
-the kernel that serves this CPU and records the route; apply_weights calls the opaque anychip op.
+the kernel that serves this CPU and records the route; apply_weights calls the opaque anychip op (on a C++ route,
+its C++ kernel counts the call for the coverage report: no Python runs below apply_weights).
 """
 
 from __future__ import annotations
@@ -157,11 +158,13 @@ class AnychipW4A8Scheme(compat.CompressedTensorsScheme):
                       ) -> torch.Tensor:
         if self.row_parallel:  # a K shard: quantize it with the whole token's scale (tensor_parallel.py)
             xq, sx = quantize_over_ranks(x.reshape(-1, self.k))
-            y = torch.ops.anychip.w4a8_linear_q(xq, sx, layer.anychip_weight, layer.anychip_scales, bias, self.n,
-                                                self.k, self.group, self.route_id, self.layer_id, x.dtype)
+            y = torch.ops.anychip.w4a8_linear_q.default(xq, sx, layer.anychip_weight, layer.anychip_scales, bias,
+                                                        self.n, self.k, self.group, self.route_id, self.layer_id,
+                                                        x.dtype)
             return y.view(*x.shape[:-1], self.n)
-        return torch.ops.anychip.w4a8_linear(x, layer.anychip_weight, layer.anychip_scales, bias, self.n, self.k,
-                                             self.group, self.route_id, self.layer_id)
+        # the overload itself (as a compiled graph calls it): no overload resolution per call in eager mode
+        return torch.ops.anychip.w4a8_linear.default(x, layer.anychip_weight, layer.anychip_scales, bias, self.n,
+                                                     self.k, self.group, self.route_id, self.layer_id)
 
 
 class ForeignScheme(compat.CompressedTensorsScheme):

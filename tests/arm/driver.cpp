@@ -11,7 +11,8 @@
 //      says so); the C++ packers here equal the Python layouts stored in them; the kernels reproduce them;
 //   3. a sweep M in {1,3,7,64}, K in {576,2048}, N in {17,576,1536}, G in {32,64,128}, then every tile tail and
 //      token panel (M = 1..9, 63, 129): the kernels' INT32 group sums and fp32 outputs (bf16 / fp16 on a quarter of
-//      the sweep) equal the scalar reference exactly, and nothing is written past the outputs.
+//      the sweep) equal the scalar reference exactly, and nothing is written past the outputs; M <= 8 runs with
+//      run()'s per-thread prologue making the group sums, as the torch binding's fused calls do.
 // Exit status 0 when everything matched; the first lines of each mismatch are printed.
 
 #include <chrono>
@@ -177,10 +178,18 @@ void run_kernels(const Linear& L, const Prepared& P, int64_t isa, OutType type, 
   p.out = out;
   p.out_type = type;
   p.m = L.m, p.n = L.n, p.k = L.k, p.groups = L.groups(), p.group_size = L.g;
+  // small M as the torch binding's fused calls run it: every thread makes its own group sums in run()'s prologue
+  auto own_sums = [&](Problem& local) {
+    thread_local std::vector<int32_t> sums;
+    sums.assign(L.m * L.groups(), 0);
+    for (int64_t i = 0; i < L.m; ++i) group_sums_row(L.xq.data() + i * L.k, L.k, L.g, sums.data() + i * L.groups());
+    local.xsum = sums.data();
+  };
+  if (L.m <= 8) p.xsum = nullptr;
   if (type == OutType::kI32)
-    run<true>(p, isa, g_threads.n, g_threads);
+    L.m <= 8 ? run<true>(p, isa, g_threads.n, g_threads, own_sums) : run<true>(p, isa, g_threads.n, g_threads);
   else
-    run<false>(p, isa, g_threads.n, g_threads);
+    L.m <= 8 ? run<false>(p, isa, g_threads.n, g_threads, own_sums) : run<false>(p, isa, g_threads.n, g_threads);
 }
 
 // Every kernel of `isa` against the scalar reference: exact group sums, exact outputs in all three types.
@@ -284,9 +293,11 @@ void check_quantizer_rows(std::mt19937& rng, T (*make)(float)) {
       std::vector<int8_t> qa(k), qb(k);
       float sa, sb;
       quantize_row_scalar(x.data(), k, qa.data(), &sa);
-      quantize_row(x.data(), k, qb.data(), &sb, quant_simd());
-      CHECK(f32_bits(sa) == f32_bits(sb) && qa == qb, "quantizers disagree (K=%ld, row %d, %zu-byte input)", long(k),
-            row, sizeof(T));
+      for (int level = kQuantSimd; level <= quant_simd(); ++level) {  // every SIMD quantizer this CPU runs
+        quantize_row(x.data(), k, qb.data(), &sb, level);
+        CHECK(f32_bits(sa) == f32_bits(sb) && qa == qb, "quantizer %d disagrees (K=%ld, row %d, %zu-byte input)",
+              level, long(k), row, sizeof(T));
+      }
       if (row == 1 && k >= 8)
         CHECK(qa[1] == 0 && qa[2] == 2 && qa[3] == 2 && qa[4] == 0 && qa[5] == -2 && qa[7] == 126, "ties not to even");
     }
@@ -316,10 +327,10 @@ struct Reader {
 };
 
 template <typename T>
-void quantize_all(const T* x, Linear& L, bool simd) {
+void quantize_all(const T* x, Linear& L, int level) {
   L.xq.resize(L.m * L.k);
   L.sx.resize(L.m);
-  for (int64_t i = 0; i < L.m; ++i) quantize_row(x + i * L.k, L.k, L.xq.data() + i * L.k, &L.sx[i], simd);
+  for (int64_t i = 0; i < L.m; ++i) quantize_row(x + i * L.k, L.k, L.xq.data() + i * L.k, &L.sx[i], level);
 }
 
 void check_fixture(const std::string& path, const std::vector<int64_t>& isas) {
@@ -361,11 +372,11 @@ void check_fixture(const std::string& path, const std::vector<int64_t>& isas) {
   CHECK(rd.at == rd.data.size(), "%s: %zu bytes after the last array", path.c_str(), rd.data.size() - rd.at);
   const char* name = path.c_str() + path.rfind('/') + 1;
 
-  for (bool simd : {false, quant_simd()}) {  // both quantizers (where the CPU has the SIMD one) against the reference
-    if (x_dtype == 0) quantize_all(xf.data(), L, simd);
-    else if (x_dtype == 1) quantize_all(reinterpret_cast<const Bf16*>(xh.data()), L, simd);
-    else quantize_all(reinterpret_cast<const Fp16*>(xh.data()), L, simd);
-    CHECK(L.xq == xq, "%s: %s INT8 activations differ from the reference", name, simd ? "SIMD" : "scalar");
+  for (int level = kQuantScalar; level <= quant_simd(); ++level) {  // every quantizer this CPU runs, vs the reference
+    if (x_dtype == 0) quantize_all(xf.data(), L, level);
+    else if (x_dtype == 1) quantize_all(reinterpret_cast<const Bf16*>(xh.data()), L, level);
+    else quantize_all(reinterpret_cast<const Fp16*>(xh.data()), L, level);
+    CHECK(L.xq == xq, "%s: quantizer %d: INT8 activations differ from the reference", name, level);
     CHECK(std::memcmp(L.sx.data(), sx.data(), 4 * L.m) == 0, "%s: token scales differ from the reference", name);
   }
   const auto my_dots = ref_dots(L);

@@ -66,6 +66,27 @@ inline const char* isa_name(int64_t isa) {
   }
 }
 
+// The Python route id of an ISA code (anychip/kernels/routes/*.py `id`; tests/test_kernels.py checks they agree).
+inline const char* isa_route_id(int64_t isa) {
+  switch (isa) {
+    case kAvx2: return "cpu.avx2";
+    case kAvx512Vnni: return "cpu.avx512_vnni";
+    case kArmDotprod: return "arm.dotprod";
+    case kArmI8mm: return "arm.i8mm";
+    default: return "cpu.portable";
+  }
+}
+
+// The ISA code of a route id, or -1 when the route is not one of this extension's (the torch ops hand those to the
+// route's Python implementation).
+inline int64_t route_isa(const char* id, size_t len) {
+  for (int64_t isa = 0; isa < kIsaCount; ++isa) {
+    const char* name = isa_route_id(isa);
+    if (std::strlen(name) == len && std::memcmp(name, id, len) == 0) return isa;
+  }
+  return -1;
+}
+
 // ISAs this CPU and build support, best first, ending with kPortable; returns how many.
 inline int supported_isas(int64_t out[kIsaCount]) {
   static constexpr int64_t order[] = {kAvx512Vnni, kAvx2, kArmI8mm, kArmDotprod, kPortable};

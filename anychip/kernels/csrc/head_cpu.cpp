@@ -116,7 +116,7 @@ at::Tensor head_int8(const at::Tensor& x_in, const at::Tensor& weight, const at:
   if (bias_in.has_value()) bias = bias_in->to(at::kFloat).contiguous();
   at::Tensor xq = at::empty({m, k}, x.options().dtype(at::kChar));
   at::Tensor sx = at::empty({m}, x.options().dtype(at::kFloat));
-  const bool simd = quant_simd();
+  const int simd = quant_simd();
   for_x_type(x, [&](const auto* xs) {
     for (int64_t r = 0; r < m; ++r) quantize_row(xs + r * k, k, xq.data_ptr<int8_t>() + r * k, sx.data_ptr<float>() + r, simd);
   });

@@ -64,6 +64,53 @@ ANYCHIP_AVX512 void quantize_row_avx512(const T* x, int64_t k, int8_t* q, float*
     _mm512_mask_cvtsepi32_storeu_epi8(q + i, mask, _mm512_cvtps_epi32(v));
   }
 }
+
+// AVX2: 8 lanes, a true division and round-to-nearest-even per lane, as the scalar path; fp16 is widened with the
+// exact scalar conversion (no F16C needed), the K % 8 tail runs the scalar formula.
+template <typename T>
+ANYCHIP_AVX2 inline __m256 load8(const T* x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_loadu_ps(x);
+  } else if constexpr (std::is_same_v<T, Bf16>) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  } else {
+    alignas(32) float f[8];
+    for (int i = 0; i < 8; ++i) f[i] = to_f(x[i]);
+    return _mm256_load_ps(f);
+  }
+}
+
+template <typename T>
+ANYCHIP_AVX2 void quantize_row_avx2(const T* x, int64_t k, int8_t* q, float* sx) {
+  const int64_t k8 = k / 8 * 8;
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 vmax = _mm256_setzero_ps();
+  for (int64_t i = 0; i < k8; i += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(load8(x + i), abs_mask));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+  float amax = _mm_cvtss_f32(m4);
+  for (int64_t i = k8; i < k; ++i) amax = std::max(amax, std::fabs(to_f(x[i])));
+  const float s = amax / 127.f;
+  *sx = s;
+  if (!(s > 0.f)) {
+    std::memset(q, 0, k);
+    return;
+  }
+  const __m256 vs = _mm256_set1_ps(s), lim = _mm256_set1_ps(127.f), nlim = _mm256_set1_ps(-127.f);
+  for (int64_t i = 0; i < k8; i += 8) {
+    __m256 v = _mm256_round_ps(_mm256_div_ps(load8(x + i), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm256_min_ps(_mm256_max_ps(v, nlim), lim);
+    const __m256i w = _mm256_cvtps_epi32(v);  // exact: |v| <= 127
+    const __m128i h = _mm_packs_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + i), _mm_packs_epi16(h, h));
+  }
+  for (int64_t i = k8; i < k; ++i) {
+    const float v = std::nearbyint(to_f(x[i]) / s);
+    q[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
+  }
+}
 #endif
 
 #ifdef ANYCHIP_ARM
@@ -107,25 +154,28 @@ void quantize_row_neon(const T* x, int64_t k, int8_t* q, float* sx) {
 }
 #endif
 
-// The fastest bit-exact row quantizer this CPU runs.
-inline bool quant_simd() {
+// Row quantizers, all bit-exact with the scalar one; quant_simd() is the fastest this CPU runs.
+enum QuantLevel : int { kQuantScalar = 0, kQuantSimd = 1, kQuantAvx512 = 2 };  // kQuantSimd: AVX2 or NEON
+
+inline int quant_simd() {
 #ifdef ANYCHIP_X86
-  static const bool ok = isa_supported(kAvx512Vnni);
-  return ok;
+  static const int level = isa_supported(kAvx512Vnni) ? kQuantAvx512 : isa_supported(kAvx2) ? kQuantSimd : kQuantScalar;
+  return level;
 #elif defined(ANYCHIP_ARM)
-  return true;
+  return kQuantSimd;
 #else
-  return false;
+  return kQuantScalar;
 #endif
 }
 
 template <typename T>
-void quantize_row(const T* x, int64_t k, int8_t* q, float* sx, bool simd) {
+void quantize_row(const T* x, int64_t k, int8_t* q, float* sx, int level) {
 #ifdef ANYCHIP_X86
-  if (simd) return quantize_row_avx512<T>(x, k, q, sx);
+  if (level >= kQuantAvx512) return quantize_row_avx512<T>(x, k, q, sx);
+  if (level == kQuantSimd) return quantize_row_avx2<T>(x, k, q, sx);
 #endif
 #ifdef ANYCHIP_ARM
-  if (simd) return quantize_row_neon<T>(x, k, q, sx);
+  if (level != kQuantScalar) return quantize_row_neon<T>(x, k, q, sx);
 #endif
   quantize_row_scalar<T>(x, k, q, sx);
 }
@@ -154,6 +204,20 @@ ANYCHIP_AVX512 inline uint64_t xor_range_avx512(const uint8_t* p, int64_t bytes)
   a0 = _mm512_xor_si512(_mm512_xor_si512(a0, a1), _mm512_xor_si512(a2, a3));
   return static_cast<uint64_t>(_mm512_reduce_or_epi64(a0));
 }
+
+ANYCHIP_AVX2 inline uint64_t xor_range_avx2(const uint8_t* p, int64_t bytes) {
+  __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t i = 0; i + 128 <= bytes; i += 128) {
+    a0 = _mm256_xor_si256(a0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)));
+    a1 = _mm256_xor_si256(a1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 32)));
+    a2 = _mm256_xor_si256(a2, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 64)));
+    a3 = _mm256_xor_si256(a3, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 96)));
+  }
+  a0 = _mm256_xor_si256(_mm256_xor_si256(a0, a1), _mm256_xor_si256(a2, a3));
+  alignas(32) uint64_t lanes[4];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), a0);
+  return lanes[0] ^ lanes[1] ^ lanes[2] ^ lanes[3];
+}
 #endif
 
 inline uint64_t xor_range(const uint8_t* p, int64_t bytes) {
@@ -168,7 +232,8 @@ inline uint64_t xor_range(const uint8_t* p, int64_t bytes) {
 
 inline uint64_t xor_range_best(const uint8_t* p, int64_t bytes) {
 #ifdef ANYCHIP_X86
-  if (quant_simd()) return xor_range_avx512(p, bytes);
+  if (quant_simd() == kQuantAvx512) return xor_range_avx512(p, bytes);
+  if (quant_simd() == kQuantSimd) return xor_range_avx2(p, bytes);
 #endif
   return xor_range(p, bytes);
 }

@@ -1,23 +1,37 @@
 // W4A8 linear for CPUs: INT4 weights (one fp32 scale per group of G input channels), dynamic per-token INT8
-// activations, INT32 accumulation per group.  This file is the torch binding only; the arithmetic lives in the
-// torch-free headers it includes (also built by the Arm test driver, tests/arm/driver.cpp):
-//   cpu_common.h    ISA codes and their run-time check, 16-bit float bits
+// activations, INT32 accumulation per group.  This file is the torch binding: it registers the CPU kernels of the
+// torch.ops.anychip.* W4A8 ops (schemas, fake kernels and the other devices' kernels: anychip/kernels/ops.py), so a
+// call on one of this extension's routes runs no Python.  The arithmetic lives in the torch-free headers it includes
+// (also built by the Arm test driver, tests/arm/driver.cpp):
+//   cpu_common.h    ISA codes, route ids and their run-time check, 16-bit float bits
 //   quantize_act.h  per-token INT8 activations, group sums, bandwidth probe
 //   w4a8_tiles.h    the problem, the blocked weight layout, epilogues, the portable tile
 //   w4a8_x86.h      AVX512-VNNI and AVX2 tiles          w4a8_arm.h  NEON dotprod and i8mm tiles
 //   w4a8_run.h      dispatch and the threaded loop
-// One translation unit serves every CPU of an architecture: the SIMD paths are compiled with function-level target
-// attributes and chosen at run time.  The torch oracle is anychip/kernels/reference.py.
+// and call_counts.h, the per-layer coverage counts the ops keep.  One translation unit serves every CPU of an
+// architecture: the SIMD paths are compiled with function-level target attributes and chosen at run time.  The torch
+// oracle is anychip/kernels/reference.py.
 
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <torch/library.h>
 
+#include <vector>
+
+#include "call_counts.h"
 #include "cpu_common.h"
 #include "quantize_act.h"
 #include "w4a8_run.h"
+
+// Calls with up to this many tokens quantize their activations on every thread, inside the GEMV's one parallel
+// region (each thread's copy is the same bits); larger calls quantize in a pass of their own first.
+#ifndef ANYCHIP_FUSED_MAX_TOKENS
+#define ANYCHIP_FUSED_MAX_TOKENS 8
+#endif
 
 namespace anychip {
 namespace {
@@ -33,63 +47,81 @@ struct TorchParallel {
   }
 };
 
-template <typename T>
-void quantize_rows(const T* x, int64_t m, int64_t k, int8_t* q, float* sx) {
-  const bool simd = quant_simd();
-  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) quantize_row<T>(x + r * k, k, q + r * k, sx + r, simd);
-  });
-}
-
-std::tuple<at::Tensor, at::Tensor> quantize_act(const at::Tensor& x_in) {
-  TORCH_CHECK(x_in.dim() == 2, "anychip quantize_act wants (M, K), got ", x_in.sizes());
-  const at::Tensor x = x_in.contiguous();
-  const int64_t m = x.size(0), k = x.size(1);
-  at::Tensor xq = at::empty({m, k}, x.options().dtype(at::kChar));
-  at::Tensor sx = at::empty({m, 1}, x.options().dtype(at::kFloat));
-  int8_t* q = xq.data_ptr<int8_t>();
-  float* s = sx.data_ptr<float>();
-  switch (x.scalar_type()) {
-    case at::kFloat:
-      quantize_rows(x.data_ptr<float>(), m, k, q, s);
-      break;
-    case at::kBFloat16:
-      quantize_rows(reinterpret_cast<const Bf16*>(x.data_ptr<c10::BFloat16>()), m, k, q, s);
-      break;
-    case at::kHalf:
-      quantize_rows(reinterpret_cast<const Fp16*>(x.data_ptr<c10::Half>()), m, k, q, s);
-      break;
-    default:
-      TORCH_CHECK(false, "anychip quantize_act: activations must be fp32, bf16 or fp16, got ", x.scalar_type());
+// f(typed pointer to x's data) for fp32 / bf16 / fp16 activations.
+template <typename F>
+void with_x(at::ScalarType type, const void* data, F&& f) {
+  switch (type) {
+    case at::kFloat: return f(static_cast<const float*>(data));
+    case at::kBFloat16: return f(static_cast<const Bf16*>(data));
+    case at::kHalf: return f(static_cast<const Fp16*>(data));
+    default: TORCH_CHECK(false, "anychip: activations must be fp32, bf16 or fp16, got ", type);
   }
-  return {xq, sx};
 }
 
-// (M, K) int8 -> (M, K / G) int32 group sums
-at::Tensor group_sums(const at::Tensor& xq, int64_t group_size) {
-  const int64_t m = xq.size(0), k = xq.size(1), groups = k / group_size;
-  at::Tensor out = at::empty({m, groups}, xq.options().dtype(at::kInt));
-  const int8_t* q = xq.data_ptr<int8_t>();
-  int32_t* o = out.data_ptr<int32_t>();
-  at::parallel_for(0, m, 64, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) group_sums_row(q + r * k, k, group_size, o + r * groups);
-  });
-  return out;
+// Where a call's INT8 activations come from: float x to quantize, or ready xq (with sx, absent for the debug dots).
+struct Acts {
+  const void* x = nullptr;
+  at::ScalarType x_type = at::kFloat;
+  const int8_t* xq = nullptr;
+  const float* sx = nullptr;
+};
+
+// Rows [r0, r1): quantized (when a.x) into q / sx, and their group sums into sums.
+void prepare_rows(const Acts& a, const Problem& p, int64_t r0, int64_t r1, int8_t* q, float* sx, int32_t* sums) {
+  const int level = quant_simd();
+  const int8_t* rows = a.x ? q : a.xq;
+  if (a.x) {
+    with_x(a.x_type, a.x, [&](const auto* x) {
+      for (int64_t r = r0; r < r1; ++r) quantize_row(x + r * p.k, p.k, q + r * p.k, sx + r, level);
+    });
+  }
+  for (int64_t r = r0; r < r1; ++r) group_sums_row(rows + r * p.k, p.k, p.group_size, sums + r * p.groups);
 }
 
-int64_t read_bytes(const at::Tensor& buf) {
-  TORCH_CHECK(buf.is_contiguous() && buf.scalar_type() == at::kByte, "read_bytes wants contiguous uint8");
-  const uint8_t* p = buf.data_ptr<uint8_t>();
-  const int64_t pages = buf.numel() / 4096;
-  std::atomic<uint64_t> total{0};
-  at::parallel_for(0, pages, 64, [&](int64_t b, int64_t e) { total ^= xor_range_best(p + b * 4096, (e - b) * 4096); });
-  return static_cast<int64_t>(total.load() & 0x7FFFFFFF);
+// A fused call's activations on one thread, kept between calls: a decode step allocates nothing for them.
+struct Scratch {
+  std::vector<int8_t> q;
+  std::vector<float> sx;
+  std::vector<int32_t> sums;
+};
+
+// Runs the linear (or the debug dots) of `p`, whose activations are `a`.
+template <bool DOTS>
+void run_op(Problem p, int64_t isa, const Acts& a) {
+  if (p.m == 0) return;
+  const int64_t threads = at::get_num_threads();
+  if (p.m <= ANYCHIP_FUSED_MAX_TOKENS) {
+    run<DOTS>(p, isa, threads, TorchParallel{}, [&](Problem& local) {
+      thread_local Scratch s;
+      s.sums.resize(p.m * p.groups);
+      if (a.x) s.q.resize(p.m * p.k), s.sx.resize(p.m);
+      prepare_rows(a, p, 0, p.m, s.q.data(), s.sx.data(), s.sums.data());
+      local.xq = a.x ? s.q.data() : a.xq;
+      local.sx = a.x ? s.sx.data() : a.sx;
+      local.xsum = s.sums.data();
+    });
+    return;
+  }
+  const at::TensorOptions opts = at::TensorOptions().device(at::kCPU);
+  at::Tensor sums = at::empty({p.m, p.groups}, opts.dtype(at::kInt)), q, sx;
+  if (a.x) q = at::empty({p.m, p.k}, opts.dtype(at::kChar)), sx = at::empty({p.m}, opts.dtype(at::kFloat));
+  int8_t* qp = a.x ? q.data_ptr<int8_t>() : nullptr;
+  float* sp = a.x ? sx.data_ptr<float>() : nullptr;
+  at::parallel_for(0, p.m, 16, [&](int64_t r0, int64_t r1) { prepare_rows(a, p, r0, r1, qp, sp, sums.data_ptr<int32_t>()); });
+  p.xq = a.x ? qp : a.xq;
+  p.sx = a.x ? sp : a.sx;
+  p.xsum = sums.data_ptr<int32_t>();
+  run<DOTS>(p, isa, threads, TorchParallel{});
 }
 
 void check_isa(int64_t isa) {
-  TORCH_CHECK(isa >= 0 && isa < kIsaCount, "anychip: unknown ISA code ", isa);
-  TORCH_CHECK(isa_supported(isa), "anychip: this CPU (or this build) lacks ISA ", isa_name(isa), " (code ", isa,
-              "); unset ANYCHIP_KERNEL_ISA or pick a route that `anychip routes` lists as available");
+  static const auto supported = [] {
+    std::vector<bool> s(kIsaCount);
+    for (int64_t i = 0; i < kIsaCount; ++i) s[i] = isa_supported(i);
+    return s;
+  }();
+  TORCH_CHECK(supported[isa], "anychip: this CPU (or this build) lacks ISA ", isa_name(isa), " (route ",
+              isa_route_id(isa), "); unset ANYCHIP_KERNEL_ISA or pick a route that `anychip routes` lists as available");
 }
 
 OutType out_type(at::ScalarType t) {
@@ -101,81 +133,149 @@ OutType out_type(at::ScalarType t) {
   }
 }
 
-// ---------------------------------------------------------------- torch-facing functions
-
-Problem make_problem(const at::Tensor& xq, const at::Tensor& sx, const at::Tensor& xsum, const at::Tensor& weight,
-                     const at::Tensor& scales, const c10::optional<at::Tensor>& bias, int64_t n, int64_t group_size) {
-  TORCH_CHECK(xq.dim() == 2 && xq.scalar_type() == at::kChar && xq.is_contiguous(), "anychip: xq must be (M, K) int8");
-  const int64_t m = xq.size(0), k = xq.size(1);
+// The problem without its activations; checks the prepared weight layout.  bias: fp32 contiguous or absent.
+Problem weight_problem(const at::Tensor& weight, const at::Tensor& scales, const c10::optional<at::Tensor>& bias,
+                       int64_t m, int64_t n, int64_t k, int64_t group_size) {
   TORCH_CHECK(group_size > 0 && group_size % 32 == 0 && k % group_size == 0, "anychip: K=", k,
               " must be a multiple of the group size ", group_size, ", itself a multiple of 32");
   const int64_t nblocks = (n + kRows - 1) / kRows, groups = k / group_size;
-  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.is_contiguous() && weight.numel() == nblocks * k * 8,
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kByte && weight.is_contiguous() &&
+                  weight.numel() == nblocks * k * 8,
               "anychip: weight must be the route's prepared uint8 layout for N=", n, " K=", k,
               " (blocked (N/16, K/8, 64); pair (N/16, K/16, 128) for arm.i8mm); build it with "
               "anychip.kernels.prepare.prepare_w4a8");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == nblocks * groups * kRows,
               "anychip: scales must be the prepared (N/16, K/G, 16) fp32 layout");
-  TORCH_CHECK(sx.scalar_type() == at::kFloat && sx.numel() == m && sx.is_contiguous(), "anychip: sx must be (M, 1) fp32");
-  TORCH_CHECK(xsum.scalar_type() == at::kInt && xsum.numel() == m * groups, "anychip: bad group sums");
   Problem p{};
-  p.xq = xq.data_ptr<int8_t>();
-  p.sx = sx.data_ptr<float>();
-  p.xsum = xsum.data_ptr<int32_t>();
   p.w = weight.data_ptr<uint8_t>();
   p.sw = scales.data_ptr<float>();
-  p.bias = nullptr;
   if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
-                "anychip: bias must be (N,) fp32 contiguous");
+    TORCH_CHECK(bias->numel() == n, "anychip: bias must have N=", n, " elements, got ", bias->numel());
     p.bias = bias->data_ptr<float>();
   }
-  p.m = m;
-  p.n = n;
-  p.k = k;
-  p.groups = groups;
-  p.group_size = group_size;
+  p.m = m, p.n = n, p.k = k, p.groups = groups, p.group_size = group_size;
   return p;
 }
 
-// Pre-quantized activations -> (M, N) in out_dtype.
-at::Tensor linear_q(const at::Tensor& xq_in, const at::Tensor& sx_in, const at::Tensor& weight, const at::Tensor& scales,
-                    const c10::optional<at::Tensor>& bias_in, int64_t n, int64_t group_size, int64_t isa,
-                    at::ScalarType out_dtype) {
+c10::optional<at::Tensor> float_bias(const c10::optional<at::Tensor>& bias) {
+  if (!bias.has_value()) return c10::nullopt;
+  return bias->to(at::kFloat).contiguous();  // a no-op for an fp32 bias
+}
+
+// ---------------------------------------------------------------- the ops' CPU kernels
+
+// A route this extension does not implement (the torch reference, arm.kleidiai; a CUDA route given CPU tensors): the
+// op's Python twin anychip::<op>_torch (kernels/ops.py) hands the call to the route object, which refuses what it
+// cannot serve.  Never another route: strict routing stays with the route the weights were prepared for.
+template <typename Sig, typename... Args>
+at::Tensor call_twin(const char* op, c10::string_view route, Args&&... args) {
+  const auto handle = c10::Dispatcher::singleton().findSchema({op, ""});
+  TORCH_CHECK(handle.has_value(), "anychip: route '", route, "' is not one of the C++ extension's and ", op,
+              " is not registered: import anychip.kernels.ops first (it registers the Python routes)");
+  return handle->typed<Sig>().call(std::forward<Args>(args)...);
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_act(const at::Tensor& x_in) {
+  TORCH_CHECK(x_in.dim() >= 1 && x_in.device().is_cpu(), "anychip quantize_act wants a CPU (..., K) tensor");
+  const int64_t k = x_in.size(-1);
+  const at::Tensor x = x_in.reshape({-1, k}).contiguous();
+  const int64_t m = x.size(0);
+  at::Tensor xq = at::empty({m, k}, x.options().dtype(at::kChar));
+  at::Tensor sx = at::empty({m, 1}, x.options().dtype(at::kFloat));
+  int8_t* q = xq.data_ptr<int8_t>();
+  float* s = sx.data_ptr<float>();
+  const int level = quant_simd();
+  with_x(x.scalar_type(), x.data_ptr(), [&](const auto* xs) {
+    at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) quantize_row(xs + r * k, k, q + r * k, s + r, level);
+    });
+  });
+  return {xq, sx};
+}
+
+at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                       const c10::optional<at::Tensor>& bias, int64_t n, int64_t k, int64_t group_size,
+                       c10::string_view route, int64_t layer_id) {
+  const int64_t isa = route_isa(route.data(), route.size());
+  if (isa < 0)
+    return call_twin<decltype(w4a8_linear)>("anychip::w4a8_linear_torch", route, x, weight, scales, bias, n, k,
+                                            group_size, route, layer_id);
   check_isa(isa);
-  const at::Tensor xq = xq_in.contiguous();
-  const at::Tensor sx = sx_in.to(at::kFloat).contiguous();
-  c10::optional<at::Tensor> bias;
-  if (bias_in.has_value()) bias = bias_in->to(at::kFloat).contiguous();
-  const at::Tensor xsum = group_sums(xq, group_size);
-  Problem p = make_problem(xq, sx, xsum, weight, scales, bias, n, group_size);
-  at::Tensor out = at::empty({p.m, n}, xq.options().dtype(out_dtype));
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "anychip w4a8_linear: x must be (..., K=", k, "), got ", x.sizes());
+  const at::Tensor xc = x.contiguous();
+  const int64_t m = xc.numel() / k;
+  const c10::optional<at::Tensor> b = float_bias(bias);
+  Problem p = weight_problem(weight, scales, b, m, n, k, group_size);
+  count_call(layer_id, m);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  at::Tensor out = at::empty(shape, x.options());
   p.out = out.data_ptr();
-  p.out_type = out_type(out_dtype);
-  if (p.m) run<false>(p, isa, at::get_num_threads(), TorchParallel{});
+  p.out_type = out_type(x.scalar_type());
+  Acts a;
+  a.x = xc.data_ptr();
+  a.x_type = xc.scalar_type();
+  run_op<false>(p, isa, a);
   return out;
 }
 
-// x (M, K) float -> quantize once -> (M, N) in x's dtype.
-at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
-                  const c10::optional<at::Tensor>& bias, int64_t n, int64_t group_size, int64_t isa) {
-  auto [xq, sx] = quantize_act(x);
-  return linear_q(xq, sx, weight, scales, bias, n, group_size, isa, x.scalar_type());
+at::Tensor w4a8_linear_q(const at::Tensor& xq_in, const at::Tensor& sx_in, const at::Tensor& weight,
+                         const at::Tensor& scales, const c10::optional<at::Tensor>& bias, int64_t n, int64_t k,
+                         int64_t group_size, c10::string_view route, int64_t layer_id, at::ScalarType out_dtype) {
+  const int64_t isa = route_isa(route.data(), route.size());
+  if (isa < 0)
+    return call_twin<decltype(w4a8_linear_q)>("anychip::w4a8_linear_q_torch", route, xq_in, sx_in, weight, scales,
+                                              bias, n, k, group_size, route, layer_id, out_dtype);
+  check_isa(isa);
+  TORCH_CHECK(xq_in.dim() == 2 && xq_in.scalar_type() == at::kChar && xq_in.size(1) == k,
+              "anychip w4a8_linear_q: xq must be (M, K=", k, ") int8, got ", xq_in.scalar_type(), " ", xq_in.sizes());
+  const at::Tensor xq = xq_in.contiguous();
+  const at::Tensor sx = sx_in.to(at::kFloat).contiguous();
+  const int64_t m = xq.size(0);
+  TORCH_CHECK(sx.numel() == m, "anychip w4a8_linear_q: sx must be (M=", m, ", 1), got ", sx_in.sizes());
+  const c10::optional<at::Tensor> b = float_bias(bias);
+  Problem p = weight_problem(weight, scales, b, m, n, k, group_size);
+  count_call(layer_id, m);
+  at::Tensor out = at::empty({m, n}, xq.options().dtype(out_dtype));
+  p.out = out.data_ptr();
+  p.out_type = out_type(out_dtype);
+  Acts a;
+  a.xq = xq.data_ptr<int8_t>();
+  a.sx = sx.data_ptr<float>();
+  run_op<false>(p, isa, a);
+  return out;
 }
 
 // Debug: the exact (M, N, K/G) int32 group dot products, through the same tile kernels.
-at::Tensor group_dots(const at::Tensor& xq_in, const at::Tensor& weight, const at::Tensor& scales, int64_t n,
-                      int64_t group_size, int64_t isa) {
+at::Tensor w4a8_group_dots(const at::Tensor& xq_in, const at::Tensor& weight, const at::Tensor& scales, int64_t n,
+                           int64_t k, int64_t group_size, c10::string_view route) {
+  const int64_t isa = route_isa(route.data(), route.size());
+  if (isa < 0)
+    return call_twin<decltype(w4a8_group_dots)>("anychip::w4a8_group_dots_torch", route, xq_in, weight, scales, n, k,
+                                                group_size, route);
   check_isa(isa);
+  TORCH_CHECK(xq_in.dim() == 2 && xq_in.scalar_type() == at::kChar && xq_in.size(1) == k,
+              "anychip w4a8_group_dots: xq must be (M, K=", k, ") int8");
   const at::Tensor xq = xq_in.contiguous();
-  const at::Tensor sx = at::ones({xq.size(0), 1}, xq.options().dtype(at::kFloat));
-  const at::Tensor xsum = group_sums(xq, group_size);
-  Problem p = make_problem(xq, sx, xsum, weight, scales, c10::nullopt, n, group_size);
+  Problem p = weight_problem(weight, scales, c10::nullopt, xq.size(0), n, k, group_size);
   at::Tensor out = at::empty({p.m, n, p.groups}, xq.options().dtype(at::kInt));
   p.out = out.data_ptr();
   p.out_type = OutType::kI32;
-  if (p.m) run<true>(p, isa, at::get_num_threads(), TorchParallel{});
+  Acts a;
+  a.xq = xq.data_ptr<int8_t>();
+  run_op<true>(p, isa, a);
   return out;
+}
+
+// ---------------------------------------------------------------- module functions (control plane, not per call)
+
+int64_t read_bytes(const at::Tensor& buf) {
+  TORCH_CHECK(buf.is_contiguous() && buf.scalar_type() == at::kByte, "read_bytes wants contiguous uint8");
+  const uint8_t* p = buf.data_ptr<uint8_t>();
+  const int64_t pages = buf.numel() / 4096;
+  std::atomic<uint64_t> total{0};
+  at::parallel_for(0, pages, 64, [&](int64_t b, int64_t e) { total ^= xor_range_best(p + b * 4096, (e - b) * 4096); });
+  return static_cast<int64_t>(total.load() & 0x7FFFFFFF);
 }
 
 std::vector<std::string> cpu_isas() {
@@ -186,18 +286,31 @@ std::vector<std::string> cpu_isas() {
   return out;
 }
 
+std::vector<std::string> route_ids() {
+  std::vector<std::string> out;
+  for (int64_t isa = 0; isa < kIsaCount; ++isa) out.push_back(isa_route_id(isa));
+  return out;
+}
+
 }  // namespace
 }  // namespace anychip
 
+TORCH_LIBRARY_IMPL(anychip, CPU, m) {
+  m.impl("quantize_act", &anychip::quantize_act);
+  m.impl("w4a8_linear", &anychip::w4a8_linear);
+  m.impl("w4a8_linear_q", &anychip::w4a8_linear_q);
+  m.impl("w4a8_group_dots", &anychip::w4a8_group_dots);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace anychip;
-  m.doc() = "anychip W4A8 CPU kernels";
+  m.doc() = "anychip W4A8 CPU kernels (the per-call ops are torch.ops.anychip.*, registered from C++)";
   m.def("quantize_act", &quantize_act, "per-token symmetric INT8: x (M, K) -> (xq int8, sx (M, 1) fp32)");
-  m.def("linear", &linear, "W4A8 linear, quantizing x inside");
-  m.def("linear_q", &linear_q, "W4A8 linear on pre-quantized activations");
-  m.def("group_dots", &group_dots, "debug: exact (M, N, K/G) int32 group dot products");
   m.def("read_bytes", &read_bytes, "streaming read (bandwidth probe)");
   m.def("cpu_isas", &cpu_isas, "ISAs this CPU and build support, best first");
+  m.def("route_ids", &route_ids, "the route id of each ISA code, by code");
+  m.def("set_call_counts", &set_call_counts, "install (counts, slot) as the ops' coverage table (None, None: none); "
+        "returns the previous pair");
   m.attr("ISA_PORTABLE") = int64_t(kPortable);
   m.attr("ISA_AVX2") = int64_t(kAvx2);
   m.attr("ISA_AVX512_VNNI") = int64_t(kAvx512Vnni);

@@ -89,44 +89,81 @@ TileFn wide_tile_fn([[maybe_unused]] int64_t isa) {
 #ifndef ANYCHIP_CHUNKS_PER_THREAD
 #define ANYCHIP_CHUNKS_PER_THREAD 8
 #endif
+// Smallest chunk a thread takes from the shared counter, and the least weight a thread is woken for (bytes): a small
+// GEMV (N = 192, K = 576 is 62 KB) split into 16 chunks pays a contended atomic per 4 KB and runs at ~50% of the
+// read bandwidth.
+#ifndef ANYCHIP_CHUNK_BYTES
+#define ANYCHIP_CHUNK_BYTES (24 * 1024)
+#endif
+#ifndef ANYCHIP_THREAD_BYTES
+#define ANYCHIP_THREAD_BYTES (16 * 1024)
+#endif
+
+// How one call splits its weight blocks over threads.
+struct Split {
+  int64_t threads, chunk;
+};
+
+inline Split split_blocks(const Problem& p, int64_t max_threads) {
+  const int64_t nblocks = (p.n + kRows - 1) / kRows;
+  const int64_t block_bytes = p.k * 8 + p.groups * kRows * 4;  // weight + scales of 16 rows
+  const int64_t by_bytes = std::max<int64_t>(1, nblocks * block_bytes / ANYCHIP_THREAD_BYTES);
+  // more tokens, more work per byte: M >= 4 takes every thread the blocks allow
+  const int64_t wanted = p.m >= 4 ? max_threads : std::min(max_threads, by_bytes);
+  const int64_t threads = std::max<int64_t>(1, std::min(wanted, nblocks));
+  // chunks per thread: as many as ANYCHIP_CHUNKS_PER_THREAD, each at least ANYCHIP_CHUNK_BYTES, and always a whole
+  // number per thread (3 chunks over 2 threads would leave one thread a third of the work to do alone)
+  const int64_t min_chunk = std::max<int64_t>(1, ANYCHIP_CHUNK_BYTES / block_bytes);
+  const int64_t per_thread = std::clamp<int64_t>(nblocks / (threads * min_chunk), 1, ANYCHIP_CHUNKS_PER_THREAD);
+  const int64_t chunks = threads * per_thread;
+  return {threads, (nblocks + chunks - 1) / chunks};
+}
+
+// A no-op prologue: the activations of `p` are ready before the call.
+struct ReadyActivations {
+  void operator()(Problem&) const {}
+};
 
 // Threads take chunks of weight blocks from a shared counter (a thread that the OS preempts on a shared machine
 // delays only its current chunk, not a fixed half of the work).  Within a chunk, tokens go in panels whose
 // activations stay in L2 (about ANYCHIP_PANEL_BYTES of int8) while the chunk's blocks stream past; without panels
 // every block would re-read all M x K activations from L3.
-template <bool DOTS, typename Parallel>
-void run(const Problem& p, int64_t isa, int64_t max_threads, Parallel&& parallel) {
+// `prologue(local)` runs once on each thread taking part, before its first chunk, on that thread's copy of the
+// problem: the fused linear quantizes the (few) tokens there, on every thread, instead of in a pass of its own.
+template <bool DOTS, typename Parallel, typename Prologue = ReadyActivations>
+void run(const Problem& p, int64_t isa, int64_t max_threads, Parallel&& parallel, Prologue&& prologue = {}) {
   const int64_t nblocks = (p.n + kRows - 1) / kRows;
   // the wide tile always takes ANYCHIP_WIDE_TILE_M tokens: never hand it fewer (that would read and write past M)
   const TileFn wide = p.m >= ANYCHIP_WIDE_TILE_M ? wide_tile_fn<DOTS>(isa) : nullptr;
   const int64_t mt = wide ? std::min<int64_t>(p.m, ANYCHIP_WIDE_TILE_M) : std::min(p.m, tile_m(isa));
   const int64_t panel = std::max<int64_t>(mt, (ANYCHIP_PANEL_BYTES / p.k) / mt * mt);
   const TileFn tile = tile_fn<DOTS>(isa, mt);
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(max_threads, nblocks));
-  const int64_t chunk = std::max<int64_t>(1, nblocks / (threads * ANYCHIP_CHUNKS_PER_THREAD));
+  const Split split = split_blocks(p, max_threads);
   std::atomic<int64_t> next{0};
-  auto body = [&](int64_t b0, int64_t b1) {
-    for (int64_t t0 = 0; t0 < p.m; t0 += panel) {
-      const int64_t t1 = std::min(p.m, t0 + panel);
+  auto body = [&](const Problem& q, int64_t b0, int64_t b1) {
+    for (int64_t t0 = 0; t0 < q.m; t0 += panel) {
+      const int64_t t1 = std::min(q.m, t0 + panel);
       const int64_t full_end = t0 + (t1 - t0) / mt * mt;
       const TileFn tail = t1 > full_end ? tile_fn<DOTS>(isa, t1 - full_end) : nullptr;
       int64_t nb = b0;
       if (wide) {
         for (; nb + 2 <= b1; nb += 2) {
-          for (int64_t t = t0; t < full_end; t += mt) wide(p, t, nb);
-          if (tail) tail(p, full_end, nb), tail(p, full_end, nb + 1);
+          for (int64_t t = t0; t < full_end; t += mt) wide(q, t, nb);
+          if (tail) tail(q, full_end, nb), tail(q, full_end, nb + 1);
         }
       }
       for (; nb < b1; ++nb) {
-        for (int64_t t = t0; t < full_end; t += mt) tile(p, t, nb);
-        if (tail) tail(p, full_end, nb);
+        for (int64_t t = t0; t < full_end; t += mt) tile(q, t, nb);
+        if (tail) tail(q, full_end, nb);
       }
     }
   };
-  parallel(threads, [&]() {
-    for (int64_t b0 = next.fetch_add(chunk); b0 < nblocks; b0 = next.fetch_add(chunk)) {
-      body(b0, std::min(nblocks, b0 + chunk));
-    }
+  parallel(split.threads, [&]() {
+    int64_t b0 = next.fetch_add(split.chunk);
+    if (b0 >= nblocks) return;  // nothing left for this thread: skip its prologue too
+    Problem local = p;
+    prologue(local);
+    for (; b0 < nblocks; b0 = next.fetch_add(split.chunk)) body(local, b0, std::min(nblocks, b0 + split.chunk));
   });
 }
 

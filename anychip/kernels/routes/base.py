@@ -3,7 +3,8 @@
 A route serves the W4A8 linear  y = sx * sum_g sw[n, g] * sum_{k in g} xq[m, k] * wq[n, k]  (+ bias) on one device.
 `can_serve(problem)` says whether it can take a linear here (None) or why not; `prepare(weights, policy)` converts
 the checkpoint's tensors to its layout once, at load; `linear` / `linear_q` / `group_dots` are its calls (the
-torch.ops.anychip.* ops look the route up by id and call these).
+torch.ops.anychip.* ops look the route up by id and call these, except for the C++ routes, whose ids the ops' C++
+kernels serve themselves).
 """
 
 from __future__ import annotations
@@ -98,6 +99,9 @@ class Route(ABC):
     fallback_only: ClassVar[bool] = False
     #: Short names accepted for the id (older ANYCHIP_KERNEL_ISA values).
     aliases: ClassVar[tuple[str, ...]] = ()
+    #: Whether the ops' compiled kernels count this route's calls in the kernels' coverage table
+    #: (hooks.install_kernel_counts) instead of calling hooks.notify from Python.
+    counts_in_kernel: ClassVar[bool] = False
 
     @property
     def isa(self) -> str:

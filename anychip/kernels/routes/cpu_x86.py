@@ -41,6 +41,8 @@ class CppRoute(Route):
     device = "cpu"
     kernel = "w4a8_cpu"
     bit_exact = True
+    #: The ops count this route's calls in C++ (hooks.install_kernel_counts), not through hooks.notify.
+    counts_in_kernel = True
     code: ClassVar[int]
     #: /proc/cpuinfo flags the path needs (x86 names).
     flags: ClassVar[tuple[str, ...]] = ()
@@ -57,14 +59,19 @@ class CppRoute(Route):
         cpu_ext.load(policy.build_dir)  # compile now, at load, not on the first request
         return blocked_layout(weights.int8().cpu(), weights.scales.cpu())
 
+    # The ops' C++ CPU kernels (csrc/w4a8_cpu.cpp) serve this route's id without calling these; they are the route's
+    # calls for Python callers (and for an alias id, which the ops' Python side resolves).
     def linear(self, x, weight, scales, bias, n, k, group_size):
-        return cpu_ext.load().linear(x, weight, scales, bias, n, group_size, self.code)
+        cpu_ext.load()
+        return torch.ops.anychip.w4a8_linear(x, weight, scales, bias, n, k, group_size, self.id, -1)
 
     def linear_q(self, xq, sx, weight, scales, bias, n, k, group_size, out_dtype):
-        return cpu_ext.load().linear_q(xq, sx, weight, scales, bias, n, group_size, self.code, out_dtype)
+        cpu_ext.load()
+        return torch.ops.anychip.w4a8_linear_q(xq, sx, weight, scales, bias, n, k, group_size, self.id, -1, out_dtype)
 
     def group_dots(self, xq, weight, scales, n, k, group_size):
-        return cpu_ext.load().group_dots(xq, weight, scales, n, group_size, self.code)
+        cpu_ext.load()
+        return torch.ops.anychip.w4a8_group_dots(xq, weight, scales, n, k, group_size, self.id)
 
 
 class Avx512Vnni(CppRoute):
