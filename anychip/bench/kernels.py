@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -27,12 +27,32 @@ import torch.nn.functional as F
 
 from anychip import envs
 from anychip.kernels import cpu_ext, routes
-from anychip.kernels.prepare import prepare_w4a8, w4a8_linear
+from anychip.kernels.prepare import prepare_w4a8
+from anychip.kernels.routes.base import PreparedW4A8
 
 SHAPES: tuple[tuple[int, int], ...] = ((2048, 6144), (6144, 2048), (2048, 2048), (576, 1536), (1536, 576))
+#: (model, layer, K, N) of every linear a decode step runs at M=1, as vLLM merges them (qkv, gate_up), plus
+#: SmolLM2-135M's unmerged ones: the default model (hidden 576, intermediate 1536) and the llama-1b / llama-2b
+#: synthetic shapes (anychip/checkpoint/synthetic.py).
+DECODE_SHAPES: tuple[tuple[str, str, int, int], ...] = (
+    ("smollm2-135m", "k_proj / v_proj", 576, 192),
+    ("smollm2-135m", "q_proj / o_proj", 576, 576),
+    ("smollm2-135m", "qkv_proj", 576, 960),
+    ("smollm2-135m", "gate_proj / up_proj", 576, 1536),
+    ("smollm2-135m", "gate_up_proj", 576, 3072),
+    ("smollm2-135m", "down_proj", 1536, 576),
+    ("llama-1b", "qkv_proj", 2048, 3072),
+    ("llama-1b", "o_proj", 2048, 2048),
+    ("llama-1b", "gate_up_proj", 2048, 16384),
+    ("llama-1b", "down_proj", 8192, 2048),
+    ("llama-2b", "qkv_proj", 2048, 4096),
+    ("llama-2b", "gate_up_proj", 2048, 12288),
+    ("llama-2b", "down_proj", 6144, 2048),
+)
 TOKENS: tuple[int, ...] = (1, 4, 512)
 GROUP_SIZE = 128  # the scheme's default; 64 where K is not a multiple of 128 (K=576)
 PEERS: tuple[str, ...] = ("bf16", "w4a16", "int_mm", "dyn4bit")
+_OP = torch.ops.anychip.w4a8_linear.default  # registered by kernels.prepare's import of kernels.ops
 
 
 @dataclass(frozen=True)
@@ -40,6 +60,7 @@ class Targets:
     """The goals the report checks (reported, never asserted)."""
 
     m1_bandwidth_frac: float = 0.60  # M=1, large shapes: weight bytes / time vs measured read bandwidth
+    decode_bandwidth_frac: float = 0.70  # M=1, every DECODE_SHAPES linear, the same ratio
     m1_vs_bf16: float = 2.0
     m1_vs_w4a16: float = 1.3
     m512_vs_bf16: float = 1.5
@@ -106,13 +127,15 @@ def time_ms(
 
 
 def _copies(bytes_per_copy: int, llc: int) -> int:
-    return max(1, min(64, -(-2 * llc // max(bytes_per_copy, 1))))
+    """Copies of a weight that total twice the LLC: a small decode linear (62 KB) needs about a thousand."""
+    return max(1, min(4096, -(-2 * llc // max(bytes_per_copy, 1))))
 
 
 def bench_shape(
-    m: int, k: int, n: int, llc: int, budget_s: float, dyn_iters: int, clock: Callable[[], float] = time.perf_counter
+    m: int, k: int, n: int, llc: int, budget_s: float, dyn_iters: int, clock: Callable[[], float] = time.perf_counter,
+    peers: tuple[str, ...] = PEERS,
 ) -> dict[str, object]:
-    """One shape, every method; dyn_iters=0 leaves dyn4bit out."""
+    """One shape, ours and `peers`; dyn_iters=0 leaves dyn4bit out."""
     g = GROUP_SIZE if k % GROUP_SIZE == 0 else 64
     gen = torch.Generator().manual_seed(m * 7 + k * 3 + n)
     wq = torch.randint(-8, 8, (n, k), dtype=torch.int8, generator=gen)
@@ -124,33 +147,37 @@ def bench_shape(
     policy = envs.kernel_policy()
     ours = prepare_w4a8(wq, sw, g, packed=False, policy=policy)
     ours_bytes = ours.weight.numel() + ours.scales.numel() * 4
-    preps = [ours] + [prepare_w4a8(wq, sw, g, packed=False, policy=policy) for _ in range(_copies(ours_bytes, llc) - 1)]
-    row["anychip_ms"] = time_ms([lambda p=p: w4a8_linear(x, p) for p in preps], budget_s, clock=clock)
+    preps = [ours] + [replace(ours, weight=ours.weight.clone(), scales=ours.scales.clone())
+                      for _ in range(_copies(ours_bytes, llc) - 1)]
+    row["anychip_ms"] = time_ms([lambda p=p: _call(x, p) for p in preps], budget_s, clock=clock)
     row["weight_bytes"] = ours_bytes
     row["isa"] = ours.route.isa
     row["route"] = ours.route.id
     del preps
 
-    wdq = (wq.float().view(n, k // g, g) * sw.unsqueeze(2)).reshape(n, k)
-    wb = wdq.bfloat16()
-    ws = [wb] + [wb.clone() for _ in range(_copies(wb.numel() * 2, llc) - 1)]
-    row["bf16_ms"] = time_ms([lambda w=w: F.linear(x, w) for w in ws], budget_s, clock=clock)
-    del ws
+    if "bf16" in peers:
+        wdq = (wq.float().view(n, k // g, g) * sw.unsqueeze(2)).reshape(n, k)
+        wb = wdq.bfloat16()
+        ws = [wb] + [wb.clone() for _ in range(_copies(wb.numel() * 2, llc) - 1)]
+        row["bf16_ms"] = time_ms([lambda w=w: F.linear(x, w) for w in ws], budget_s, clock=clock)
+        del ws
 
-    w4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu((wq.int() + 8).contiguous(), 2)
-    sz = torch.stack([sw.t(), torch.zeros_like(sw.t())], dim=2).bfloat16().contiguous()  # (K/G, N, 2)
-    w4s = [w4] + [w4.clone() for _ in range(_copies(w4.numel() + sz.numel() * 2, llc) - 1)]
-    row["w4a16_ms"] = time_ms(
-        [lambda w=w: torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, g, sz) for w in w4s], budget_s, clock=clock
-    )
-    del w4s
+    if "w4a16" in peers:
+        w4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu((wq.int() + 8).contiguous(), 2)
+        sz = torch.stack([sw.t(), torch.zeros_like(sw.t())], dim=2).bfloat16().contiguous()  # (K/G, N, 2)
+        w4s = [w4] + [w4.clone() for _ in range(_copies(w4.numel() + sz.numel() * 2, llc) - 1)]
+        row["w4a16_ms"] = time_ms(
+            [lambda w=w: torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, g, sz) for w in w4s], budget_s, clock=clock
+        )
+        del w4s
 
-    xq = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=gen)
-    wts = [wq.t()] + [wq.clone().t() for _ in range(_copies(wq.numel(), llc) - 1)]  # (K, N) views, as Linear
-    row["int_mm_ms"] = time_ms([lambda w=w: torch._int_mm(xq, w) for w in wts], budget_s, clock=clock)
-    del wts
+    if "int_mm" in peers:
+        xq = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=gen)
+        wts = [wq.t()] + [wq.clone().t() for _ in range(_copies(wq.numel(), llc) - 1)]  # (K, N) views, as Linear
+        row["int_mm_ms"] = time_ms([lambda w=w: torch._int_mm(xq, w) for w in wts], budget_s, clock=clock)
+        del wts
 
-    if dyn_iters:
+    if dyn_iters and "dyn4bit" in peers:
         u = (wq.to(torch.int16) + 8).to(torch.uint8).view(n, k // 2, 2)
         nibbles = (u[..., 0] | (u[..., 1] << 4)).contiguous()
         dyn = torch.ops.aten._dyn_quant_pack_4bit_weight(nibbles, sw.bfloat16(), None, g, k, n)
@@ -171,7 +198,22 @@ def bench_shape(
     return row
 
 
-def check_targets(rows: list[dict[str, object]], read_gbs: float, t: Targets) -> list[dict[str, object]]:
+def _call(x: torch.Tensor, p: PreparedW4A8) -> torch.Tensor:
+    """The op as vLLM's compiled graph calls it (the OpOverload itself, no Python wrapper around it)."""
+    return _OP(x, p.weight, p.scales, None, p.n, p.k, p.group_size, p.route.id, -1)
+
+
+def bench_decode_shape(model: str, layer: str, k: int, n: int, llc: int, budget_s: float, read_gbs: float,
+                       clock: Callable[[], float] = time.perf_counter) -> dict[str, object]:
+    """One decode linear at M=1: ours against W4A16 and BF16, and our weight bytes / time vs the read bandwidth."""
+    row: dict[str, object] = {"model": model, "layer": layer}
+    row |= bench_shape(1, k, n, llc, budget_s, 0, clock=clock, peers=("bf16", "w4a16"))
+    row["bandwidth_frac"] = round(float(row["weight_gbs"]) / read_gbs, 3)  # type: ignore[arg-type]
+    return row
+
+
+def check_targets(rows: list[dict[str, object]], read_gbs: float, t: Targets,
+                  decode: list[dict[str, object]] | None = None) -> list[dict[str, object]]:
     """One entry per target: the worst case over the rows it covers, and whether it is met."""
     large = [r for r in rows if r["M"] == 1 and int(r["K"]) * int(r["N"]) >= 2048 * 2048]
     m1 = [r for r in rows if r["M"] == 1]
@@ -186,6 +228,8 @@ def check_targets(rows: list[dict[str, object]], read_gbs: float, t: Targets) ->
 
     out = [
         worst("M=1 large: weight GB/s / read bandwidth", large, "weight_gbs", t.m1_bandwidth_frac, 1 / read_gbs),
+        worst("M=1 decode shapes: weight GB/s / read bandwidth", decode or [], "bandwidth_frac",
+              t.decode_bandwidth_frac),
         worst("M=1: x BF16 F.linear", m1, "vs_bf16", t.m1_vs_bf16),
         worst("M=1: x W4A16 int4pack_mm", m1, "vs_w4a16", t.m1_vs_w4a16),
         worst("M=512: x BF16 F.linear", m512, "vs_bf16", t.m512_vs_bf16),
@@ -206,11 +250,14 @@ def markdown_run(run: dict[str, object]) -> list[str]:
         "",
         f"Read bandwidth {bw['read_gbs']} GB/s (C++ probe {bw['probe_gbs']}, torch.sum {bw['torch_sum_gbs']}); "
         f"load average {run['load_before']} before, {run['load_after']} after.",
-        "",
-        "| M | K | N | anychip | bf16 | w4a16 | int_mm | dyn4bit | xbf16 | xw4a16 | xint_mm | xdyn4bit "
-        "| weight GB/s | GOPS |",
-        "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
+    if run["rows"]:
+        lines += [
+            "",
+            "| M | K | N | anychip | bf16 | w4a16 | int_mm | dyn4bit | xbf16 | xw4a16 | xint_mm | xdyn4bit "
+            "| weight GB/s | GOPS |",
+            "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        ]
     for r in run["rows"]:  # type: ignore[union-attr]
         lines.append(
             f"| {r['M']} | {r['K']} | {r['N']} | {_fmt(r, 'anychip_ms')} | {_fmt(r, 'bf16_ms')} "
@@ -218,6 +265,15 @@ def markdown_run(run: dict[str, object]) -> list[str]:
             f"| {_fmt(r, 'vs_bf16', '')} | {_fmt(r, 'vs_w4a16', '')} | {_fmt(r, 'vs_int_mm', '')} "
             f"| {_fmt(r, 'vs_dyn4bit', '')} | {r['weight_gbs']} | {r['gops']} |"
         )
+    if run.get("decode_rows"):
+        lines += ["", "M=1, every linear of a decode step (the op as vLLM's compiled graph calls it):", "",
+                  "| model | layer | K | N | anychip | w4a16 | bf16 | xw4a16 | xbf16 | weight GB/s | of read bandwidth |",
+                  "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+        for r in run["decode_rows"]:  # type: ignore[union-attr]
+            lines.append(
+                f"| {r['model']} | {r['layer']} | {r['K']} | {r['N']} | {_fmt(r, 'anychip_ms')} | {_fmt(r, 'w4a16_ms')} "
+                f"| {_fmt(r, 'bf16_ms')} | {_fmt(r, 'vs_w4a16', '')} | {_fmt(r, 'vs_bf16', '')} | {r['weight_gbs']} "
+                f"| {float(r['bandwidth_frac']):.0%} |")
     lines += ["", "| target | goal | worst case | met |", "|---|--:|--:|:-:|"]
     for t in run["targets"]:  # type: ignore[union-attr]
         lines.append(f"| {t['target']} | {t['goal']} | {t['worst']} | {'yes' if t['met'] else 'no'} |")
@@ -255,26 +311,34 @@ def _load() -> float:
     return round(os.getloadavg()[0], 2)
 
 
+def _progress(title: str, row: dict[str, object]) -> None:
+    print(f"[{title}] M={row['M']:4d} K={row['K']:5d} N={row['N']:5d}  " + "  ".join(
+        f"{key[:-3]} {row[key]:.4f}" for key in row if str(key).endswith("_ms")), flush=True)
+
+
 def bench_run(
-    title: str, threads: int, clock: Callable[[], float], quick: bool, dyn_iters: int, llc: int
+    title: str, threads: int, clock: Callable[[], float], quick: bool, dyn_iters: int, llc: int,
+    decode_only: bool = False,
 ) -> dict[str, object]:
+    """The SHAPES x TOKENS grid (unless decode_only), then every DECODE_SHAPES linear at M=1."""
     shapes = SHAPES[:2] + SHAPES[3:4] if quick else SHAPES
     budget_s = 0.3 if quick else 1.0
     with _threads(threads):
         load_before = _load()
         bandwidth = read_bandwidth_gbs(size=(256 << 20) if quick else (1 << 30), clock=clock)
-        rows = []
-        for m in TOKENS:
-            for k, n in shapes:
-                row = bench_shape(m, k, n, llc, budget_s, dyn_iters, clock=clock)
-                rows.append(row)
-                print(f"[{title}] M={m:4d} K={k:5d} N={n:5d}  " + "  ".join(
-                    f"{key[:-3]} {row[key]:.4f}" for key in row if str(key).endswith("_ms")), flush=True)
+        rows = [] if decode_only else [bench_shape(m, k, n, llc, budget_s, dyn_iters, clock=clock)
+                                       for m in TOKENS for k, n in shapes]
+        for row in rows:
+            _progress(title, row)
+        decode = []
+        for model, layer, k, n in DECODE_SHAPES:
+            decode.append(bench_decode_shape(model, layer, k, n, llc, budget_s, float(bandwidth["read_gbs"]), clock))
+            _progress(title, decode[-1])
     run: dict[str, object] = {
         "title": title, "threads": threads, "clock": clock.__name__, "load_before": load_before,
-        "load_after": _load(), "bandwidth": bandwidth, "rows": rows,
+        "load_after": _load(), "bandwidth": bandwidth, "rows": rows, "decode_rows": decode,
     }
-    run["targets"] = check_targets(rows, float(bandwidth["read_gbs"]), Targets())
+    run["targets"] = check_targets(rows, float(bandwidth["read_gbs"]), Targets(), decode)
     return run
 
 
@@ -282,6 +346,7 @@ def cmd_bench_kernels(args: argparse.Namespace) -> int:
     """All threads by wall clock (what a caller sees), then one thread by its CPU time: on a machine shared with
     other work, preemption inflates wall-clock times of multi-threaded calls far more than the kernels' own cost."""
     quick = bool(getattr(args, "quick", False))
+    decode_only = bool(getattr(args, "decode_only", False))
     if getattr(args, "device", "cpu") == "cuda":  # the NVIDIA route's own benchmark (kernels_gpu.py)
         from anychip.bench import kernels_gpu
 
@@ -290,11 +355,13 @@ def cmd_bench_kernels(args: argparse.Namespace) -> int:
     llc = llc_bytes()
     threads = torch.get_num_threads()
     runs = [
-        bench_run(f"{threads} threads, wall clock", threads, time.perf_counter, quick, 1 if quick else 3, llc),
-        bench_run("1 thread, thread CPU time", 1, time.thread_time, quick, 1, llc),
+        bench_run(f"{threads} threads, wall clock", threads, time.perf_counter, quick, 1 if quick else 3, llc,
+                  decode_only),
+        bench_run("1 thread, thread CPU time", 1, time.thread_time, quick, 1, llc, decode_only),
     ]
     report: dict[str, object] = {
-        "command": "anychip bench kernels" + (" --quick" if quick else "") + (f" --json {args.json}" if args.json else ""),
+        "command": ("anychip bench kernels" + (" --quick" if quick else "") + (" --decode-only" if decode_only else "")
+                    + (f" --json {args.json}" if args.json else "")),
         "cpu": _cpu_name(),
         "cores": os.cpu_count(),
         "isa": routes.available("cpu")[0].isa,
@@ -333,4 +400,5 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--decode-only", action="store_true", help="only the M=1 decode shapes (DECODE_SHAPES)")
     sys.exit(cmd_bench_kernels(parser.parse_args()))

@@ -207,7 +207,7 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   const c10::optional<at::Tensor> b = float_bias(bias);
   Problem p = weight_problem(weight, scales, b, m, n, k, group_size);
   count_call(layer_id, m);
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  at::DimVector shape(x.sizes());
   shape.back() = n;
   at::Tensor out = at::empty(shape, x.options());
   p.out = out.data_ptr();

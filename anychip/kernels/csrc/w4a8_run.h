@@ -89,14 +89,15 @@ TileFn wide_tile_fn([[maybe_unused]] int64_t isa) {
 #ifndef ANYCHIP_CHUNKS_PER_THREAD
 #define ANYCHIP_CHUNKS_PER_THREAD 8
 #endif
-// Smallest chunk a thread takes from the shared counter, and the least weight a thread is woken for (bytes): a small
-// GEMV (N = 192, K = 576 is 62 KB) split into 16 chunks pays a contended atomic per 4 KB and runs at ~50% of the
-// read bandwidth.
+// Smallest chunk a thread takes from the shared counter, and the weight bytes per thread woken (M < 4): the old
+// split gave a small GEMV (N = 192, K = 576: 62 KB) 12 chunks of one 5 KB block, a contended atomic each, and a
+// second thread whose wake-up and join cost about as much as streaming the whole weight.  On the shared 2-core
+// test machine one thread ran N = 192 in 7.1 us and two in 9.5 us (best of 12 rounds, same process).
 #ifndef ANYCHIP_CHUNK_BYTES
 #define ANYCHIP_CHUNK_BYTES (24 * 1024)
 #endif
 #ifndef ANYCHIP_THREAD_BYTES
-#define ANYCHIP_THREAD_BYTES (16 * 1024)
+#define ANYCHIP_THREAD_BYTES (64 * 1024)
 #endif
 
 // How one call splits its weight blocks over threads.
