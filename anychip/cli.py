@@ -182,6 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--llama-cpp", type=_csv, metavar="TYPES",
                    help="also evaluate llama.cpp GGUFs of the BF16 source: Q4_0, Q8_0 (llama.cpp's quantizer) or F32 "
                         "(needs `pip install 'anychip[peers]'`; docs/eval.md)")
+    s.add_argument("--threads", type=int, help="CPU threads of the llama.cpp engine (default: every CPU)")
+    s.add_argument("--jobs", type=int, default=1, help="models evaluated at a time, each in its own process")
     s.add_argument("--text", help="perplexity text file")
     s.add_argument("--json", help="write results here")
     s.add_argument("--harness", choices=["anychip", "lm-eval"], default="anychip",

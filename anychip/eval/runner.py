@@ -41,6 +41,8 @@ class EvalSettings:
     engine: "vllm" (the serving path) or "torch" (transformers; W4A8 on the torch reference arithmetic); a
         Target's own engine wins (llama.cpp peers).
     device: torch device for engine="torch".
+    threads: CPU threads of the llama.cpp engine (None: every CPU this process may use).
+    jobs: models evaluated at a time, each in its own process (results do not depend on it).
     """
 
     limit: int | None = None
@@ -49,6 +51,8 @@ class EvalSettings:
     max_len: int = 2048
     engine: str = "vllm"
     device: str = "cpu"
+    threads: int | None = None
+    jobs: int = 1
 
     def __post_init__(self) -> None:
         if self.limit is not None and self.limit < 1:
@@ -57,6 +61,8 @@ class EvalSettings:
             raise ValueError(f"need 0 < stride ({self.stride}) <= window ({self.window}) <= max_len ({self.max_len})")
         if self.engine not in ENGINES:
             raise ValueError(f"engine {self.engine!r}: use one of {ENGINES}")
+        if self.threads is not None and self.threads < 1 or self.jobs < 1:
+            raise EvalDataError(f"--threads {self.threads} / --jobs {self.jobs}: each must be at least 1")
 
 
 @dataclass
@@ -106,7 +112,8 @@ def make_engine(target: Target, settings: EvalSettings):
     if engine == LLAMA_CPP:
         from anychip.eval.llama_cpp_engine import LlamaCppEngine
 
-        return LlamaCppEngine(target.path, target.tokenizer or target.path.parent, max_len=settings.max_len)
+        return LlamaCppEngine(target.path, target.tokenizer or target.path.parent, max_len=settings.max_len,
+                              threads=settings.threads)
     from anychip.eval.engines import TorchEngine
 
     return TorchEngine.from_dir(target.path, device=settings.device, max_len=settings.max_len)
@@ -161,8 +168,17 @@ def _perplexity(engine, text: str, settings: EvalSettings, label: str) -> dict[s
 def evaluate_isolated(model: Path | Target, task_files: list[Path], text: str | None,
                       settings: EvalSettings) -> ModelResult:
     """evaluate_model in a fresh spawned process; its memory and engine state go when it returns."""
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(evaluate_model, model, task_files, text, settings).result()
+    return evaluate_all([model], task_files, text, settings)[0]
+
+
+def evaluate_all(models: list[Path | Target], task_files: list[Path], text: str | None,
+                 settings: EvalSettings) -> list[ModelResult]:
+    """evaluate_model for each model, `settings.jobs` at a time, each in a fresh spawned process (its memory and
+    engine state go when it returns); results in the order of `models`."""
+    with ProcessPoolExecutor(max_workers=settings.jobs, mp_context=multiprocessing.get_context("spawn"),
+                             max_tasks_per_child=1) as pool:
+        futures = [pool.submit(evaluate_model, m, task_files, text, settings) for m in models]
+        return [f.result() for f in futures]
 
 
 def report_pairs(labels: list[str], baselines: dict[str, str] | None = None) -> list[tuple[str, str]]:
@@ -300,7 +316,11 @@ def run_eval(model: Path, task_names: list[str] | None, data: str | None, settin
     task_files, want_ppl = select_tasks(task_names, data_dir)
     text_file, text = load_text(text_path) if want_ppl else (None, None)
     targets = targets_to_evaluate(model, compare_bf16, head_int8, llama_cpp)
-    results = {t.label: evaluate_isolated(t, task_files, text, settings) for t in targets}
+    # round-robin over engines, so that with --jobs 2 a vLLM model and a llama.cpp one share the machine
+    kinds = [t.engine or settings.engine for t in targets]
+    order = sorted(range(len(targets)), key=lambda i: kinds[:i].count(kinds[i]))
+    done = dict(zip(order, evaluate_all([targets[i] for i in order], task_files, text, settings)))
+    results = {t.label: done[i] for i, t in enumerate(targets)}
     extra = {"data": data_source(data_dir, task_files), "text": str(text_file) if text_file else None,
              "engines": {t.label: {"engine": t.engine or settings.engine, "env": dict(t.env),
                                    "tokenizer": str(t.tokenizer or t.path)} for t in targets}}
@@ -308,7 +328,7 @@ def run_eval(model: Path, task_names: list[str] | None, data: str | None, settin
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    settings = EvalSettings(limit=args.limit)
+    settings = EvalSettings(limit=args.limit, threads=getattr(args, "threads", None), jobs=getattr(args, "jobs", 1))
     report = run_eval(Path(args.model), args.tasks, args.data, settings, args.compare_bf16, args.text,
                       head_int8=getattr(args, "head_int8", False), llama_cpp=getattr(args, "llama_cpp", None))
     report["command"] = "anychip " + " ".join(getattr(args, "argv", None) or sys.argv[1:])
