@@ -86,7 +86,7 @@ def plan_systems(md: ModelDir, with_peers: bool, device: str = "cpu") -> list[Sy
         main = System(OURS, "vllm", f"W4A8 g{scheme.group_size} {scheme.format} (anychip kernels)", plugin=True,
                       build=lambda: model)
         if md.is_synthetic:
-            main.notes.append("random weights (anychip prepare --synthetic): throughput only, no BF16 peer")
+            main.notes.append("random weights (anychip prepare --synthetic): throughput only; no BF16 source")
     elif kind == "unquantized":
         main = System("vllm-bf16", "vllm", "BF16", build=lambda: model)
     else:
@@ -268,18 +268,24 @@ def run_system(system: System, args: argparse.Namespace, workdir: Path) -> dict[
         row["vllm_kernels"] = chosen_kernels(workdir / f"{system.name}{'-eager' if spec.eager else ''}.log")
     if not result.get("ok"):
         return dict(row, status="failed", error=result.get("error"))
+    row.update(measured_row(result), waited_for_idle_s=waited)
+    if coverage is not None:
+        row["coverage"] = _coverage_summary(coverage)
+    return row
+
+
+def measured_row(result: dict[str, Any]) -> dict[str, Any]:
+    """A report row's measured fields from a runner's successful result (its out.json)."""
     summary = summarize_latency(result["pp"], result["tg"], [RepTiming(*t) for t in result["timings"]])
-    row.update(status="ok", pp=result["pp"], tg=result["tg"], reps=result["reps"], reduced=result["reduced"],
+    row = dict(status="ok", pp=result["pp"], tg=result["tg"], reps=result["reps"], reduced=result["reduced"],
                pp_tps=summary.pp, tg_tps=summary.tg, total_tps=summary.total, t_pp_s=summary.t_pp_s,
                t_tg_s=summary.t_tg_s, timings=result["timings"], engine_start_s=result["engine_start_s"],
                settings=result["settings"], loadavg=result.get("loadavg"), cpu_share=result.get("cpu_share"),
-               waited_for_idle_s=waited, peak_rss_mib=result.get("peak_rss_mib"))
+               peak_rss_mib=result.get("peak_rss_mib"))
     if result.get("batch_timings"):
         n, tg = result["batch"], result["batch_tg"]
         row.update(batch=n, batch_pp=result["batch_pp"], batch_tg=tg, batch_timings=result["batch_timings"],
                    batch_tps=mean_sd([n * tg / t for t in result["batch_timings"]]))
-    if coverage is not None:
-        row["coverage"] = _coverage_summary(coverage)
     return row
 
 
