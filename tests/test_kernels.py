@@ -328,3 +328,13 @@ def test_cpp_route_ids_match_the_python_routes() -> None:
     ours = [r for r in routes.ROUTES if getattr(r, "counts_in_kernel", False)]
     assert sorted(r.id for r in ours) == sorted(cpp)
     assert all(cpp[r.code] == r.id for r in ours)
+
+
+@pytest.mark.parametrize("op", ["quantize_act", "w4a8_linear", "w4a8_linear_q", "w4a8_group_dots"])
+def test_cpu_kernels_are_cpp_and_cuda_reaches_python(op: str) -> None:
+    """Once the extension is loaded, a CPU call dispatches to the C++ kernel; a CUDA call to ops.py's Python."""
+    cpu_ext.load()
+    table = dict(line.split(": ", 1) for line in torch._C._dispatch_dump_table(f"anychip::{op}").splitlines()
+                 if ": " in line)
+    assert "w4a8_cpu.cpp" in table["CPU"]
+    assert "ops.py" in table["CUDA"] and "ops.py" in table["Meta"]
