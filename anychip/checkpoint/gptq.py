@@ -41,6 +41,8 @@ DEFAULT_CALIBRATION = Path(__file__).resolve().parents[1] / "data" / "kjv_genesi
 #: --calibration value that samples the calibration text from the BF16 model itself instead of reading a file.
 GENERATED = "generated"
 WeightQuantizer = Callable[[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+#: Calibration sequences per layer forward.
+LAYER_BATCH = 8
 #: True-sequential stages of a Llama decoder layer: each stage's Hessians see the stages before it quantized.
 STAGES: tuple[tuple[str, ...], ...] = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                                        ("self_attn.o_proj",), ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
@@ -94,8 +96,9 @@ class GPTQConfig:
         return out
 
 
-#: The recipe `anychip quantize --method gptq` and `anychip prepare` use (measured: docs/bench/accuracy.md).
-DEFAULT_GPTQ = GPTQConfig()
+#: The recipe `anychip quantize --method gptq` and `anychip prepare` use, chosen by the full-set sweep in
+#: docs/bench/accuracy.md: MSE scales, act-order, true-sequential, smoothing folded into the two RMSNorms.
+DEFAULT_GPTQ = GPTQConfig(scale_search="mse", act_order=True, true_sequential=True, smooth=("attn_in", "mlp_in"))
 
 
 def _inverse_cholesky(h: torch.Tensor, damp: float) -> torch.Tensor:
@@ -245,16 +248,19 @@ def _smooth_layer(layer, xs: list[torch.Tensor], kwargs: dict, scheme: W4A8Schem
 
 
 def _quantize_layer(layer, xs: list[torch.Tensor], kwargs: dict, scheme: W4A8Scheme,
-                    config: GPTQConfig) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """GPTQ every linear of one layer in place (weights replaced by their dequantized INT4 values)."""
+                    config: GPTQConfig) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
+    """GPTQ every linear of one layer in place (weights replaced by their dequantized INT4 values); returns the
+    (wq, scales) and the quantized layer's output for each batch of xs."""
     linears = {name: m for name, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
     if config.true_sequential:
         stages = [[n for n in stage if n in linears] for stage in STAGES]
         stages.append([n for n in linears if not any(n in stage for stage in STAGES)])
     else:
         stages = [list(linears)]
-    out = {}
-    for stage in (s for s in stages if s):
+    stages = [s for s in stages if s]
+    out, outputs = {}, None
+    for stage in stages:
+        tail = _MlpTail(layer) if stage is stages[-1] and stage[-1] == DOWN else None
         hooks = HessianHooks({name: linears[name] for name in stage})
         forward_all(layer, xs, kwargs, hooks)
         for name in stage:
@@ -265,7 +271,34 @@ def _quantize_layer(layer, xs: list[torch.Tensor], kwargs: dict, scheme: W4A8Sch
                                * sc.float().unsqueeze(2)).reshape(wq.shape)
             out[name] = (wq.cpu(), sc.cpu())
         del hooks
-    return out
+        if tail is not None:
+            outputs = tail.outputs(linears[DOWN])
+    if outputs is None:
+        outputs = [_first(layer(x, **kwargs)) for x in xs]
+    return out, outputs
+
+
+DOWN = "mlp.down_proj"
+
+
+class _MlpTail:
+    """Records, during the forward that collects down_proj's Hessian, the residual stream entering
+    post_attention_layernorm and down_proj's input; once down_proj is quantized the layer's output is
+    residual + down_proj(input), exactly what LlamaDecoderLayer computes, without another forward."""
+
+    def __init__(self, layer) -> None:
+        self.residual: list[torch.Tensor] = []
+        self.inputs: list[torch.Tensor] = []
+        # Registered before HessianHooks: pre-hooks run in order, and HessianHooks stops the forward at down_proj.
+        self._handles = [
+            layer.post_attention_layernorm.register_forward_pre_hook(lambda _m, a: self.residual.append(a[0])),
+            layer.get_submodule(DOWN).register_forward_pre_hook(lambda _m, a: self.inputs.append(a[0])),
+        ]
+
+    def outputs(self, down: torch.nn.Module) -> list[torch.Tensor]:
+        for h in self._handles:
+            h.remove()
+        return [r + down(x) for r, x in zip(self.residual, self.inputs)]
 
 
 def run_gptq(src: str | Path, scheme: W4A8Scheme, calibration: str | Path | None = None,
@@ -303,7 +336,8 @@ def run_gptq(src: str | Path, scheme: W4A8Scheme, calibration: str | Path | None
         xs, kwargs = layer_inputs(model, batch, dev)
         kwargs = {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else
                   tuple(t.float() for t in v) if isinstance(v, tuple) else v for k, v in kwargs.items()}
-        xs = [x.float() for x in xs]
+        # Sequences go through each layer in batches (fewer, larger matmuls); kwargs broadcast over the batch.
+        xs = [torch.cat(xs[i:i + LAYER_BATCH]).float() for i in range(0, len(xs), LAYER_BATCH)]
         for li, layer in enumerate(layers):
             layer.to(dev, torch.float32)
             prefix = f"model.layers.{li}."
@@ -312,9 +346,9 @@ def run_gptq(src: str | Path, scheme: W4A8Scheme, calibration: str | Path | None
                 result.smoothing.append(record)
                 for name in changed:
                     result.dense[prefix + name] = layer.get_parameter(name).detach().to("cpu", torch.bfloat16)
-            for name, wqs in _quantize_layer(layer, xs, kwargs, scheme, config).items():
+            weights, xs = _quantize_layer(layer, xs, kwargs, scheme, config)  # the next layer sees it quantized
+            for name, wqs in weights.items():
                 result.weights[prefix + name] = wqs
-            xs = [_first(layer(x, **kwargs)) for x in xs]  # the next layer sees this layer quantized
             layer.to("cpu", torch.bfloat16)
             if (li + 1) % 5 == 0 or li + 1 == len(layers):
                 log(f"layer {li + 1}/{len(layers)} quantized")

@@ -16,6 +16,7 @@ from pathlib import Path
 from anychip.checkpoint.cache import cache_lock, clear_done, is_done, mark_done
 from anychip.checkpoint.default_bf16 import bf16_step, log
 from anychip.checkpoint.from_gguf import find_default_gguf, model_slug
+from anychip.checkpoint.gptq import DEFAULT_GPTQ, GPTQConfig
 from anychip.checkpoint.manifest import sha256_file
 from anychip.checkpoint.quantize import METHODS, choose_group_size, make_quantizer, quantize_checkpoint
 from anychip.checkpoint.scheme import FORMATS, GROUP_SIZES, ContractError, Format, W4A8Scheme
@@ -32,6 +33,8 @@ class PrepareRecipe:
     format: the compressed-tensors format of the INT4 weights.
     group_size: None picks the largest supported group size that divides K of every decoder linear.
     gptq_samples: calibration sequences (of 512 tokens) when method is "gptq".
+    gptq: the rest of the GPTQ recipe (act-order, scales, smoothing; part of the cache key, so a new recipe
+        rebuilds the cached checkpoint).
 
     GPTQ at group size 32 measured best on SmolLM2-135M (docs/bench/accuracy.md); 32 calibration sequences scored
     the same as 128 there at a quarter of the CPU time.
@@ -41,6 +44,7 @@ class PrepareRecipe:
     format: Format = "pack-quantized"
     group_size: int | None = 32
     gptq_samples: int = 32
+    gptq: GPTQConfig = DEFAULT_GPTQ
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -78,7 +82,7 @@ def prepare_default(cache: Path | None = None, force: bool = False,
         scheme = W4A8Scheme(group_size=group, format=recipe.format)
         suffix = "" if recipe.format == "pack-quantized" else "-int"
         w4a8 = root / f"w4a8-g{group}-{recipe.method}{suffix}"
-        step = {"step": "w4a8", **asdict(recipe), "group_size": group,
+        step = {"step": "w4a8", **asdict(recipe), "gptq": recipe.gptq.recipe(), "group_size": group,
                 "bf16_manifest_sha256": sha256_file(bf16 / "SHA256SUMS")}
         reports: list[VerifyReport] = []
         reused = not force and is_done(w4a8, step, lambda d: reports.append(verify_checkpoint(d)))
@@ -87,7 +91,7 @@ def prepare_default(cache: Path | None = None, force: bool = False,
         else:
             log(f"quantizing to W4A8 ({recipe.method}, group size {group}) in {w4a8}")
             clear_done(w4a8)
-            options = {"samples": recipe.gptq_samples} if recipe.method == "gptq" else {}
+            options = {"samples": recipe.gptq_samples, "config": recipe.gptq} if recipe.method == "gptq" else {}
             quantizer = make_quantizer(recipe.method, bf16, scheme, **options)
             quantize_checkpoint(bf16, w4a8, scheme, quantizer, method=recipe.method, overwrite=True)
             reports.append(verify_checkpoint(w4a8))

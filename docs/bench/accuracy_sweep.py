@@ -8,8 +8,9 @@ INT8; SimulatedW4A8Linear) and, where smoothing changed them, its RMSNorm weight
     a8                            BF16 weights, INT8 activations only
     default                       the recipe `anychip prepare` uses (PrepareRecipe + gptq.DEFAULT_GPTQ)
     rtn-gG[-amax|-clip|-mse]      round to nearest, scales by scales.py (default amax)
-    gptq-gG[-sN][-dX][-amax|-clip|-mse][-ao][-ts][-sm|-smn][-gen]
-                                  GPTQ: N calibration sequences of 512 tokens (default 128), damp X, scale search,
+    gptq-gG[-sN][-dX][-rN][-amax|-clip|-mse][-ao][-ts][-sm|-smn][-gen]
+                                  GPTQ: N calibration sequences of 512 tokens (default 128), damp X, calibration
+                                  windows drawn with seed N (default 0; to see run-to-run spread), scale search,
                                   act-order (static groups), true-sequential, smoothing at all four points (-sm)
                                   or at the two RMSNorms only (-smn), calibration text sampled from the model (-gen)
     any of these + -wonly         activations left in float (INT4 weights alone)
@@ -62,14 +63,15 @@ def parse_variant(name: str) -> tuple[str, int, GPTQConfig | str, bool, bool]:
     search = next((f for f in flags if f in SCALE_SEARCHES), "amax" if method == "rtn" else None)
     known = {"wonly", "gen", "ao", "ts", "sm", "smn", *SCALE_SEARCHES}
     for f in flags:
-        if f not in known and not (f[0] in "sd" and f[1:].replace(".", "").isdigit()):
+        if f not in known and not (f[0] in "sdr" and f[1:].replace(".", "").isdigit()):
             raise SystemExit(f"variant {name!r}: unknown option -{f}")
     if method == "rtn":
         return method, int(group[1:]), search, False, act
     samples = next((int(f[1:]) for f in flags if f[0] == "s" and f[1:].isdigit()), 128)
     damp = next((float(f[1:]) for f in flags if f[0] == "d" and f[1:].replace(".", "").isdigit()), 0.01)
+    seed = next((int(f[1:]) for f in flags if f[0] == "r" and f[1:].isdigit()), 0)
     smooth = POINT_NAMES if "sm" in flags else NORM_POINTS if "smn" in flags else ()
-    config = replace(DEFAULT_GPTQ, samples=samples, damp=damp, scale_search=search or "clip",
+    config = replace(DEFAULT_GPTQ, samples=samples, damp=damp, seed=seed, scale_search=search or "clip",
                      act_order="ao" in flags, true_sequential="ts" in flags, smooth=smooth)
     return method, int(group[1:]), config, gen, act
 
