@@ -15,8 +15,9 @@ INT8; SimulatedW4A8Linear) and, where smoothing changed them, its RMSNorm weight
                                   or at the two RMSNorms only (-smn), calibration text sampled from the model (-gen)
     any of these + -wonly         activations left in float (INT4 weights alone)
 
-Unnamed options take gptq.DEFAULT_GPTQ's values, except that every flag left out is off: `gptq-g32-s32-clip` is
-the recipe before act-order and smoothing existed. Deltas are W4A8 - BF16 with paired 95% CIs per item.
+Unnamed options take GPTQConfig's field defaults (the smoothing search on 2048 tokens; `default` uses
+DEFAULT_GPTQ's 512), and every flag left out is off: `gptq-g32-s32-clip` is the recipe before act-order and
+smoothing existed. Deltas are W4A8 - BF16 with paired 95% CIs per item.
 
     python docs/bench/accuracy_sweep.py --bf16 DIR --out sweep.json --variants bf16,default,gptq-g32-s32-clip
 """
@@ -71,7 +72,7 @@ def parse_variant(name: str) -> tuple[str, int, GPTQConfig | str, bool, bool]:
     damp = next((float(f[1:]) for f in flags if f[0] == "d" and f[1:].replace(".", "").isdigit()), 0.01)
     seed = next((int(f[1:]) for f in flags if f[0] == "r" and f[1:].isdigit()), 0)
     smooth = POINT_NAMES if "sm" in flags else NORM_POINTS if "smn" in flags else ()
-    config = replace(DEFAULT_GPTQ, samples=samples, damp=damp, seed=seed, scale_search=search or "clip",
+    config = replace(GPTQConfig(), samples=samples, damp=damp, seed=seed, scale_search=search or "clip",
                      act_order="ao" in flags, true_sequential="ts" in flags, smooth=smooth)
     return method, int(group[1:]), config, gen, act
 
