@@ -175,33 +175,28 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, group_size: int, damp: float
 
 def _sweep(w: torch.Tensor, hinv: torch.Tensor, group_size: int, block_size: int,
            scale_fn: Callable[[torch.Tensor, int], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The GPTQ column sweep over blocks, a group's scale taken when the sweep reaches it; w is updated in place
-    with the propagated rounding errors."""
+    """The GPTQ column sweep, a group's scale taken from the error-updated weights when the sweep reaches the
+    group's first column; w is updated in place with the propagated rounding errors."""
     n, k = w.shape
-    q = torch.zeros(n, k, dtype=torch.int8, device=w.device)
     scales = torch.zeros(n, k // group_size, dtype=torch.bfloat16, device=w.device)
-    for b0 in range(0, k, block_size):
-        b1 = min(b0 + block_size, k)
-        w1 = w[:, b0:b1].clone()
-        err1 = torch.zeros_like(w1)
-        hinv1 = hinv[b0:b1, b0:b1]
-        for i in range(b1 - b0):
-            col = b0 + i
-            if col % group_size == 0:
-                g = col // group_size
-                scales[:, g:g + 1] = scale_fn(w1[:, i:i + group_size], col)
-            s = scales[:, col // group_size].float()
-            qi = torch.round(w1[:, i] / s).clamp_(-8, 7)
-            q[:, col] = qi.to(torch.int8)
-            err = (w1[:, i] - qi * s) / hinv1[i, i]
-            w1[:, i:] -= err.unsqueeze(1) * hinv1[i, i:].unsqueeze(0)
-            err1[:, i] = err
-        w[:, b1:] -= err1 @ hinv[b0:b1, b1:]
-    return q, scales
+
+    def column_scale(col: int, rest: torch.Tensor) -> torch.Tensor:  # rest: w's block from column col on
+        if col % group_size == 0:
+            scales[:, col // group_size:col // group_size + 1] = scale_fn(rest[:, :group_size], col)
+        return scales[:, col // group_size].float()
+
+    return _columns(w, hinv, block_size, column_scale), scales
 
 
 def _sweep_static(w: torch.Tensor, hinv: torch.Tensor, col_scales: torch.Tensor, block_size: int) -> torch.Tensor:
     """The sweep with every column's scale given (N, K) > 0, in the (permuted) order of w's columns."""
+    return _columns(w, hinv, block_size, lambda col, rest: col_scales[:, col])
+
+
+def _columns(w: torch.Tensor, hinv: torch.Tensor, block_size: int,
+             column_scale: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """GPTQ's lazy-batch column loop: quantize column by column with column_scale(col, w's block from col on),
+    spreading each column's rounding error over the later columns through hinv (upper Cholesky of H^-1)."""
     n, k = w.shape
     q = torch.zeros(n, k, dtype=torch.int8, device=w.device)
     for b0 in range(0, k, block_size):
@@ -210,7 +205,7 @@ def _sweep_static(w: torch.Tensor, hinv: torch.Tensor, col_scales: torch.Tensor,
         err1 = torch.zeros_like(w1)
         hinv1 = hinv[b0:b1, b0:b1]
         for i in range(b1 - b0):
-            s = col_scales[:, b0 + i]
+            s = column_scale(b0 + i, w1[:, i:])
             qi = torch.round(w1[:, i] / s).clamp_(-8, 7)
             q[:, b0 + i] = qi.to(torch.int8)
             err = (w1[:, i] - qi * s) / hinv1[i, i]
