@@ -130,7 +130,8 @@ def w4a8_linear_q(
     if m == 0 or n == 0:
         return out
     if config is None:
-        config = _tuned_config(xq, sx, weight, scales, bias, n, kk, group_size, out)
+        config = config_for(m, n, kk, group_size, xq.device) or candidates(m, n, kk, group_size,
+                                                                           multiprocessors(xq.device))[0]
     launch_config(config, xq, sx, weight, scales, bias, n, kk, group_size, out, counter)
     return out
 
@@ -200,18 +201,13 @@ def compile_report(xq, sx, weight, scales, n: int, kk: int, g: int, cfg: GemmCon
             "shared_bytes": compiled.metadata.shared, "mma": mma}
 
 
-def _tuned_config(xq, sx, weight, scales, bias, n, kk, g, out) -> GemmConfig:
-    m, device = xq.shape[0], xq.device
-    return _TUNED.get(_key(m, n, kk, g, device)) or candidates(m, n, kk, g, multiprocessors(device))[0]
-
-
 def remember(m: int, n: int, kk: int, g: int, device: torch.device, cfg: GemmConfig) -> None:
     """Serve M's bucket of this shape on `device` with `cfg` for the rest of the process (tuning.py)."""
     _TUNED[_key(m, n, kk, g, device)] = cfg
 
 
 def config_for(m: int, n: int, kk: int, g: int, device: torch.device) -> GemmConfig | None:
-    """The config the tuner chose for this shape, if it has run."""
+    """The config tuning.py settled for this shape's M bucket on this GPU, if it has (else calls run the default)."""
     return _TUNED.get(_key(m, n, kk, g, device))
 
 
