@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from anychip.checkpoint.convert import convert_format
+from anychip.checkpoint.convert import convert_format, packed_weight_shape
 from anychip.checkpoint.io import TensorInfo, read_tensor, read_tensor_infos
 from anychip.checkpoint.layout import TensorSpec, parse_linear_weight
 from anychip.checkpoint.model_dir import ModelDir
@@ -34,6 +34,7 @@ from anychip.checkpoint.rewrite import is_cached, rewrite_checkpoint
 from anychip.checkpoint.scheme import IGNORED
 from anychip.errors import AnychipError
 from anychip.formats import unpack_int4
+from anychip.kernels.reference import dequantize_weight_ref
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INT8_MAX = 127
@@ -120,40 +121,31 @@ def make_bf16_dequant(w4a8: Path, dst: Path | None = None) -> Path:
     if is_cached(dst, w4a8, "bf16-dequant"):
         return dst
     md = ModelDir.open(w4a8)
-    scheme = md.require_scheme()
+    md.require_scheme()
     infos = read_tensor_infos(md.path)
     config = {k: v for k, v in md.config.items() if k != "quantization_config"}
-
-    def shape(prefix: str) -> tuple[int, int]:
-        if (info := infos.get(f"{prefix}.weight_shape")) is not None:
-            n, k = (int(v) for v in read_tensor(info).tolist())
-            return n, k
-        return tuple(infos[f"{prefix}.weight"].shape)  # type: ignore[return-value]
-
-    def linear(name: str) -> str | None:
-        for suffix in (".weight_packed", ".weight"):
-            prefix = name.removesuffix(suffix)
-            if name.endswith(suffix) and f"{prefix}.weight_scale" in infos:
-                return prefix
-        return None
+    quantized = {name.rpartition(".")[0] for name in infos if name.endswith(".weight_scale")}  # linear prefixes
+    shapes = {name: packed_weight_shape(infos, info) if name.endswith("_packed") else tuple(info.shape)
+              for name, info in infos.items()
+              if name.endswith((".weight_packed", ".weight")) and name.rpartition(".")[0] in quantized}
+    dropped = {name for name in infos if name.endswith((".weight_scale", ".weight_shape"))
+               and name.rpartition(".")[0] in quantized}
 
     def plan(info: TensorInfo) -> list[TensorSpec]:
-        if info.name.endswith((".weight_scale", ".weight_shape")) and info.name.rpartition(".")[0] + ".weight_scale" \
-                in infos:
+        if info.name in dropped:
             return []
-        if (prefix := linear(info.name)) is not None:
-            return [TensorSpec(f"{prefix}.weight", torch.bfloat16, shape(prefix))]
+        if info.name in shapes:
+            return [TensorSpec(f"{info.name.rpartition('.')[0]}.weight", torch.bfloat16, shapes[info.name])]
         return [TensorSpec(info.name, info.torch_dtype, info.shape)]
 
     def values(info: TensorInfo, get: Callable[[str], torch.Tensor]) -> Iterator[torch.Tensor]:
-        if not plan(info):
+        if info.name in dropped:
             return
         t = get(info.name)
-        if (prefix := linear(info.name)) is not None:
-            n, k = shape(prefix)
-            q = unpack_int4(t, k=k) if info.name.endswith("_packed") else t
-            s = read_tensor(infos[f"{prefix}.weight_scale"]).float().repeat_interleave(scheme.group_size, dim=1)
-            yield (q.float() * s).to(torch.bfloat16)
+        if info.name in shapes:
+            q = unpack_int4(t, k=shapes[info.name][1]) if info.name.endswith("_packed") else t
+            scales = read_tensor(infos[f"{info.name.rpartition('.')[0]}.weight_scale"])
+            yield dequantize_weight_ref(q, scales, torch.bfloat16)
         else:
             yield t
 

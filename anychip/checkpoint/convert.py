@@ -46,14 +46,14 @@ def _unpacking(infos: dict[str, TensorInfo]) -> tuple[Callable, Callable]:
         if info.name.endswith(".weight_shape"):
             return []
         if info.name.endswith(".weight_packed"):
-            return [TensorSpec(info.name.removesuffix("_packed"), torch.int8, _weight_shape(infos, info))]
+            return [TensorSpec(info.name.removesuffix("_packed"), torch.int8, packed_weight_shape(infos, info))]
         return [TensorSpec(info.name, info.torch_dtype, info.shape)]
 
     def values(info: TensorInfo, get: Callable[[str], torch.Tensor]) -> Iterator[torch.Tensor]:
         if info.name.endswith(".weight_shape"):
             return
         t = get(info.name)
-        yield unpack_int4(t, k=_weight_shape(infos, info)[1]) if info.name.endswith(".weight_packed") else t
+        yield unpack_int4(t, k=packed_weight_shape(infos, info)[1]) if info.name.endswith(".weight_packed") else t
 
     return plan, values
 
@@ -81,7 +81,8 @@ def _packing() -> tuple[Callable, Callable]:
     return plan, values
 
 
-def _weight_shape(infos: dict[str, TensorInfo], packed: TensorInfo) -> tuple[int, int]:
+def packed_weight_shape(infos: dict[str, TensorInfo], packed: TensorInfo) -> tuple[int, int]:
+    """(N, K) of a pack-quantized weight: its `.weight_shape` tensor, else the packed shape times 8."""
     shape = infos.get(packed.name.replace("weight_packed", "weight_shape"))
     if shape is None:
         n, words = packed.shape
