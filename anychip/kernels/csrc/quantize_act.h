@@ -10,20 +10,33 @@ namespace anychip {
 // Bit-exact with quantize_activations_ref: scale = amax / 127 in fp32, q = round_half_even(x / scale) (a true
 // division, not a multiply by the reciprocal), clamped to [-127, 127]; an all-zero row gets scale 0 and q 0.
 
+// The scalar pieces every row quantizer shares: the amax of x[i0, k), the row's scale (false, with q zeroed, for
+// an all-zero row), and the quantization of x[i0, k) with scale s.
 template <typename T>
-void quantize_row_scalar(const T* x, int64_t k, int8_t* q, float* sx) {
-  float amax = 0.f;
-  for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(to_f(x[i])));
+inline float amax_from(const T* x, int64_t i0, int64_t k, float amax) {
+  for (int64_t i = i0; i < k; ++i) amax = std::max(amax, std::fabs(to_f(x[i])));
+  return amax;
+}
+
+inline bool row_scale(float amax, int64_t k, int8_t* q, float* sx) {
   const float s = amax / 127.f;
   *sx = s;
-  if (!(s > 0.f)) {
-    std::memset(q, 0, k);
-    return;
-  }
-  for (int64_t i = 0; i < k; ++i) {
+  if (s > 0.f) return true;
+  std::memset(q, 0, k);
+  return false;
+}
+
+template <typename T>
+inline void quantize_from(const T* x, int64_t i0, int64_t k, float s, int8_t* q) {
+  for (int64_t i = i0; i < k; ++i) {
     const float v = std::nearbyint(to_f(x[i]) / s);
     q[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
   }
+}
+
+template <typename T>
+void quantize_row_scalar(const T* x, int64_t k, int8_t* q, float* sx) {
+  if (row_scale(amax_from(x, 0, k, 0.f), k, q, sx)) quantize_from(x, 0, k, *sx, q);
 }
 
 #ifdef ANYCHIP_X86
@@ -46,14 +59,8 @@ ANYCHIP_AVX512 void quantize_row_avx512(const T* x, int64_t k, int8_t* q, float*
     const __mmask16 mask = k - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (k - i)) - 1);
     vmax = _mm512_max_ps(vmax, _mm512_abs_ps(load16(x + i, mask)));
   }
-  const float amax = _mm512_reduce_max_ps(vmax);
-  const float s = amax / 127.f;
-  *sx = s;
-  if (!(s > 0.f)) {
-    std::memset(q, 0, k);
-    return;
-  }
-  const __m512 vs = _mm512_set1_ps(s);
+  if (!row_scale(_mm512_reduce_max_ps(vmax), k, q, sx)) return;
+  const __m512 vs = _mm512_set1_ps(*sx);
   const __m512 lim = _mm512_set1_ps(127.f);
   const __m512 nlim = _mm512_set1_ps(-127.f);
   for (int64_t i = 0; i < k; i += 16) {
@@ -90,15 +97,8 @@ ANYCHIP_AVX2 void quantize_row_avx2(const T* x, int64_t k, int8_t* q, float* sx)
   __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
   m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
   m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
-  float amax = _mm_cvtss_f32(m4);
-  for (int64_t i = k8; i < k; ++i) amax = std::max(amax, std::fabs(to_f(x[i])));
-  const float s = amax / 127.f;
-  *sx = s;
-  if (!(s > 0.f)) {
-    std::memset(q, 0, k);
-    return;
-  }
-  const __m256 vs = _mm256_set1_ps(s), lim = _mm256_set1_ps(127.f), nlim = _mm256_set1_ps(-127.f);
+  if (!row_scale(amax_from(x, k8, k, _mm_cvtss_f32(m4)), k, q, sx)) return;
+  const __m256 vs = _mm256_set1_ps(*sx), lim = _mm256_set1_ps(127.f), nlim = _mm256_set1_ps(-127.f);
   for (int64_t i = 0; i < k8; i += 8) {
     __m256 v = _mm256_round_ps(_mm256_div_ps(load8(x + i), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     v = _mm256_min_ps(_mm256_max_ps(v, nlim), lim);
@@ -106,10 +106,7 @@ ANYCHIP_AVX2 void quantize_row_avx2(const T* x, int64_t k, int8_t* q, float* sx)
     const __m128i h = _mm_packs_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(q + i), _mm_packs_epi16(h, h));
   }
-  for (int64_t i = k8; i < k; ++i) {
-    const float v = std::nearbyint(to_f(x[i]) / s);
-    q[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
-  }
+  quantize_from(x, k8, k, *sx, q);
 }
 #endif
 
@@ -131,15 +128,8 @@ void quantize_row_neon(const T* x, int64_t k, int8_t* q, float* sx) {
   const int64_t k4 = k / 4 * 4;
   float32x4_t vmax = vdupq_n_f32(0.f);
   for (int64_t i = 0; i < k4; i += 4) vmax = vmaxq_f32(vmax, vabsq_f32(load4f(x + i)));
-  float amax = vmaxvq_f32(vmax);
-  for (int64_t i = k4; i < k; ++i) amax = std::max(amax, std::fabs(to_f(x[i])));
-  const float s = amax / 127.f;
-  *sx = s;
-  if (!(s > 0.f)) {
-    std::memset(q, 0, k);
-    return;
-  }
-  const float32x4_t vs = vdupq_n_f32(s), lim = vdupq_n_f32(127.f), nlim = vdupq_n_f32(-127.f);
+  if (!row_scale(amax_from(x, k4, k, vmaxvq_f32(vmax)), k, q, sx)) return;
+  const float32x4_t vs = vdupq_n_f32(*sx), lim = vdupq_n_f32(127.f), nlim = vdupq_n_f32(-127.f);
   for (int64_t i = 0; i < k4; i += 4) {
     float32x4_t v = vrndnq_f32(vdivq_f32(load4f(x + i), vs));
     v = vminq_f32(vmaxq_f32(v, nlim), lim);
@@ -147,10 +137,7 @@ void quantize_row_neon(const T* x, int64_t k, int8_t* q, float* sx) {
     const int8x8_t b = vmovn_s16(vcombine_s16(h, h));
     std::memcpy(q + i, &b, 4);
   }
-  for (int64_t i = k4; i < k; ++i) {
-    const float v = std::nearbyint(to_f(x[i]) / s);
-    q[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
-  }
+  quantize_from(x, k4, k, *sx, q);
 }
 #endif
 
