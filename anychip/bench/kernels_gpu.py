@@ -1,4 +1,4 @@
-"""`python -m anychip.bench.kernels_gpu --json PATH`: the Triton W4A8 linear against cuBLAS peers on one GPU.
+"""`python -m anychip.bench.kernels_gpu --json PATH`: the Triton W4A8 linear against cuBLAS and Marlin peers on one GPU.
 
 Systems, each timed on the same shapes in the same run:
   w4a8       torch.ops.anychip.w4a8_linear: bf16 in, per-token INT8 quantization + INT4 x INT8 GEMM, bf16 out
@@ -6,6 +6,10 @@ Systems, each timed on the same shapes in the same run:
   bf16       F.linear with BF16 weights (cuBLAS)
   int_mm     torch._int_mm on INT8 weights and activations (cuBLASLt IMMA, no group scales, no quantization: a
              ceiling for the integer arithmetic; it needs M > 16, so M <= 16 runs padded to 32 rows)
+  marlin_w4a16, marlin_w4a8
+             vLLM's Marlin GEMM on the same INT4 weights, repacked as vLLM serves a GPTQ linear, with BF16 or
+             per-token INT8 activations (vllm_plugin/marlin_peer.py); each is checked once per shape against the torch
+             reference, and the columns are None with a reason where vLLM's Marlin cannot run
 Timing: each system's calls are captured in a CUDA graph (as vLLM captures decode steps) that rotates through
 enough weight copies to exceed three times the L2 cache, so weights stream from HBM as in a real model; the
 figure is the median over several graph replays of the time per call. Nothing here asserts a timing.
@@ -28,11 +32,16 @@ import torch.nn.functional as F
 import anychip.kernels.ops  # noqa: F401  (registers torch.ops.anychip.*)
 from anychip import envs
 from anychip.kernels.prepare import prepare_w4a8
+from anychip.kernels.reference import dequantize_weight_ref, quantize_activations_ref
 
 SHAPES: tuple[tuple[int, int], ...] = ((2048, 6144), (6144, 2048), (4096, 4096), (4096, 14336))  # (K, N)
 TOKENS: tuple[int, ...] = (1, 16, 512, 4096)
 NOMINAL_HBM_GBS = 4800.0  # H200 datasheet
 ROTATE_BYTES = 3 * 60 * 2**20  # three times the H200's 60 MB L2
+MARLIN_PEERS = {"marlin_w4a16": False, "marlin_w4a8": True}  # name -> INT8 activations
+# ||y - ref|| / ||ref||; expected about 0.002: the bf16 output, bf16 dequantized weights (W4A16) and the int16 group
+# scales (W4A8) each round at 2^-9. A layout or scale mistake gives errors of order 1.
+MARLIN_MAX_REL_ERR = 0.01
 
 
 def graph_ms(calls: list[Callable[[], object]], replays: int = 10, samples: int = 7) -> float:
@@ -103,6 +112,7 @@ def bench_shape(m: int, k: int, n: int, g: int) -> dict[str, object]:
     bf16 = [w16] + [w16.clone() for _ in range(_copies(w16.numel() * 2) - 1)]
     row["bf16_ms"] = graph_ms([lambda w=w: F.linear(x, w) for w in bf16])
     del bf16, w16
+    row |= marlin_columns(x, q, s, g, _copies(w4_bytes))
 
     m_pad = max(m, 32)
     xq_pad = torch.randint(-127, 128, (m_pad, k), device="cuda", dtype=torch.int8, generator=gen)
@@ -112,7 +122,12 @@ def bench_shape(m: int, k: int, n: int, g: int) -> dict[str, object]:
     row["int_mm_m"] = m_pad
     del w8s, w8
 
-    for name, nbytes in (("w4a8", w4_bytes), ("w4a8_gemm", w4_bytes), ("bf16", n * k * 2), ("int_mm", n * k)):
+    sized = [("w4a8", w4_bytes), ("w4a8_gemm", w4_bytes), ("bf16", n * k * 2), ("int_mm", n * k)]
+    for name in MARLIN_PEERS:
+        if row[f"{name}_ms"] is not None:
+            row[f"{name}_speedup_vs_bf16"] = round(row["bf16_ms"] / row[f"{name}_ms"], 2)
+            sized.append((name, w4_bytes))  # Marlin's repacked INT4 words and bf16 scales are the same bytes
+    for name, nbytes in sized:
         ms = row[f"{name}_ms"]
         row[f"{name}_tops"] = round(flops / ms / 1e9, 2)
         row[f"{name}_weight_gbs"] = round(nbytes / ms / 1e6, 1)
@@ -120,6 +135,49 @@ def bench_shape(m: int, k: int, n: int, g: int) -> dict[str, object]:
     row["speedup_vs_bf16"] = round(row["bf16_ms"] / row["w4a8_ms"], 2)
     row["speedup_vs_int_mm"] = round(row["int_mm_ms"] / row["w4a8_ms"], 2)
     return row
+
+
+def peer_reference(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, int8_activations: bool) -> torch.Tensor:
+    """fp32 (M, N): x @ dequantized W^T, with x first quantized per token as the INT8 peer does (anychip's own
+    quantizer; vLLM's rounds ties away from zero, which moves a rare element by one step)."""
+    if int8_activations:
+        xq, sx = quantize_activations_ref(x)
+        xf = xq.float() * sx
+    else:
+        xf = x.float()
+    return xf @ dequantize_weight_ref(q, s).t()
+
+
+def relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def marlin_columns(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, g: int, copies: int) -> dict[str, object]:
+    """vLLM's Marlin peers on the bench's weights: per peer its relative error against peer_reference, then the
+    time per call over `copies` rotating weight copies; `<peer>_skipped` says why a peer has no time."""
+    from anychip.vllm_plugin import marlin_peer
+
+    reason = marlin_peer.unavailable_reason()
+    cols: dict[str, object] = {}
+    for name, int8 in MARLIN_PEERS.items():
+        cols |= {f"{name}_ms": None, f"{name}_speedup_vs_bf16": None, f"{name}_rel_err": None,
+                 f"{name}_skipped": reason}
+        if reason:  # main() prints it once
+            continue
+        try:
+            calls = [marlin_peer.make_marlin(q, s, g, int8_activations=int8)]
+            err = relative_error(calls[0](x), peer_reference(x, q, s, int8))
+            cols[f"{name}_rel_err"] = round(err, 5)
+            if not err <= MARLIN_MAX_REL_ERR:  # also catches NaN
+                cols[f"{name}_skipped"] = f"relative error {err:.3g} > {MARLIN_MAX_REL_ERR} against the torch reference"
+                continue
+            calls += [marlin_peer.make_marlin(q, s, g, int8_activations=int8) for _ in range(copies - 1)]
+            cols[f"{name}_ms"] = graph_ms([lambda f=f: f(x) for f in calls])
+        except Exception as exc:  # vLLM's internals: the peer's column says what failed, the bench goes on
+            cols[f"{name}_skipped"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        if cols[f"{name}_skipped"]:
+            print(f"{name} M={x.shape[0]} K={q.shape[1]} N={q.shape[0]}: {cols[f'{name}_skipped']}", file=sys.stderr)
+    return cols
 
 
 def compile_reports(k: int = 4096, n: int = 4096, g: int = 128) -> list[dict[str, object]]:
@@ -154,6 +212,40 @@ def device_info() -> dict[str, object]:
     return info
 
 
+def _cell(value: object, fmt: str, unit: str = "") -> str:
+    return "-" if value is None else format(value, fmt) + unit
+
+
+def marlin_markdown(report: dict[str, object]) -> list[str]:
+    """The vLLM Marlin peers beside W4A8 and BF16, and why any peer has no time."""
+    peer = report.get("marlin", {})
+    lines = ["", f"vLLM Marlin peers (vLLM {peer.get('vllm') or 'not installed'}) on the same INT4 weights (uint4b8, "
+             f"G={report['group_size']}), timed the same way: W4A16 has BF16 activations; W4A8 quantizes "
+             "activations per token to INT8 inside the call (vLLM's VLLM_MARLIN_INPUT_DTYPE=int8 path). Each was "
+             f"checked against the torch reference first (relative error, at most {MARLIN_MAX_REL_ERR}).", "",
+             "| M | K | N | bf16 ms | w4a8 ms | marlin w4a16 ms | marlin w4a8 ms | w4a8 vs bf16 "
+             "| marlin w4a16 vs bf16 | marlin w4a8 vs bf16 | rel err w4a16 / w4a8 |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in report["rows"]:
+        lines.append(
+            f"| {r['m']} | {r['k']} | {r['n']} | {r['bf16_ms']:.4f} | {r['w4a8_ms']:.4f} "
+            f"| {_cell(r.get('marlin_w4a16_ms'), '.4f')} | {_cell(r.get('marlin_w4a8_ms'), '.4f')} "
+            f"| {r['speedup_vs_bf16']:.2f}x | {_cell(r.get('marlin_w4a16_speedup_vs_bf16'), '.2f', 'x')} "
+            f"| {_cell(r.get('marlin_w4a8_speedup_vs_bf16'), '.2f', 'x')} "
+            f"| {_cell(r.get('marlin_w4a16_rel_err'), '.4f')} / {_cell(r.get('marlin_w4a8_rel_err'), '.4f')} |")
+    skipped = {}
+    for r in report["rows"]:
+        for name in MARLIN_PEERS:
+            if r.get(f"{name}_skipped"):
+                skipped.setdefault((name, r[f"{name}_skipped"]), []).append(f"M={r['m']} K={r['k']} N={r['n']}")
+    if skipped:
+        lines.append("")
+    every = len(report["rows"])
+    lines += [f"- {name} not timed ({'all shapes' if len(shapes) == every else ', '.join(shapes)}): {why}"
+              for (name, why), shapes in skipped.items()]
+    return lines
+
+
 def markdown(report: dict[str, object]) -> str:
     dev = report["device"]
     lines = [
@@ -181,6 +273,7 @@ def markdown(report: dict[str, object]) -> str:
             f"| {r['w4a8_weight_gbs']:.0f} | {r['w4a8_gemm_weight_gbs']:.0f} | {r['bf16_weight_gbs']:.0f} "
             f"| {r['speedup_vs_bf16']:.2f}x "
             f"| {r['speedup_vs_int_mm']:.2f}x |")
+    lines += marlin_markdown(report)
     lines += ["", "Compiler report per candidate config (K=N=4096, G=128):", "",
               "| M | config | registers | spills | shared bytes | MMA |", "|---:|---|---:|---:|---:|---|"]
     lines += [f"| {c['m']} | {c['config']} | {c['registers']} | {c['spills']} | {c['shared_bytes']} | {c['mma']} |"
@@ -205,6 +298,11 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m anychip.bench.kernels_gpu " + " ".join(argv if argv is not None else sys.argv[1:]),
         "device": device_info(), "group_size": args.group_size, "copy_gbs": round(copy_bandwidth_gbs(), 1),
         "nominal_hbm_gbs": NOMINAL_HBM_GBS, "rows": []}
+    from anychip.vllm_plugin import marlin_peer
+
+    report["marlin"] = {"vllm": marlin_peer.vllm_version(), "unavailable": marlin_peer.unavailable_reason()}
+    if report["marlin"]["unavailable"]:
+        print(f"vLLM Marlin peers not timed: {report['marlin']['unavailable']}", file=sys.stderr)
     try:
         report["compile_report"] = compile_reports()
     except Exception as exc:  # a diagnostic: never stop the timings for it
@@ -215,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
             report["rows"].append(row)
             print(f"M={m:5d} K={k:5d} N={n:5d}  w4a8 {row['w4a8_ms']:.4f} ms (gemm {row['w4a8_gemm_ms']:.4f})  "
                   f"bf16 {row['bf16_ms']:.4f}  int_mm {row['int_mm_ms']:.4f}  "
+                  f"marlin w4a16 {_cell(row['marlin_w4a16_ms'], '.4f')} w4a8 {_cell(row['marlin_w4a8_ms'], '.4f')}  "
                   f"w4a8 {row['w4a8_weight_gbs']:.0f} GB/s  {row['w4a8_tops']:.0f} TOPS", flush=True)
     text = markdown(report)
     print(text)
