@@ -16,7 +16,7 @@ import torch
 from anychip import envs
 from anychip.errors import AnychipError
 from anychip.formats import pack_int4
-from anychip.kernels import cpu_ext, hooks, machine, routes
+from anychip.kernels import cpu_ext, hooks, machine, ops, routes
 from anychip.kernels.policy import KernelPolicy
 from anychip.kernels.prepare import prepare_w4a8, w4a8_linear
 from anychip.kernels.reference import group_dot_ref, quantize_activations_ref, w4a8_linear_dynamic_ref
@@ -131,7 +131,7 @@ def test_linear_exact_with_power_of_two_scales(isa: str) -> None:
     xq, _ = quantize_activations_ref(_acts(m, k, torch.float32, seed=4))
     sx = 2.0 ** -torch.randint(0, 4, (m, 1)).float()
     p = prepare_w4a8(wq, sw, g, packed=False, route=isa)
-    y = torch.ops.anychip.w4a8_linear_q(xq, sx, p.weight, p.scales, None, n, k, g, isa, -1, torch.float32)
+    y = torch.ops.anychip.w4a8_linear_q(xq, sx, p.weight, p.scales, None, n, k, g, isa, None, torch.float32)
     ref = (group_dot_ref(xq, wq, g).double() * sw.double()).sum(2) * sx.double()
     assert torch.equal(y.double(), ref)
 
@@ -233,10 +233,11 @@ class _Tiny(torch.nn.Module):
     def __init__(self, p, bias: torch.Tensor) -> None:
         super().__init__()
         self.p, self.bias = p, bias
+        self.register_buffer("layer_id", ops.layer_tensor(5))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.nn.functional.silu(x) * 2
-        return w4a8_linear(h, self.p, self.bias, layer_id=5) + 1
+        return w4a8_linear(h, self.p, self.bias, layer_id=self.layer_id) + 1
 
 
 def test_torch_compile_fullgraph_counts_in_the_kernel() -> None:
@@ -274,7 +275,8 @@ def test_kernel_counts_skip_layers_outside_the_table() -> None:
         for layer in (-1, 1, 2, 99):
             w4a8_linear(x, p, layer_id=layer)
         xq, sx = torch.ops.anychip.quantize_act(x)
-        torch.ops.anychip.w4a8_linear_q(xq, sx, p.weight, p.scales, None, n, k, g, p.route.id, 0, torch.float32)
+        torch.ops.anychip.w4a8_linear_q(xq, sx, p.weight, p.scales, None, n, k, g, p.route.id, ops.layer_tensor(0),
+                                         torch.float32)
         table.slot.fill_(7)  # not a slot: not counted
         w4a8_linear(x, p, layer_id=1)
     assert table.counts[:, 0].tolist() == [[1, 3], [1, 3]]
@@ -295,7 +297,8 @@ def test_python_routes_go_through_the_same_op_and_notify() -> None:
     table = hooks.KernelCounts.zeros(8)
     with hooks.observing(lambda layer, tokens: calls.append((layer, tokens))), hooks.counting_in_kernels(table):
         y = w4a8_linear(x, p, layer_id=3)
-        compiled = torch.compile(lambda v: w4a8_linear(v, p, layer_id=4), fullgraph=True, dynamic=False)
+        four = ops.layer_tensor(4)
+        compiled = torch.compile(lambda v: w4a8_linear(v, p, layer_id=four), fullgraph=True, dynamic=False)
         y2 = compiled(x)
     assert torch.equal(y, w4a8_linear_dynamic_ref(x, wq, sw)) and torch.equal(y2, y)
     assert calls == [(3, 3), (4, 3)] and table.counts.sum().item() == 0
@@ -310,16 +313,16 @@ def test_ops_keep_routing_strict() -> None:
     x = _acts(2, k, torch.float32, seed=8)
     args = (p.weight, p.scales, None, n, k, g)
     with pytest.raises(NoKernelRoute, match="CUDA route cuda.triton"):
-        torch.ops.anychip.w4a8_linear(x, *args, "cuda.triton", -1)
+        torch.ops.anychip.w4a8_linear(x, *args, "cuda.triton", None)
     with pytest.raises(NoKernelRoute, match="unknown kernel route 'no_such_route'"):
-        torch.ops.anychip.w4a8_linear(x, *args, "no_such_route", -1)
+        torch.ops.anychip.w4a8_linear(x, *args, "no_such_route", None)
     # an alias reaches the same C++ kernel through its route object
     alias = p.route.aliases[0]
-    assert torch.equal(torch.ops.anychip.w4a8_linear(x, *args, alias, -1), w4a8_linear(x, p))
+    assert torch.equal(torch.ops.anychip.w4a8_linear(x, *args, alias, None), w4a8_linear(x, p))
     missing = [r for r in routes.ROUTES if getattr(r, "counts_in_kernel", False) and r.id not in ISAS]
     for route in missing:  # a C++ route this CPU lacks is refused by the C++ kernel, naming the route
         with pytest.raises(RuntimeError, match=f"lacks ISA .*{route.id}"):
-            torch.ops.anychip.w4a8_linear(x, *args, route.id, -1)
+            torch.ops.anychip.w4a8_linear(x, *args, route.id, None)
 
 
 def test_cpp_route_ids_match_the_python_routes() -> None:

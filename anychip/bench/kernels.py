@@ -203,7 +203,7 @@ def bench_shape(
 
 def _call(x: torch.Tensor, p: PreparedW4A8) -> torch.Tensor:
     """The op as vLLM's compiled graph calls it (the OpOverload itself, no Python wrapper around it)."""
-    return _OP(x, p.weight, p.scales, None, p.n, p.k, p.group_size, p.route.id, -1)
+    return _OP(x, p.weight, p.scales, None, p.n, p.k, p.group_size, p.route.id, None)
 
 
 def bench_decode_shape(model: str, layer: str, k: int, n: int, llc: int, budget_s: float, read_gbs: float,

@@ -98,11 +98,11 @@ def bench_shape(m: int, k: int, n: int, g: int) -> dict[str, object]:
     w4_bytes = prepared.weight.numel() + prepared.scales.numel() * prepared.scales.element_size()
     preps = [prepared] + [prepare_w4a8(q, s, g, packed=False, policy=policy) for _ in range(_copies(w4_bytes) - 1)]
     ops = torch.ops.anychip
-    row["w4a8_ms"] = graph_ms([lambda p=p: ops.w4a8_linear(x, p.weight, p.scales, None, n, k, g, p.route.id, -1)
+    row["w4a8_ms"] = graph_ms([lambda p=p: ops.w4a8_linear(x, p.weight, p.scales, None, n, k, g, p.route.id, None)
                                for p in preps])
     xq, sx = ops.quantize_act(x)
     row["w4a8_gemm_ms"] = graph_ms([lambda p=p: ops.w4a8_linear_q(xq, sx, p.weight, p.scales, None, n, k, g,
-                                                                  p.route.id, -1, torch.bfloat16) for p in preps])
+                                                                  p.route.id, None, torch.bfloat16) for p in preps])
     from anychip.kernels.gpu import launch
 
     row["w4a8_config"] = str(launch.config_for(m, n, k, g, x.device))

@@ -3,17 +3,21 @@ torch.compile traces them as opaque calls.
 
     anychip::quantize_act(Tensor x) -> (Tensor xq, Tensor sx)
     anychip::w4a8_linear(Tensor x, Tensor weight, Tensor scales, Tensor? bias, int n, int k, int group_size,
-                         str route, int layer_id) -> Tensor
+                         str route, Tensor? layer_id) -> Tensor
     anychip::w4a8_linear_q(Tensor xq, Tensor sx, Tensor weight, Tensor scales, Tensor? bias, int n, int k,
-                           int group_size, str route, int layer_id, ScalarType out_dtype) -> Tensor
+                           int group_size, str route, Tensor? layer_id, ScalarType out_dtype) -> Tensor
     anychip::w4a8_group_dots(Tensor xq, Tensor weight, Tensor scales, int n, int k, int group_size, str route)
                              -> Tensor   (debug: the exact (M, N, K/G) int32 group sums)
 
-`route` is the id of the route the weights were prepared for (prepare.prepare_w4a8). The schemas live here; the
-CPU kernels are C++ (csrc/w4a8_cpu.cpp registers them when the extension loads, which preparing a C++ route does):
-they run this extension's routes without any Python, count the call in the kernels' coverage table (hooks.py) and
-quantize the input inside the GEMV, once for a merged qkv or gate_up layer. Every other route (the torch reference,
-arm.kleidiai, cuda.triton) goes through the Python implementation below, which calls hooks.notify(layer_id, tokens)
+`route` is the id of the route the weights were prepared for (prepare.prepare_w4a8). `layer_id` is the coverage
+recorder's id of the layer as a (1,) int64 CPU tensor (`layer_tensor`), or None: not counted. A tensor, not an int:
+vLLM compiles the pieces of its piecewise graph once for all layers only when the pieces are the same graph, and an
+int argument is a different constant in every layer's piece (each of a 42-layer model's pieces compiled anew).
+
+The schemas live here; the CPU kernels are C++ (csrc/w4a8_cpu.cpp registers them when the extension loads, which
+preparing a C++ route does): they run this extension's routes without any Python, count the call in the kernels'
+coverage table (hooks.py) and quantize the input inside the GEMV, once for a merged qkv or gate_up layer. Every other route (the torch reference,
+arm.kleidiai, cuda.triton) goes through the Python implementation below, which calls hooks.notify(layer id, tokens)
 and hands the call to the route object: on CUDA directly, on a CPU through the op's twin `<op>_torch`, which the C++
 kernel calls for a route id it does not know.
 """
@@ -28,9 +32,9 @@ from anychip.kernels.routes.base import NoKernelRoute, Route
 _SCHEMAS = {
     "quantize_act": "(Tensor x) -> (Tensor, Tensor)",
     "w4a8_linear": "(Tensor x, Tensor weight, Tensor scales, Tensor? bias, int n, int k, int group_size, "
-    "str route, int layer_id) -> Tensor",
+    "str route, Tensor? layer_id) -> Tensor",
     "w4a8_linear_q": "(Tensor xq, Tensor sx, Tensor weight, Tensor scales, Tensor? bias, int n, int k, "
-    "int group_size, str route, int layer_id, ScalarType out_dtype) -> Tensor",
+    "int group_size, str route, Tensor? layer_id, ScalarType out_dtype) -> Tensor",
     "w4a8_group_dots": "(Tensor xq, Tensor weight, Tensor scales, int n, int k, int group_size, str route) -> Tensor",
 }
 ROUTED = ("w4a8_linear", "w4a8_linear_q", "w4a8_group_dots")  # the ops that take a route id (and have a twin)
@@ -41,6 +45,17 @@ for _name, _schema in _SCHEMAS.items():
     _LIB.define(_name + _schema)
 for _name in ROUTED:
     _LIB.define(_name + TWIN + _SCHEMAS[_name])
+
+
+def layer_tensor(layer_id: int) -> torch.Tensor:
+    """The routed ops' `layer_id` argument for coverage layer `layer_id`: (1,) int64 on the CPU (whatever the
+    default device), made outside inference mode so that it can be read from anywhere."""
+    with torch.inference_mode(False):
+        return torch.tensor([layer_id], dtype=torch.int64, device="cpu")
+
+
+def _layer_index(layer_id: torch.Tensor | None) -> int:
+    return -1 if layer_id is None else int(layer_id.item())
 
 
 def _route(route_id: str, device: torch.device) -> Route:
@@ -54,13 +69,13 @@ def _route(route_id: str, device: torch.device) -> Route:
 def _w4a8_linear(x, weight, scales, bias, n, k, group_size, route, layer_id):
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
-    hooks.notify(layer_id, x2.shape[0])
+    hooks.notify(_layer_index(layer_id), x2.shape[0])
     y = _route(route, x.device).linear(x2, weight, scales, bias, n, k, group_size)
     return y.view(*lead, n)
 
 
 def _w4a8_linear_q(xq, sx, weight, scales, bias, n, k, group_size, route, layer_id, out_dtype):
-    hooks.notify(layer_id, xq.shape[0])
+    hooks.notify(_layer_index(layer_id), xq.shape[0])
     return _route(route, xq.device).linear_q(xq, sx, weight, scales, bias, n, k, group_size, out_dtype)
 
 

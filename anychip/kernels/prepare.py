@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from anychip.kernels import (
-    ops,  # noqa: F401  (registers torch.ops.anychip.*)
+    ops,  # registers torch.ops.anychip.*
     routes,
 )
 from anychip.kernels.policy import KernelPolicy
@@ -41,8 +41,12 @@ def prepare_w4a8(
 
 
 def w4a8_linear(
-    x: torch.Tensor, prepared: PreparedW4A8, bias: torch.Tensor | None = None, layer_id: int = -1
+    x: torch.Tensor, prepared: PreparedW4A8, bias: torch.Tensor | None = None,
+    layer_id: torch.Tensor | int | None = None,
 ) -> torch.Tensor:
-    """x (..., K) bf16/fp16/fp32 -> (..., N) in x's dtype."""
+    """x (..., K) bf16/fp16/fp32 -> (..., N) in x's dtype. layer_id: the coverage layer this call counts for
+    (ops.layer_tensor, or an int, made into one per call: in a compiled or hot loop pass the tensor); None: none."""
     p = prepared
+    if isinstance(layer_id, int):
+        layer_id = ops.layer_tensor(layer_id)
     return torch.ops.anychip.w4a8_linear(x, p.weight, p.scales, bias, p.n, p.k, p.group_size, p.route.id, layer_id)

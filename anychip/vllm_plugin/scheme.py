@@ -15,12 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-import anychip.kernels.ops  # noqa: F401  (registers torch.ops.anychip.*)
 from anychip import envs
 from anychip.coverage import LayerRoute
 from anychip.errors import AnychipError
 from anychip.formats import GROUP_SIZES
-from anychip.kernels import routes
+from anychip.kernels import ops, routes  # ops registers torch.ops.anychip.*
 from anychip.kernels.prepare import prepare_w4a8
 from anychip.vllm_plugin import compat
 from anychip.vllm_plugin.tensor_parallel import quantize_over_ranks
@@ -153,18 +152,20 @@ class AnychipW4A8Scheme(compat.CompressedTensorsScheme):
             group_size=-1 if self.channelwise else prepared.group_size,
             n=self.n, k=self.k, checkpoint_format=self.format, fallback=route is routes.REFERENCE,
             reason=fallback_reason, bit_exact=route.bit_exact))
+        # the ops take the id as a tensor (a graph input like the weights): every layer's piece is the same graph
+        layer.register_buffer("anychip_layer_id", ops.layer_tensor(self.layer_id), persistent=False)
 
     def apply_weights(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
                       ) -> torch.Tensor:
         if self.row_parallel:  # a K shard: quantize it with the whole token's scale (tensor_parallel.py)
             xq, sx = quantize_over_ranks(x.reshape(-1, self.k))
             y = torch.ops.anychip.w4a8_linear_q.default(xq, sx, layer.anychip_weight, layer.anychip_scales, bias,
-                                                        self.n, self.k, self.group, self.route_id, self.layer_id,
-                                                        x.dtype)
+                                                        self.n, self.k, self.group, self.route_id,
+                                                        layer.anychip_layer_id, x.dtype)
             return y.view(*x.shape[:-1], self.n)
         # the overload itself (as a compiled graph calls it): no overload resolution per call in eager mode
         return torch.ops.anychip.w4a8_linear.default(x, layer.anychip_weight, layer.anychip_scales, bias, self.n,
-                                                     self.k, self.group, self.route_id, self.layer_id)
+                                                     self.k, self.group, self.route_id, layer.anychip_layer_id)
 
 
 class ForeignScheme(compat.CompressedTensorsScheme):

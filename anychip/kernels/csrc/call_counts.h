@@ -50,6 +50,15 @@ inline CountTensors set_call_counts(const c10::optional<at::Tensor>& counts, con
   return {previous->counts, previous->slot};
 }
 
+// The ops' `layer_id` argument: a (1,) int64 CPU tensor (anychip/kernels/ops.py layer_tensor), or None: -1.
+inline int64_t layer_index(const c10::optional<at::Tensor>& layer_id) {
+  if (!layer_id.has_value()) return -1;
+  TORCH_CHECK(layer_id->device().is_cpu() && layer_id->scalar_type() == at::kLong && layer_id->numel() == 1,
+              "anychip: layer_id must be a (1,) int64 CPU tensor (ops.layer_tensor) or None, got ",
+              layer_id->scalar_type(), " ", layer_id->sizes(), " on ", layer_id->device());
+  return *layer_id->data_ptr<int64_t>();
+}
+
 // One call of layer `layer` over `tokens` rows; layers outside the table (and layer -1) are not counted.
 inline void count_call(int64_t layer, int64_t tokens) {
   if (layer < 0) return;

@@ -195,7 +195,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_act(const at::Tensor& x_in) {
 
 at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                        const c10::optional<at::Tensor>& bias, int64_t n, int64_t k, int64_t group_size,
-                       c10::string_view route, int64_t layer_id) {
+                       c10::string_view route, const c10::optional<at::Tensor>& layer_id) {
   const int64_t isa = route_isa(route.data(), route.size());
   if (isa < 0)
     return call_twin<decltype(w4a8_linear)>("anychip::w4a8_linear_torch", route, x, weight, scales, bias, n, k,
@@ -206,7 +206,7 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   const int64_t m = xc.numel() / k;
   const c10::optional<at::Tensor> b = float_bias(bias);
   Problem p = weight_problem(weight, scales, b, m, n, k, group_size);
-  count_call(layer_id, m);
+  count_call(layer_index(layer_id), m);
   at::DimVector shape(x.sizes());
   shape.back() = n;
   at::Tensor out = at::empty(shape, x.options());
@@ -221,7 +221,8 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
 
 at::Tensor w4a8_linear_q(const at::Tensor& xq_in, const at::Tensor& sx_in, const at::Tensor& weight,
                          const at::Tensor& scales, const c10::optional<at::Tensor>& bias, int64_t n, int64_t k,
-                         int64_t group_size, c10::string_view route, int64_t layer_id, at::ScalarType out_dtype) {
+                         int64_t group_size, c10::string_view route, const c10::optional<at::Tensor>& layer_id,
+                         at::ScalarType out_dtype) {
   const int64_t isa = route_isa(route.data(), route.size());
   if (isa < 0)
     return call_twin<decltype(w4a8_linear_q)>("anychip::w4a8_linear_q_torch", route, xq_in, sx_in, weight, scales,
@@ -235,7 +236,7 @@ at::Tensor w4a8_linear_q(const at::Tensor& xq_in, const at::Tensor& sx_in, const
   TORCH_CHECK(sx.numel() == m, "anychip w4a8_linear_q: sx must be (M=", m, ", 1), got ", sx_in.sizes());
   const c10::optional<at::Tensor> b = float_bias(bias);
   Problem p = weight_problem(weight, scales, b, m, n, k, group_size);
-  count_call(layer_id, m);
+  count_call(layer_index(layer_id), m);
   at::Tensor out = at::empty({m, n}, xq.options().dtype(out_dtype));
   p.out = out.data_ptr();
   p.out_type = out_type(out_dtype);

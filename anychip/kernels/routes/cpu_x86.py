@@ -63,11 +63,11 @@ class CppRoute(Route):
     # calls for Python callers (and for an alias id, which the ops' Python side resolves).
     def linear(self, x, weight, scales, bias, n, k, group_size):
         cpu_ext.load()
-        return torch.ops.anychip.w4a8_linear(x, weight, scales, bias, n, k, group_size, self.id, -1)
+        return torch.ops.anychip.w4a8_linear(x, weight, scales, bias, n, k, group_size, self.id, None)
 
     def linear_q(self, xq, sx, weight, scales, bias, n, k, group_size, out_dtype):
         cpu_ext.load()
-        return torch.ops.anychip.w4a8_linear_q(xq, sx, weight, scales, bias, n, k, group_size, self.id, -1, out_dtype)
+        return torch.ops.anychip.w4a8_linear_q(xq, sx, weight, scales, bias, n, k, group_size, self.id, None, out_dtype)
 
     def group_dots(self, xq, weight, scales, n, k, group_size):
         cpu_ext.load()
