@@ -34,6 +34,9 @@ ANYCHIP_BUILD_DIR = "ANYCHIP_BUILD_DIR"
 #: GPU GEMM tuning: "load" (default: shapes that neither the shipped table nor the disk cache
 #: ~/.cache/anychip/gpu_tuning knows are timed once at load and cached) or "off" (never time: default configs).
 ANYCHIP_GPU_TUNE = "ANYCHIP_GPU_TUNE"
+#: Threads that compile the Triton kernels of each loaded GPU linear in the background (kernels/gpu/precompile.py);
+#: default min(8, CPUs), 0: off (every kernel compiles at its first launch).
+ANYCHIP_GPU_PRECOMPILE = "ANYCHIP_GPU_PRECOMPILE"
 #: "0" disables strict mode in the plugin (same as ANYCHIP_ALLOW_FALLBACK=1).
 ANYCHIP_STRICT = "ANYCHIP_STRICT"
 #: "1" lets the plugin run under a vLLM version it was not tested with (a warning; `vllm_tested: false` in coverage).
@@ -87,12 +90,22 @@ def allow_untested_vllm() -> bool:
     return _flag(ANYCHIP_ALLOW_UNTESTED_VLLM, False)
 
 
+def precompile_threads() -> int:
+    value = os.environ.get(ANYCHIP_GPU_PRECOMPILE, "").strip()
+    if not value:
+        return min(8, os.cpu_count() or 1)
+    if not value.isdigit():
+        raise ValueError(f"{ANYCHIP_GPU_PRECOMPILE}={value!r}: a number of threads (0: off)")
+    return int(value)
+
+
 def kernel_policy(allow_fallback: bool | None = None) -> KernelPolicy:
     """The kernel policy from the environment (ANYCHIP_KERNEL_ISA, ANYCHIP_ALLOW_FALLBACK / ANYCHIP_STRICT,
-    ANYCHIP_BUILD_DIR, ANYCHIP_HEAD, ANYCHIP_GPU_TUNE); `allow_fallback` overrides the environment's answer (a CLI
-    flag)."""
+    ANYCHIP_BUILD_DIR, ANYCHIP_HEAD, ANYCHIP_GPU_TUNE, ANYCHIP_GPU_PRECOMPILE); `allow_fallback` overrides the
+    environment's answer (a CLI flag)."""
     return KernelPolicy(route=forced_isa(), build_dir=build_dir(), head=os.environ.get(ANYCHIP_HEAD) or "bf16",
                         gpu_tuning=os.environ.get(ANYCHIP_GPU_TUNE) or "load", tuning_dir=tuning_dir(),
+                        gpu_precompile=precompile_threads(),
                         allow_fallback=fallback_allowed() if allow_fallback is None else allow_fallback)
 
 

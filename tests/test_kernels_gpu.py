@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed (CUDA builds of torch ship it)")
 
 from anychip.formats import pack_int4  # noqa: E402
-from anychip.kernels import hooks  # noqa: E402
+from anychip.kernels import hooks, ops  # noqa: E402
 from anychip.kernels.gpu import launch, unavailable_reason  # noqa: E402
 from anychip.kernels.prepare import prepare_w4a8, w4a8_linear  # noqa: E402
 from anychip.kernels.reference import group_dot_ref, quantize_activations_ref, w4a8_linear_ref  # noqa: E402
@@ -186,11 +186,12 @@ class _Linear(torch.nn.Module):
         self.register_buffer("weight", p.weight)
         self.register_buffer("scales", p.scales)
         self.register_buffer("bias", bias)
+        self.register_buffer("layer_id", ops.layer_tensor(3))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         p = self.p
         y = torch.ops.anychip.w4a8_linear(x, self.weight, self.scales, self.bias, p.n, p.k, p.group_size,
-                                          p.route.id, 3)
+                                          p.route.id, self.layer_id)
         return torch.nn.functional.silu(y) * 2
 
 
@@ -312,3 +313,32 @@ def test_tuning_at_load_is_cached_on_disk_and_calls_never_time(tmp_path, monkeyp
     xq, sx = quantize_activations_ref(x.cpu())
     assert_close(w4a8_linear(x, p), w4a8_linear_ref(xq, sx, q, s, None, out_dtype=torch.float64))
     assert launch.config_for(5, n, k, g, DEV) is None  # the call used the default and tuned nothing
+
+
+def test_precompile_leaves_no_compile_to_the_first_launches() -> None:
+    """Once a shape's configs are settled, precompile.py compiles its launches in the background; the plugin's
+    launches at M = 1, 2, 16, 24, 120, 128 (each bucket, each way Triton specializes M) then compile nothing."""
+    from anychip.kernels.gpu import precompile, tuning
+    from anychip.kernels.gpu import triton_w4a8 as kern
+    from anychip.kernels.policy import KernelPolicy
+
+    n, k, g = 272, 1280, 128  # a shape no other test launches
+    q, s = weights(n, k, g, seed=23)
+    launch.clear_tuning()
+    p = prepare_w4a8(q.to(DEV), s.to(DEV), g, packed=False, policy=KernelPolicy(gpu_tuning="off",
+                                                                                     gpu_precompile=4))
+    assert precompile.drain(timeout=300)
+    counter = hooks.DeviceCounter(torch.zeros((len(hooks.SLOTS), 2), dtype=torch.int64, device=DEV),
+                                  torch.zeros(1, dtype=torch.int32, device=DEV))
+    index = torch.cuda.current_device()
+    caches = [kern._w4a8_gemm_kernel.device_caches[index][0], kern._quantize_rows_kernel.device_caches[index][0]]
+    before = [len(c) for c in caches]
+    assert before[0] >= len(precompile.gemm_specs(n, k, g, DEV, [b for b, _ in tuning.BUCKETS], p.scales.dtype))
+    with hooks.observing(lambda layer, tokens: counter):
+        for m in (1, 2, 16, 24, 120, 128):
+            x = activations(m, k, torch.bfloat16, seed=m).to(DEV)
+            y = w4a8_linear(x, p, layer_id=0)
+            xq, sx = quantize_activations_ref(x.cpu())
+            assert_close(y, w4a8_linear_ref(xq, sx, q, s, None, out_dtype=torch.float64))
+    assert [len(c) for c in caches] == before, "a launch compiled a kernel the precompile should have made"
+    assert precompile.submit(n, k, g, DEV, ["decode"], p.scales.dtype, 4) == 0  # once a shape

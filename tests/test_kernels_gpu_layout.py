@@ -92,3 +92,27 @@ def test_gpu_tuning_policy_is_checked() -> None:
 
     with pytest.raises(ValueError, match="ANYCHIP_GPU_TUNE"):
         KernelPolicy(gpu_tuning="sometimes")
+
+
+def test_precompile_token_counts_fall_in_their_buckets(monkeypatch) -> None:
+    """The token counts precompile.py compiles a bucket's config at are in that bucket, and cover M = 1, a multiple
+    of 16 and neither (Triton's specializations of an int argument); ANYCHIP_GPU_PRECOMPILE is checked."""
+    pytest.importorskip("triton")
+    from anychip.kernels.gpu import launch, precompile, tuning
+
+    cpu = torch.device("cpu")
+    for bucket, _ in tuning.BUCKETS:
+        ms = precompile.token_counts(bucket)
+        assert all(launch._key(m, 64, 256, 32, cpu)[0] == bucket for m in ms), (bucket, ms)
+        assert any(m % 16 == 0 for m in ms) and any(m % 16 and m != 1 for m in ms)
+    assert 1 in precompile.token_counts("decode")
+    assert precompile.submit(64, 256, 32, cpu, ["decode"], torch.float32, 4) == 0  # not a GPU: nothing to compile
+    from anychip import envs
+
+    monkeypatch.setenv("ANYCHIP_GPU_PRECOMPILE", "0")
+    assert envs.kernel_policy().gpu_precompile == 0
+    monkeypatch.delenv("ANYCHIP_GPU_PRECOMPILE")
+    assert envs.kernel_policy().gpu_precompile >= 1
+    monkeypatch.setenv("ANYCHIP_GPU_PRECOMPILE", "many")
+    with pytest.raises(ValueError, match="ANYCHIP_GPU_PRECOMPILE"):
+        envs.kernel_policy()

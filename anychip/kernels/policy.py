@@ -23,6 +23,8 @@ class KernelPolicy:
     refusing.  build_dir: where the C++ extension is compiled and cached (None: ~/.cache/anychip/torch_extensions).
     head: one of HEAD_KINDS, how the output head is served (kernels/routes/head.py).
     gpu_tuning: one of GPU_TUNING; tuning_dir: the disk cache of tuned GPU configs (None: none is read or written).
+    gpu_precompile: threads that compile a loaded GPU linear's Triton kernels in the background (0: each compiles
+    at its first launch; kernels/gpu/precompile.py).
     """
 
     route: str | None = None
@@ -31,6 +33,7 @@ class KernelPolicy:
     head: str = "bf16"
     gpu_tuning: str = "off"
     tuning_dir: Path | None = None
+    gpu_precompile: int = 0
 
     def __post_init__(self) -> None:
         if self.head not in HEAD_KINDS:
@@ -38,6 +41,9 @@ class KernelPolicy:
         if self.gpu_tuning not in GPU_TUNING:
             raise ValueError(f"gpu_tuning={self.gpu_tuning!r} is not one of {GPU_TUNING}: set ANYCHIP_GPU_TUNE=load "
                              "or off")
+        if not isinstance(self.gpu_precompile, int) or self.gpu_precompile < 0:
+            raise ValueError(f"gpu_precompile={self.gpu_precompile!r}: a number of threads, 0 for off "
+                             "(ANYCHIP_GPU_PRECOMPILE)")
 
     def forcing(self, route: str | None) -> KernelPolicy:
         """This policy with `route` forced (None keeps the policy's own)."""

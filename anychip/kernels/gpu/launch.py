@@ -109,10 +109,14 @@ def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xq = torch.empty((m, kk), dtype=torch.int8, device=x.device)
     sx = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m:
-        block = min(triton.next_power_of_2(kk), 4096)
-        k._quantize_rows_kernel[(m,)](x, xq, sx, kk, x.stride(0), xq.stride(0), BLOCK=block,
-                                      num_warps=4 if block <= 1024 else 8)
+        k._quantize_rows_kernel[(m,)](x, xq, sx, kk, x.stride(0), xq.stride(0), **quantize_options(kk))
     return xq, sx
+
+
+def quantize_options(kk: int) -> dict[str, int]:
+    """The quantization kernel's compile-time options for rows of K (precompile.py compiles the same)."""
+    block = min(triton.next_power_of_2(kk), 4096)
+    return {"BLOCK": block, "num_warps": 4 if block <= 1024 else 8}
 
 
 def w4a8_linear_q(
@@ -164,18 +168,33 @@ def launch_config(cfg: GemmConfig, xq, sx, weight, scales, bias, n, kk, g, out,
                   counter: DeviceCounter | None = None):
     """Runs the GEMM with `cfg` into `out`; returns its compiled kernel (registers, spills, PTX)."""
     m = xq.shape[0]
-    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    split = cfg.split_k if tiles <= LOCKS else 1
+    split = split_of(cfg, m, n)
     parts = locks = None
     if split > 1:
         parts = torch.empty((split, m, n), dtype=torch.float32, device=xq.device)
         locks = _locks(xq.device)
     cell, slot = (counter.cell, counter.slot) if counter is not None else (None, None)
-    return k._w4a8_gemm_kernel[(tiles, split)](
-        xq, sx, weight, scales, bias, out, parts, locks, cell, slot, m, n, kk, xq.stride(0), out.stride(0), m * n,
-        G=g, BM=cfg.block_m, BN=cfg.block_n, BK=max(cfg.block_k, g), SWAP=cfg.swap, SPLIT_K=split,
-        GROUP_M=cfg.group_m, HAS_BIAS=bias is not None, COUNT=counter is not None, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+    grid, args, options = gemm_launch(cfg, m, n, kk, g, xq, sx, weight, scales, bias, out, parts, locks, cell, slot,
+                                      xq.stride(0), out.stride(0))
+    return k._w4a8_gemm_kernel[grid](*args, **options)
+
+
+def split_of(cfg: GemmConfig, m: int, n: int) -> int:
+    """The split-K a launch of `cfg` at M tokens runs (1 past the semaphores' reach)."""
+    return cfg.split_k if triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n) <= LOCKS else 1
+
+
+def gemm_launch(cfg: GemmConfig, m, n, kk, g, xq, sx, weight, scales, bias, out, parts, locks, cell, slot,
+                stride_x: int, stride_out: int) -> tuple[tuple[int, int], tuple, dict]:
+    """(grid, arguments, compile-time options) of one GEMM launch: the one place they are spelled, for the launch
+    and for precompile.py (which passes dtypes where the launch passes tensors: Triton compiles the same kernel)."""
+    split = split_of(cfg, m, n)
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split)
+    args = (xq, sx, weight, scales, bias, out, parts, locks, cell, slot, m, n, kk, stride_x, stride_out, m * n)
+    options = dict(G=g, BM=cfg.block_m, BN=cfg.block_n, BK=max(cfg.block_k, g), SWAP=cfg.swap, SPLIT_K=split,
+                   GROUP_M=cfg.group_m, HAS_BIAS=bias is not None, COUNT=cell is not None,
+                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return grid, args, options
 
 
 _LOCKS: dict[tuple[str, int], torch.Tensor] = {}

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from anychip.kernels.gpu import launch
+from anychip.kernels.gpu import launch, precompile
 
 SHIPPED_DIR = Path(__file__).parent / "tuned"
 #: (bucket, M the candidates are timed at): decode at batch one, its headline case; prefill at the octave's top.
@@ -93,10 +93,11 @@ def lookup(bucket: str | int, n: int, k: int, g: int, device: torch.device,
 
 
 def tune_linear(weight: torch.Tensor, scales: torch.Tensor, n: int, k: int, g: int, mode: str,
-                tuning_dir: Path | None) -> None:
+                tuning_dir: Path | None, precompile_threads: int = 0) -> None:
     """Make every bucket's config known for this linear before it serves (called at load, by the route's
     prepare): from the caches, else (mode "load") timed here on the layer's weights and written to the disk
-    cache; mode "off" leaves unknown buckets on their default config."""
+    cache; mode "off" leaves unknown buckets on their default config. precompile_threads > 0: then compile the
+    configs' kernels on that many background threads (precompile.py)."""
     if mode not in TUNING_MODES:
         raise ValueError(f"GPU tuning mode {mode!r} is not one of {TUNING_MODES}")
     device = weight.device
@@ -114,6 +115,8 @@ def tune_linear(weight: torch.Tensor, scales: torch.Tensor, n: int, k: int, g: i
             launch.remember(m, n, k, g, device, cfg)
     if fresh and tuning_dir is not None:
         _write(tuning_dir / f"{gpu_slug(device)}.json", device, fresh)
+    # the configs are settled: compile their kernels in the background, before vLLM's warm-up and graph capture
+    precompile.submit(n, k, g, device, [bucket for bucket, _ in BUCKETS], scales.dtype, precompile_threads)
 
 
 def _time_candidates(m: int, weight: torch.Tensor, scales: torch.Tensor, n: int, k: int, g: int

@@ -1,0 +1,124 @@
+"""Compile the Triton kernels a linear will launch before its first launch, on background threads.
+
+Right after load vLLM runs a warm-up and captures CUDA graphs at some fifty batch sizes. Each first launch of a
+(config, specialization) pair compiles a Triton kernel on the capturing thread, one after another: 25 s of a 2B
+model's engine start on an H200, against 2 s of graph capture for BF16. Once a shape's configs are known
+(tuning.tune_linear, at load), `submit` queues the compiles of every M bucket's config, in each form Triton
+specializes the token count into (M = 1, a multiple of 16, neither), on a thread pool, so that they overlap the
+rest of loading and torch.compile (Triton's compiler passes and ptxas run outside the GIL). A launch that comes
+before its compile has finished compiles the kernel itself, as it always did; a failed precompile is logged and
+changes nothing else. Activations are assumed BF16 (the models vLLM serves here); other dtypes compile at first
+launch.
+
+How many threads: KernelPolicy.gpu_precompile (the plugin's from ANYCHIP_GPU_PRECOMPILE: default min(8, CPUs);
+0 turns precompiling off).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+
+import torch
+
+from anychip.kernels.gpu import launch
+from anychip.kernels.gpu import triton_w4a8 as kern
+
+_pool: ThreadPoolExecutor | None = None
+_futures: list[Future] = []
+_done: set[tuple] = set()  # (N, K, G, device) already submitted
+_lock = threading.Lock()
+
+
+def token_counts(bucket: str | int) -> tuple[int, ...]:
+    """Token counts that stand for a config bucket's specializations of M: 1, a multiple of 16, neither."""
+    if bucket == "decode":
+        return (1, 2, launch.DECODE_M)
+    if bucket == "mid":
+        return (launch.DECODE_M + 8, 2 * launch.DECODE_M)
+    return (int(bucket) - 8, int(bucket))
+
+
+def gemm_specs(n: int, kk: int, g: int, device: torch.device, buckets: Iterable[str | int],
+               scales_dtype: torch.dtype) -> list[tuple[tuple[int, int], tuple, dict]]:
+    """(grid, arguments, options) of every GEMM launch form the buckets' configs will take, with dtypes for the
+    tensors, as the plugin launches them (counting on the device, no bias; split-K scratch where it splits)."""
+    f32, i8, i32 = torch.float32, torch.int8, torch.int32
+    seen, specs = set(), []
+    for bucket in buckets:
+        for m in token_counts(bucket):
+            cfg = launch.config_for(m, n, kk, g, device) or launch.candidates(
+                m, n, kk, g, launch.multiprocessors(device))[0]
+            split = launch.split_of(cfg, m, n)
+            spec = launch.gemm_launch(cfg, m, n, kk, g, i8, f32, i8, scales_dtype, None, torch.bfloat16,
+                                      f32 if split > 1 else None, i32 if split > 1 else None, torch.int64, i32,
+                                      kk, n)
+            key = (cfg, split, m == 1, m % 16 == 0)
+            if key not in seen:
+                seen.add(key)
+                specs.append(spec)
+    return specs
+
+
+def submit(n: int, kk: int, g: int, device: torch.device, buckets: Iterable[str | int],
+           scales_dtype: torch.dtype, count: int) -> int:
+    """Queue the compiles of one linear shape's kernels on `count` threads (once a shape and device; the pool is
+    made by the first call); returns how many were queued."""
+    if count == 0 or device.type != "cuda":  # (under Triton's interpreter the tensors are on the CPU)
+        return 0
+    key = (n, kk, g, str(device))
+    with _lock:
+        if key in _done:
+            return 0
+        _done.add(key)
+    jobs = [(kern._w4a8_gemm_kernel, spec) for spec in gemm_specs(n, kk, g, device, buckets, scales_dtype)]
+    jobs.append((kern._quantize_rows_kernel, ((1,), (torch.bfloat16, torch.int8, torch.float32, kk, kk, kk),
+                                              launch.quantize_options(kk))))
+    with torch.cuda.device(device):  # each kernel's binder made here, on the loading thread: workers never race
+        index = torch.cuda.current_device()  # for its creation (Triton keys them by device index)
+        for kernel in {kernel for kernel, _ in jobs}:
+            if hasattr(kernel, "device_caches"):
+                kernel.device_caches[index]
+    start = time.perf_counter()
+    pool = _executor(count)
+    futures = [pool.submit(_compile, kernel, spec, device) for kernel, spec in jobs]
+    group = threading.Thread(target=_report, args=(futures, n, kk, g, count, start), daemon=True)
+    group.start()
+    with _lock:
+        _futures.extend(futures)
+    return len(jobs)
+
+
+def drain(timeout: float | None = None) -> bool:
+    """Wait for every queued compile (tests; a caller that wants them done); True when none is left running."""
+    with _lock:
+        pending = list(_futures)
+    return not wait(pending, timeout=timeout).not_done
+
+
+def _executor(count: int) -> ThreadPoolExecutor:
+    global _pool
+    with _lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=count, thread_name_prefix="anychip-precompile")
+        return _pool
+
+
+def _compile(kernel, spec: tuple[tuple[int, int], tuple, dict], device: torch.device) -> None:
+    grid, args, options = spec
+    with torch.cuda.device(device):  # the CUDA current device is per thread
+        kernel.warmup(*args, grid=grid, **options)
+
+
+def _report(futures: list[Future], n: int, kk: int, g: int, count: int, start: float) -> None:
+    wait(futures)
+    failed = [f.exception() for f in futures if f.exception() is not None]
+    took = time.perf_counter() - start
+    line = (f"anychip: precompiled {len(futures) - len(failed)} Triton kernels for N={n} K={kk} G{g} in {took:.1f} s "
+            f"({count} threads)")
+    if failed:
+        line += f"; {len(failed)} failed and compile at first launch instead: {failed[0]!r}"
+    print(line, file=sys.stderr, flush=True)
