@@ -148,7 +148,7 @@ def test_linear_op_matches_reference(m: int, k: int, n: int, g: int, has_bias: b
     p = prepare_w4a8(pack_int4(q).to(DEV), s.to(DEV), g, packed=True)
     assert p.route.kernel == "triton" and p.route.device == "cuda" and p.weight.is_cuda
     y = OPS.w4a8_linear(x.to(DEV), p.weight, p.scales, None if bias is None else bias.to(DEV), n, k, g,
-                        p.route.id, -1)
+                        p.route.id, None)
     assert y.dtype == dtype and y.shape == (m, n)
     xq, sx = quantize_activations_ref(x)
     assert_close(y, w4a8_linear_ref(xq, sx, q, s, bias, out_dtype=torch.float64))
@@ -247,7 +247,7 @@ def test_reference_route_and_wrong_route_on_cuda() -> None:
     xq, sx = quantize_activations_ref(x)
     assert_close(w4a8_linear(x.to(DEV), ref), w4a8_linear_ref(xq, sx, q, s, None, out_dtype=torch.float64))
     with pytest.raises(NoKernelRoute, match="CPU route"):
-        OPS.w4a8_linear(x.to(DEV), ref.weight, ref.scales, None, n, k, g, "avx2", -1)
+        OPS.w4a8_linear(x.to(DEV), ref.weight, ref.scales, None, n, k, g, "avx2", None)
 
 
 def test_device_counter_counts_every_graph_replay() -> None:
