@@ -69,6 +69,8 @@ def submit(n: int, kk: int, g: int, device: torch.device, buckets: Iterable[str 
     made by the first call); returns how many were queued."""
     if count == 0 or device.type != "cuda":  # (under Triton's interpreter the tensors are on the CPU)
         return 0
+    if device.index is None:  # "cuda" and "cuda:0" are one GPU
+        device = torch.device("cuda", torch.cuda.current_device())
     key = (n, kk, g, str(device))
     with _lock:
         if key in _done:
