@@ -232,6 +232,15 @@ def test_gpu_targets_batch_and_stock_kernels(tmp_path):
     assert checks[("batch64", "vllm-bf16")]["ratio"] == pytest.approx(7000 / 9500)
     assert checks[("tg128", "vllm-w4a16-marlin")]["met"] is False and checks[("tg128", "vllm-bf16")]["met"] is False
     assert ("pp512", "vllm-w8a8") not in checks  # a CPU target
+    rows[0]["engine_start_s"], rows[1]["engine_start_s"] = 70.0, 60.0  # engine start: a maximum, lower is better
+    start = latency.target_checks(rows, "cuda")
+    start = next(t for t in start if t["metric"] == "start")
+    assert start["ratio"] == pytest.approx(70 / 60) and start["met"] is True and start["at_most"] is True
+    rows[0]["engine_start_s"] = 80.0
+    assert next(t for t in latency.target_checks(rows, "cuda") if t["metric"] == "start")["met"] is False
+    assert "≤ 1.25x" in latency.render_markdown({"commands": [], "created": "now", "machine": {"cpu": "x", "cpus": 1},
+                                                "threads": 1, "requested": {"pp": 512, "tg": 128, "reps": 2},
+                                                "rows": rows, "targets": latency.target_checks(rows, "cuda")})
     rows[2]["vllm_kernels"] = ["MarlinLinearKernel for CompressedTensorsWNA16"]
     doc = {"commands": ["c"], "created": "now", "machine": {"cpu": "x", "cpus": 16, "gpu": "NVIDIA H200"},
            "threads": 16, "requested": {"pp": 512, "tg": 128, "reps": 2}, "rows": rows,

@@ -38,7 +38,9 @@ SYSTEMS: tuple[str, ...] = (OURS, OURS_INT8_HEAD, "vllm-bf16", "vllm-w8a8", "vll
 #: Stock vLLM's own routes for the same INT4 weights on NVIDIA GPUs (the best of them is a target's peer).
 GPU_STOCK = ("vllm-w4a8-stock", "vllm-w4a16-machete", "vllm-w4a16-marlin")
 
-#: (ours, metric, peer, minimum ratio ours / peer): the issues' acceptance targets.
+#: (ours, metric, peer, ratio ours / peer): the issues' acceptance targets, a minimum for speeds, a maximum for the
+#: metrics in AT_MOST ("start": engine start seconds).
+AT_MOST = frozenset({"start"})
 TARGETS: tuple[tuple[str, str, str, float], ...] = (
     (OURS, "tg", "llama.cpp-q4_0", 1.25),
     (OURS_INT8_HEAD, "tg", "llama.cpp-q4_0", 1.5),
@@ -48,6 +50,7 @@ TARGETS: tuple[tuple[str, str, str, float], ...] = (
     (OURS, "pp", "llama.cpp-q4_1", 5.0),
     (OURS, "pp", "vllm-bf16", 1.5),
     (OURS, "pp", "vllm-w8a8", 1.2),
+    (OURS, "start", "vllm-bf16", 1.0),
 )
 #: The NVIDIA GPU issue's targets ("batch": the batched run's output tok/s).
 GPU_TARGETS: tuple[tuple[str, str, str, float], ...] = (
@@ -55,6 +58,7 @@ GPU_TARGETS: tuple[tuple[str, str, str, float], ...] = (
     (OURS, "batch", "vllm-bf16", 1.3),
     (OURS, "pp", "vllm-bf16", 1.0),
     (OURS, "pp", "vllm-w4a8-stock", 1.0),
+    (OURS, "start", "vllm-bf16", 1.25),
 ) + tuple((OURS, "tg", peer, 1.0) for peer in GPU_STOCK)
 
 
@@ -295,6 +299,13 @@ def target_checks(rows: list[dict[str, Any]], device: str = "cpu") -> list[dict[
     out = []
     for mine, metric, peer, target in GPU_TARGETS if device == "cuda" else TARGETS:
         ours, theirs = by.get(mine), by.get(peer)
+        if metric in AT_MOST:  # engine start: seconds, lower is better
+            if ours is None or theirs is None or not ours.get("engine_start_s") or not theirs.get("engine_start_s"):
+                continue
+            value = ratio(ours["engine_start_s"], theirs["engine_start_s"])
+            out.append({"system": mine, "metric": metric, "peer": peer, "target": target, "ratio": value,
+                        "met": value <= target, "same_size": True, "at_most": True})
+            continue
         if ours is None or theirs is None or f"{metric}_tps" not in ours or f"{metric}_tps" not in theirs:
             continue
         value = ratio(ours[f"{metric}_tps"].mean, theirs[f"{metric}_tps"].mean)
@@ -341,7 +352,9 @@ def render_markdown(doc: dict[str, Any]) -> str:
     if doc["targets"]:
         lines += ["", "## Targets (ours ÷ peer)", ""]
         lines.append(markdown_table(["system", "metric", "peer", "target", "measured", "met"], text_columns=3, rows=[
-            [t.get("system", OURS), t["metric"], t["peer"], f"≥ {t['target']:.2f}x", f"{fmt(t['ratio'], 2)}x"
+            [t.get("system", OURS), t["metric"], t["peer"],
+             f"{'≤' if t.get('at_most') else '≥'} {t['target']:.2f}x",
+             f"{fmt(t['ratio'], 2)}x"
              + ("" if t["same_size"] else " (sizes differ)"), "yes" if t["met"] else "no"] for t in doc["targets"]]))
     notes = []
     for r in doc["rows"]:
@@ -478,7 +491,8 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
     doc["commands"] = list(dict.fromkeys(r["command"] for r in doc["rows"] if r.get("command")))
     doc["targets"] = target_checks(doc["rows"], args.device)
     for t in doc["targets"]:
-        print(f"  {t['metric']:>6} vs {t['peer']:<16} {t['ratio']:.2f}x (target {t['target']:.1f}x) "
+        bound = "<=" if t.get("at_most") else ""
+        print(f"  {t['metric']:>6} vs {t['peer']:<16} {t['ratio']:.2f}x (target {bound}{t['target']:.2f}x) "
               f"{'met' if t['met'] else 'NOT met'}")
     if args.json:
         for path in write_outputs(Path(args.json), doc, render_markdown(doc), plot):
