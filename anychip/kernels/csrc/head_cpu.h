@@ -98,6 +98,22 @@ inline void int8_rows_portable(const HeadProblem& p, int64_t n0, int64_t n1) {
   }
 }
 
+// Software prefetch, ANYCHIP_HEAD_PREFETCH_TILES row tiles ahead of the one being read: a tile of R rows is R * K
+// contiguous elements, and iteration `it` of a tile's K loop reads `step` bytes of it, so prefetching the same linear
+// position that many tiles ahead keeps the stream that far in front.  Without it the hardware prefetchers left the
+// AVX2 BF16 head at 14 GB/s of a 32-35 GB/s read bandwidth on the 2-core EPYC (2 threads); with it 22-26 GB/s.
+// Addresses past the end of the weight are harmless: prefetches never fault.
+#ifndef ANYCHIP_HEAD_PREFETCH_TILES
+#define ANYCHIP_HEAD_PREFETCH_TILES 2
+#endif
+
+inline void head_prefetch(const void* tile, int64_t tile_bytes, int64_t it, int64_t step) {
+  if constexpr (ANYCHIP_HEAD_PREFETCH_TILES > 0) {
+    const char* a = static_cast<const char*>(tile) + ANYCHIP_HEAD_PREFETCH_TILES * tile_bytes + it * step;
+    for (int64_t j = 0; j < step; j += 64) __builtin_prefetch(a + j, 0, 3);
+  }
+}
+
 #ifdef ANYCHIP_X86
 
 ANYCHIP_AVX2 inline float hsum_avx2(__m256 v) {
@@ -128,6 +144,7 @@ ANYCHIP_AVX2 void bf16_tile_avx2(const HeadProblem& p, int64_t m0, int64_t n0) {
   const Bf16* w[R];
   for (int r = 0; r < R; ++r) w[r] = p.w + (n0 + r) * p.k;
   for (int64_t kk = 0; kk < k16; kk += 16) {
+    head_prefetch(w[0], R * p.k * 2, kk / 16, R * 32);
     __m256 xe[MT], xo[MT];
     for (int i = 0; i < MT; ++i) {
       xe[i] = _mm256_loadu_ps(p.xf + (m0 + i) * p.k + kk);
@@ -166,6 +183,7 @@ ANYCHIP_AVX2 void int8_tile_avx2(const HeadProblem& p, int64_t m0, int64_t n0) {
   const int8_t* w[R];
   for (int r = 0; r < R; ++r) w[r] = p.wq + (n0 + r) * p.k;
   for (int64_t kk = 0; kk < k32; kk += 32) {
+    head_prefetch(w[0], R * p.k, kk / 32, R * 32);
     __m256i xv[MT];
     for (int i = 0; i < MT; ++i) xv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.xq + (m0 + i) * p.k + kk));
     for (int r = 0; r < R; ++r) {
@@ -204,6 +222,7 @@ ANYCHIP_AVX512_BF16 void bf16_tile_avx512(const HeadProblem& p, int64_t m0, int6
   const __mmask32 all = ~__mmask32(0);
   int64_t kk = 0;
   for (; kk + 64 <= p.k; kk += 64) {
+    head_prefetch(w[0], R * p.k * 2, kk / 64, R * 128);
     for (int u = 0; u < 2; ++u) {
       __m512bh xv[MT];
       for (int i = 0; i < MT; ++i) xv[i] = load_bh(p.xb + (m0 + i) * p.k + kk + 32 * u, all);

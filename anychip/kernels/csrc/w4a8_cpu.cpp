@@ -20,7 +20,11 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <cstdlib>
 #include <vector>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #include "call_counts.h"
 #include "cpu_common.h"
@@ -293,6 +297,43 @@ std::vector<std::string> route_ids() {
   return out;
 }
 
+// ---------------------------------------------------------------- transparent huge pages (load time)
+// A decode step streams every weight once, and with 4 KB pages each page is a TLB miss and a point where the
+// hardware prefetchers stop.  Backed by 2 MB pages, the 120 SmolLM2 linears ran 17-19% faster and the BF16 head
+// 15-18% (2 threads, the 2-core EPYC, the two layouts alternating in one process).  Linux only; elsewhere, or where
+// the kernel refuses, the memory is ordinary pages.
+constexpr int64_t kHugePage = 2 << 20;
+
+// An uninitialized (nbytes,) uint8 tensor whose memory starts on a 2 MB boundary and is advised MADV_HUGEPAGE
+// before its first touch, so its pages fault in as huge pages (where the system has them).
+at::Tensor huge_empty(int64_t nbytes) {
+  TORCH_CHECK(nbytes > 0, "huge_empty: nbytes must be positive, got ", nbytes);
+  const int64_t size = (nbytes + kHugePage - 1) / kHugePage * kHugePage;
+  void* p = std::aligned_alloc(kHugePage, size);
+  TORCH_CHECK(p != nullptr, "huge_empty: could not allocate ", size, " bytes");
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  madvise(p, size, MADV_HUGEPAGE);  // advice: a refusal leaves ordinary pages
+#endif
+  return at::from_blob(p, {nbytes}, [](void* q) { std::free(q); }, at::TensorOptions().dtype(at::kByte));
+}
+
+// Asks the kernel to back the 2 MB-aligned part of t's memory with huge pages now (MADV_COLLAPSE, Linux 6.1+), for
+// a tensor that is already filled (the checkpoint's output head).  Returns the bytes collapsed, 0 where refused.
+int64_t collapse_huge(const at::Tensor& t) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "collapse_huge wants a contiguous CPU tensor");
+  const uintptr_t a = reinterpret_cast<uintptr_t>(t.data_ptr()), end = a + t.numel() * t.element_size();
+  const uintptr_t lo = (a + kHugePage - 1) / kHugePage * kHugePage, hi = end / kHugePage * kHugePage;
+  if (hi <= lo) return 0;
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+#ifndef MADV_COLLAPSE
+#define MADV_COLLAPSE 25
+#endif
+  madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
+  if (madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_COLLAPSE) == 0) return static_cast<int64_t>(hi - lo);
+#endif
+  return 0;
+}
+
 }  // namespace
 }  // namespace anychip
 
@@ -310,6 +351,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("read_bytes", &read_bytes, "streaming read (bandwidth probe)");
   m.def("cpu_isas", &cpu_isas, "ISAs this CPU and build support, best first");
   m.def("route_ids", &route_ids, "the route id of each ISA code, by code");
+  m.def("huge_empty", &huge_empty, "uninitialized (nbytes,) uint8 on a 2 MB boundary, advised for huge pages");
+  m.def("collapse_huge", &collapse_huge, "back a filled tensor's 2 MB-aligned part with huge pages; bytes done");
   m.def("set_call_counts", &set_call_counts, "install (counts, slot) as the ops' coverage table (None, None: none); "
         "returns the previous pair");
   m.attr("ISA_PORTABLE") = int64_t(kPortable);

@@ -99,10 +99,15 @@ TileFn wide_tile_fn([[maybe_unused]] int64_t isa) {
 #ifndef ANYCHIP_THREAD_BYTES
 #define ANYCHIP_THREAD_BYTES (64 * 1024)
 #endif
+// Smallest chunk at the end of a call (next_chunk): one 16-row block of K = 576 (5.8 KB) streams in well under a us.
+#ifndef ANYCHIP_TAIL_CHUNK_BYTES
+#define ANYCHIP_TAIL_CHUNK_BYTES (6 * 1024)
+#endif
 
-// How one call splits its weight blocks over threads.
+// How one call splits its weight blocks over threads: chunks of `chunk` blocks at first, shrinking towards the end
+// (see next_chunk) but never below `min_chunk`.
 struct Split {
-  int64_t threads, chunk;
+  int64_t threads, chunk, min_chunk;
 };
 
 inline Split split_blocks(const Problem& p, int64_t max_threads) {
@@ -117,7 +122,26 @@ inline Split split_blocks(const Problem& p, int64_t max_threads) {
   const int64_t min_chunk = std::max<int64_t>(1, ANYCHIP_CHUNK_BYTES / block_bytes);
   const int64_t per_thread = std::clamp<int64_t>(nblocks / (threads * min_chunk), 1, ANYCHIP_CHUNKS_PER_THREAD);
   const int64_t chunks = threads * per_thread;
-  return {threads, (nblocks + chunks - 1) / chunks};
+  const int64_t chunk = (nblocks + chunks - 1) / chunks;
+  return {threads, chunk, std::min(chunk, std::max<int64_t>(1, (ANYCHIP_TAIL_CHUNK_BYTES) / block_bytes))};
+}
+
+// Claims the next chunk [*b0, *b1) from the shared counter; false when none is left.  Guided: a chunk is at most
+// split.chunk and at most 1 / (2 * threads) of what is left, so the last chunks are small and the threads finish
+// close together.  With equal chunks the caller waited, on average, half a chunk for the slower thread at the end
+// of every call: 3-4 us of a 50 us SmolLM2 gate_up (12 blocks, 69 KB a chunk) on the 2-core EPYC.
+inline bool next_chunk(std::atomic<int64_t>& next, int64_t nblocks, const Split& split, int64_t* b0, int64_t* b1) {
+  int64_t cur = next.load(std::memory_order_relaxed);
+  while (cur < nblocks) {
+    const int64_t size = split.threads == 1 ? split.chunk
+                                            : std::max(split.min_chunk, std::min(split.chunk, (nblocks - cur) / (2 * split.threads)));
+    if (next.compare_exchange_weak(cur, cur + size, std::memory_order_relaxed)) {
+      *b0 = cur;
+      *b1 = std::min(nblocks, cur + size);
+      return true;
+    }
+  }
+  return false;
 }
 
 // A no-op prologue: the activations of `p` are ready before the call.
@@ -160,11 +184,12 @@ void run(const Problem& p, int64_t isa, int64_t max_threads, Parallel&& parallel
     }
   };
   parallel(split.threads, [&]() {
-    int64_t b0 = next.fetch_add(split.chunk);
-    if (b0 >= nblocks) return;  // nothing left for this thread: skip its prologue too
+    int64_t b0, b1;
+    if (!next_chunk(next, nblocks, split, &b0, &b1)) return;  // nothing left for this thread: skip its prologue too
     Problem local = p;
     prologue(local);
-    for (; b0 < nblocks; b0 = next.fetch_add(split.chunk)) body(local, b0, std::min(nblocks, b0 + split.chunk));
+    do body(local, b0, b1);
+    while (next_chunk(next, nblocks, split, &b0, &b1));
   });
 }
 

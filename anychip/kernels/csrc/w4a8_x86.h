@@ -121,6 +121,40 @@ ANYCHIP_AVX512 void tile_avx512(const Problem& p, int64_t m0, int64_t nb0) {
 // The 64-byte chunk as two 32-byte halves (rows 0-7, rows 8-15).  vpmaddubsw(u4, s8) pair sums are at most
 // 2 * 15 * 127 = 3810, so adding the low- and high-nibble products in int16 cannot saturate either.
 
+// 8 fp32 -> bf16 bits in the low half of each int32 lane: round to nearest even, NaN -> 0x7FC0 (as bf16_bits).
+ANYCHIP_AVX2 inline __m256i bf16_round_avx2(__m256 y) {
+  const __m256i bits = _mm256_castps_si256(y);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(y, y, _CMP_UNORD_Q)));
+}
+
+// fma(y, sx, bias) for the 16 rows of block nb (the Finish::kFused epilogue, same bits), stored as fp32 or bf16.
+// fp16 outputs and a partial last block take store_rows: compiled without FMA, its std::fma is a call into libm
+// per output (about 15% of a hot K=576 GEMV's time when every block went that way).
+ANYCHIP_AVX2 inline void store_rows_avx2(const Problem& p, int64_t m, int64_t nb, __m256 y0, __m256 y1) {
+  const int64_t n0 = nb * kRows;
+  if (n0 + kRows > p.n || p.out_type == OutType::kF16) {
+    alignas(32) float t[kRows];
+    _mm256_store_ps(t, y0);
+    _mm256_store_ps(t + 8, y1);
+    return store_rows<Finish::kFused>(p, m, nb, t);
+  }
+  const __m256 sx = _mm256_set1_ps(p.sx[m]);
+  const __m256 b0 = p.bias ? _mm256_loadu_ps(p.bias + n0) : _mm256_setzero_ps();
+  const __m256 b1 = p.bias ? _mm256_loadu_ps(p.bias + n0 + 8) : _mm256_setzero_ps();
+  y0 = _mm256_fmadd_ps(y0, sx, b0);
+  y1 = _mm256_fmadd_ps(y1, sx, b1);
+  const int64_t off = m * p.n + n0;
+  if (p.out_type == OutType::kF32) {
+    _mm256_storeu_ps(static_cast<float*>(p.out) + off, y0);
+    _mm256_storeu_ps(static_cast<float*>(p.out) + off + 8, y1);
+  } else {  // packus works per 128-bit lane: (0-3, 8-11, 4-7, 12-15) -> rows in order
+    const __m256i h = _mm256_permute4x64_epi64(_mm256_packus_epi32(bf16_round_avx2(y0), bf16_round_avx2(y1)), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(p.out) + off), h);
+  }
+}
+
 template <int MT, bool DOTS>
 ANYCHIP_AVX2 void tile_avx2(const Problem& p, int64_t m0, int64_t nb) {
   const uint8_t* w = p.w + nb * (p.k / 8) * kChunkBytes;
@@ -171,12 +205,7 @@ ANYCHIP_AVX2 void tile_avx2(const Problem& p, int64_t m0, int64_t nb) {
     }
   }
   if constexpr (!DOTS) {
-    for (int i = 0; i < MT; ++i) {
-      alignas(32) float t[kRows];
-      _mm256_store_ps(t, y[i][0]);
-      _mm256_store_ps(t + 8, y[i][1]);
-      store_rows<Finish::kFused>(p, m0 + i, nb, t);  // GCC contracted this epilogue before it was explicit
-    }
+    for (int i = 0; i < MT; ++i) store_rows_avx2(p, m0 + i, nb, y[i][0], y[i][1]);
   }
 }
 

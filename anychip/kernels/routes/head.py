@@ -57,14 +57,19 @@ class HeadRoute(ABC):
         if weight.dim() != 2 or weight.device.type != "cpu":
             raise NoKernelRoute(f"head route {self.id} wants a (N, K) CPU weight, got {tuple(weight.shape)} on "
                                 f"{weight.device}")
-        cpu_ext.load(policy.build_dir)  # compile now, at load; the ops are registered by the extension
+        ext = cpu_ext.load(policy.build_dir)  # compile now, at load; the ops are registered by the extension
         if self.kind == "int8":
             wq, sw = quantize_head_int8_ref(weight)
+            ext.collapse_huge(wq)
             return PreparedHead(wq, sw, self)
         if weight.dtype != torch.bfloat16:
             raise NoKernelRoute(f"head route {self.id} serves a bf16 head, this one is {weight.dtype}: serve the "
                                 "model with --dtype bfloat16")
-        return PreparedHead(weight if weight.is_contiguous() else weight.contiguous(), None, self)
+        weight = weight if weight.is_contiguous() else weight.contiguous()
+        # the head is read whole at every decode step: 2 MB pages made the AVX2 GEMV 15-18% faster on the 2-core
+        # EPYC (csrc/w4a8_cpu.cpp collapse_huge); in place, so a tied embedding keeps its one copy
+        ext.collapse_huge(weight)
+        return PreparedHead(weight, None, self)
 
     @abstractmethod
     def logits(self, x: torch.Tensor, head: PreparedHead, bias: torch.Tensor | None) -> torch.Tensor:
