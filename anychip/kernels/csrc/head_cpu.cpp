@@ -14,17 +14,11 @@
 
 #include "cpu_common.h"
 #include "head_cpu.h"
+#include "parallel_cpu.h"
 #include "quantize_act.h"
 
 namespace anychip {
 namespace {
-
-struct HeadParallel {
-  template <typename Work>
-  void operator()(int64_t threads, Work&& work) const {
-    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) { work(); });
-  }
-};
 
 OutType head_out_type(at::ScalarType t) {
   switch (t) {
@@ -98,7 +92,7 @@ at::Tensor head_bf16(const at::Tensor& x_in, const at::Tensor& weight, const c10
     });
     p.xf = f;
   }
-  head_run(p, false, isa, at::get_num_threads(), HeadParallel{});
+  head_run(p, false, isa, at::get_num_threads(), TorchParallel{});
   return out;
 }
 
@@ -129,7 +123,7 @@ at::Tensor head_int8(const at::Tensor& x_in, const at::Tensor& weight, const at:
   p.bias = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   p.out = out.data_ptr();
   p.out_type = head_out_type(x.scalar_type());
-  head_run(p, true, isa, at::get_num_threads(), HeadParallel{});
+  head_run(p, true, isa, at::get_num_threads(), TorchParallel{});
   return out;
 }
 

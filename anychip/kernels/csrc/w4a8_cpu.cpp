@@ -7,7 +7,7 @@
 //   quantize_act.h  per-token INT8 activations, group sums, bandwidth probe
 //   w4a8_tiles.h    the problem, the blocked weight layout, epilogues, the portable tile
 //   w4a8_x86.h      AVX512-VNNI and AVX2 tiles          w4a8_arm.h  NEON dotprod and i8mm tiles
-//   w4a8_run.h      dispatch and the threaded loop
+//   w4a8_run.h      dispatch and the threaded loop    parallel_cpu.h  the thread pool (at::parallel_for, load guard)
 // and call_counts.h, the per-layer coverage counts the ops keep.  One translation unit serves every CPU of an
 // architecture: the SIMD paths are compiled with function-level target attributes and chosen at run time.  The torch
 // oracle is anychip/kernels/reference.py.
@@ -28,6 +28,7 @@
 
 #include "call_counts.h"
 #include "cpu_common.h"
+#include "parallel_cpu.h"
 #include "quantize_act.h"
 #include "w4a8_run.h"
 
@@ -42,14 +43,6 @@ namespace {
 
 static_assert(sizeof(c10::BFloat16) == sizeof(Bf16) && sizeof(c10::Half) == sizeof(Fp16),
               "16-bit float layouts must match c10's");
-
-// at::parallel_for as the kernel core's thread pool: `work` runs once per pool thread taking part.
-struct TorchParallel {
-  template <typename Work>
-  void operator()(int64_t threads, Work&& work) const {
-    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) { work(); });
-  }
-};
 
 // f(typed pointer to x's data) for fp32 / bf16 / fp16 activations.
 template <typename F>
