@@ -217,6 +217,45 @@ def bench_decode_shape(model: str, layer: str, k: int, n: int, llc: int, budget_
     return row
 
 
+#: SmolLM2-135M's decode step as vLLM runs it: 30 layers of (K, N) merged linears, G=32 (the default checkpoint's),
+#: then the BF16 output head (49152 x 576, tied).
+STEP_LAYERS, STEP_LINEARS, STEP_GROUP, STEP_HEAD = 30, ((576, 960), (576, 576), (576, 3072), (1536, 576)), 32, (49152, 576)
+
+
+def bench_decode_step(reps: int, clock: Callable[[], float] = time.perf_counter) -> dict[str, object]:
+    """The kernels of one SmolLM2-135M decode step in the model's order, outside vLLM: 120 W4A8 linears at M=1 with
+    distinct weights (66 MB, twice this machine's LLC, so each streams from DRAM as in a real step), then the head
+    through its route. Per step: the fastest and the median of `reps` steps, for the linears and the head."""
+    from anychip.kernels.routes.head import select_head
+
+    policy = envs.kernel_policy()
+    gen = torch.Generator().manual_seed(0)
+    layers = [prepare_w4a8(torch.randint(-8, 8, (n, k), dtype=torch.int8, generator=gen),
+                           torch.rand(n, k // STEP_GROUP, generator=gen) * 0.02 + 1e-3, STEP_GROUP, packed=False,
+                           policy=policy)
+              for _ in range(STEP_LAYERS) for k, n in STEP_LINEARS]
+    head = select_head(policy).prepare((torch.randn(*STEP_HEAD, generator=gen) * 0.05).bfloat16(), policy)
+    xs = {k: torch.randn(1, k, generator=gen).bfloat16() for k in {k for k, _ in STEP_LINEARS}}
+    lin_s, head_s = [], []
+    for rep in range(reps + 2):  # two warm-up steps
+        t0 = clock()
+        for p in layers:
+            _call(xs[p.k], p)
+        t1 = clock()
+        head.logits(xs[STEP_HEAD[1]])
+        if rep >= 2:
+            lin_s.append(t1 - t0), head_s.append(clock() - t1)
+    lin_bytes = sum(p.weight.numel() + p.scales.numel() * 4 for p in layers)
+    head_bytes = STEP_HEAD[0] * STEP_HEAD[1] * 2
+
+    def stats(times: list[float], nbytes: int) -> dict[str, float]:
+        return {"min_ms": round(min(times) * 1e3, 3), "median_ms": round(sorted(times)[len(times) // 2] * 1e3, 3),
+                "gbs_at_min": round(nbytes / min(times) / 1e9, 2)}
+
+    return {"linears": {"calls": len(layers), "bytes": lin_bytes, **stats(lin_s, lin_bytes)},
+            "head": {"route": head.route.id, "bytes": head_bytes, **stats(head_s, head_bytes)}, "reps": reps}
+
+
 def check_targets(rows: list[dict[str, object]], read_gbs: float, t: Targets,
                   decode: list[dict[str, object]] | None = None) -> list[dict[str, object]]:
     """One entry per target: the worst case over the rows it covers, and whether it is met."""
@@ -279,6 +318,14 @@ def markdown_run(run: dict[str, object]) -> list[str]:
                 f"| {r['model']} | {r['layer']} | {r['K']} | {r['N']} | {_fmt(r, 'anychip_ms')} | {_fmt(r, 'w4a16_ms')} "
                 f"| {_fmt(r, 'bf16_ms')} | {_fmt(r, 'vs_w4a16', '')} | {_fmt(r, 'vs_bf16', '')} | {r['weight_gbs']} "
                 f"| {float(r['bandwidth_frac']):.0%} |")
+    if step := run.get("decode_step"):
+        lines += ["", f"A SmolLM2-135M decode step's kernels in the model's order (G={STEP_GROUP}, distinct weights, "
+                  f"{step['reps']} steps; the op called as vLLM's graph calls it, no vLLM around it):", "",
+                  "| part | MB read | fastest ms | median ms | GB/s at fastest | of read bandwidth |",
+                  "|---|--:|--:|--:|--:|--:|"]
+        for name, part in (("120 W4A8 linears", step["linears"]), (f"head ({step['head']['route']})", step["head"])):
+            lines.append(f"| {name} | {part['bytes'] / 1e6:.1f} | {part['min_ms']} | {part['median_ms']} "
+                         f"| {part['gbs_at_min']} | {part['gbs_at_min'] / float(bw['read_gbs']):.0%} |")
     lines += ["", "| target | goal | worst case | met |", "|---|--:|--:|:-:|"]
     for t in run["targets"]:  # type: ignore[union-attr]
         lines.append(f"| {t['target']} | {t['goal']} | {t['worst']} | {'yes' if t['met'] else 'no'} |")
@@ -339,6 +386,7 @@ def bench_run(
         for model, layer, k, n in DECODE_SHAPES:
             decode.append(bench_decode_shape(model, layer, k, n, llc, budget_s, float(bandwidth["read_gbs"]), clock))
             _progress(title, decode[-1])
+        step = bench_decode_step(20 if quick else 60, clock) if decode_only else None
         # other work on a shared machine takes bandwidth at times: the best of the probes before and after is the
         # bandwidth every fraction is taken of (the stricter choice)
         after = read_bandwidth_gbs(size=(256 << 20) if quick else (1 << 30), clock=clock)
@@ -350,6 +398,8 @@ def bench_run(
         "title": title, "threads": threads, "clock": clock.__name__, "load_before": load_before,
         "load_after": _load(), "bandwidth": bandwidth, "rows": rows, "decode_rows": decode,
     }
+    if step is not None:
+        run["decode_step"] = step
     run["targets"] = check_targets(rows, float(bandwidth["read_gbs"]), Targets(), decode)
     return run
 
