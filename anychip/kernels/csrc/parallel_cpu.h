@@ -4,11 +4,12 @@
 // OpenMP's fork/join makes every call wait for every thread of the team, even one that the OS has not scheduled
 // yet and that would find no chunk left.  On the shared 2-core EPYC at load 5-6 that turned a decode step's 120
 // SmolLM2 linears from about 8 ms (the fastest step) into 900 ms (the median step): each call waited a scheduler
-// tick for the second thread.  So each parallel call measures how late its helper thread started; when that passes
-// kLateNs (a quiet machine starts it within 1-2 us, a woken one within tens), the next kSoloCalls calls run on the
-// calling thread alone, with no parallel region, and then two threads are tried again.  Only the start is judged:
-// a helper still busy with its last chunk after the caller's is granularity (a prefill chunk takes a millisecond),
-// not load.  Outputs do not depend on the thread count: every block is computed whole by one thread, the same way.
+// tick for the second thread.  So each parallel call measures how late its helper thread started; when two calls
+// in a row pass kLateNs (a quiet machine starts it within 1-2 us, a woken one within tens), the next kSoloCalls
+// calls run on the calling thread alone, with no parallel region, and then two threads are tried again.  Only the
+// start is judged: a helper still busy with its last chunk after the caller's is granularity (a prefill chunk
+// takes a millisecond), not load.  Outputs do not depend on the thread count: every block is computed whole by
+// one thread, the same way.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -34,12 +35,20 @@ class LoadGuard {
     return wanted;
   }
 
+  // Two late starts in a row: one alone is the wake-up of a helper that slept through an idle engine (a futex
+  // wake of an idle vCPU), which a prefill after a pause should not pay 256 single-threaded calls for.
   void observe(int64_t late_ns) {
-    if (late_ns > kLateNs) solo_left_.store(kSoloCalls, std::memory_order_relaxed);
+    if (late_ns <= kLateNs) {
+      late_streak_.store(0, std::memory_order_relaxed);
+    } else if (late_streak_.fetch_add(1, std::memory_order_relaxed) + 1 >= 2) {
+      late_streak_.store(0, std::memory_order_relaxed);
+      solo_left_.store(kSoloCalls, std::memory_order_relaxed);
+    }
   }
 
  private:
   std::atomic<int64_t> solo_left_{0};
+  std::atomic<int64_t> late_streak_{0};
 };
 
 inline LoadGuard& load_guard() {
