@@ -219,7 +219,8 @@ def bench_decode_shape(model: str, layer: str, k: int, n: int, llc: int, budget_
 
 #: SmolLM2-135M's decode step as vLLM runs it: 30 layers of (K, N) merged linears, G=32 (the default checkpoint's),
 #: then the BF16 output head (49152 x 576, tied).
-STEP_LAYERS, STEP_LINEARS, STEP_GROUP, STEP_HEAD = 30, ((576, 960), (576, 576), (576, 3072), (1536, 576)), 32, (49152, 576)
+STEP_LAYERS, STEP_GROUP, STEP_HEAD = 30, 32, (49152, 576)
+STEP_LINEARS = ((576, 960), (576, 576), (576, 3072), (1536, 576))  # qkv, o, gate_up, down
 
 
 def bench_decode_step(reps: int, clock: Callable[[], float] = time.perf_counter) -> dict[str, object]:
@@ -323,7 +324,7 @@ def markdown_run(run: dict[str, object]) -> list[str]:
                   f"{step['reps']} steps; the op called as vLLM's graph calls it, no vLLM around it):", "",
                   "| part | MB read | fastest ms | median ms | GB/s at fastest | of read bandwidth |",
                   "|---|--:|--:|--:|--:|--:|"]
-        for name, part in (("120 W4A8 linears", step["linears"]), (f"head ({step['head']['route']})", step["head"])):
+        for name, part in ((f"{step['linears']['calls']} W4A8 linears", step["linears"]), (f"head ({step['head']['route']})", step["head"])):
             lines.append(f"| {name} | {part['bytes'] / 1e6:.1f} | {part['min_ms']} | {part['median_ms']} "
                          f"| {part['gbs_at_min']} | {part['gbs_at_min'] / float(bw['read_gbs']):.0%} |")
     lines += ["", "| target | goal | worst case | met |", "|---|--:|--:|:-:|"]

@@ -16,10 +16,10 @@ int argument is a different constant in every layer's piece (each of a 42-layer 
 
 The schemas live here; the CPU kernels are C++ (csrc/w4a8_cpu.cpp registers them when the extension loads, which
 preparing a C++ route does): they run this extension's routes without any Python, count the call in the kernels'
-coverage table (hooks.py) and quantize the input inside the GEMV, once for a merged qkv or gate_up layer. Every other route (the torch reference,
-arm.kleidiai, cuda.triton) goes through the Python implementation below, which calls hooks.notify(layer id, tokens)
-and hands the call to the route object: on CUDA directly, on a CPU through the op's twin `<op>_torch`, which the C++
-kernel calls for a route id it does not know.
+coverage table (hooks.py) and quantize the input inside the GEMV, once for a merged qkv or gate_up layer. Every
+other route (the torch reference, arm.kleidiai, cuda.triton) goes through the Python implementation below, which
+calls hooks.notify(layer id, tokens) and hands the call to the route object: on CUDA directly, on a CPU through the
+op's twin `<op>_torch`, which the C++ kernel calls for a route id it does not know.
 """
 
 from __future__ import annotations

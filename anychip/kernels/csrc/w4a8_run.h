@@ -133,8 +133,8 @@ inline Split split_blocks(const Problem& p, int64_t max_threads) {
 inline bool next_chunk(std::atomic<int64_t>& next, int64_t nblocks, const Split& split, int64_t* b0, int64_t* b1) {
   int64_t cur = next.load(std::memory_order_relaxed);
   while (cur < nblocks) {
-    const int64_t size = split.threads == 1 ? split.chunk
-                                            : std::max(split.min_chunk, std::min(split.chunk, (nblocks - cur) / (2 * split.threads)));
+    const int64_t guided = std::min(split.chunk, (nblocks - cur) / (2 * split.threads));
+    const int64_t size = split.threads == 1 ? split.chunk : std::max(split.min_chunk, guided);
     if (next.compare_exchange_weak(cur, cur + size, std::memory_order_relaxed)) {
       *b0 = cur;
       *b1 = std::min(nblocks, cur + size);

@@ -134,8 +134,7 @@ def w4a8_linear_q(
     if m == 0 or n == 0:
         return out
     if config is None:
-        config = config_for(m, n, kk, group_size, xq.device) or candidates(m, n, kk, group_size,
-                                                                           multiprocessors(xq.device))[0]
+        config = serving_config(m, n, kk, group_size, xq.device)
     launch_config(config, xq, sx, weight, scales, bias, n, kk, group_size, out, counter)
     return out
 
@@ -230,8 +229,18 @@ def config_for(m: int, n: int, kk: int, g: int, device: torch.device) -> GemmCon
     return _TUNED.get(_key(m, n, kk, g, device))
 
 
+def serving_config(m: int, n: int, kk: int, g: int, device: torch.device) -> GemmConfig:
+    """The config a call at M tokens runs: the settled one of its bucket, else the regime's default."""
+    return config_for(m, n, kk, g, device) or candidates(m, n, kk, g, multiprocessors(device))[0]
+
+
+def indexed(device: torch.device) -> torch.device:
+    """"cuda" as the GPU it means ("cuda:0" and "cuda" are one GPU); any other device as it is."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _key(m: int, n: int, kk: int, g: int, device: torch.device) -> tuple:
     bucket = regime(m) if m <= MID_M else min(triton.next_power_of_2(m), 4096)  # prefill: one entry an octave
-    if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" are one GPU
-        device = torch.device("cuda", torch.cuda.current_device())
-    return (bucket, n, kk, g, str(device))
+    return (bucket, n, kk, g, str(indexed(device)))

@@ -50,8 +50,7 @@ def gemm_specs(n: int, kk: int, g: int, device: torch.device, buckets: Iterable[
     seen, specs = set(), []
     for bucket in buckets:
         for m in token_counts(bucket):
-            cfg = launch.config_for(m, n, kk, g, device) or launch.candidates(
-                m, n, kk, g, launch.multiprocessors(device))[0]
+            cfg = launch.serving_config(m, n, kk, g, device)
             split = launch.split_of(cfg, m, n)
             spec = launch.gemm_launch(cfg, m, n, kk, g, i8, f32, i8, scales_dtype, None, torch.bfloat16,
                                       f32 if split > 1 else None, i32 if split > 1 else None, torch.int64, i32,
@@ -69,8 +68,7 @@ def submit(n: int, kk: int, g: int, device: torch.device, buckets: Iterable[str 
     made by the first call); returns how many were queued."""
     if count == 0 or device.type != "cuda":  # (under Triton's interpreter the tensors are on the CPU)
         return 0
-    if device.index is None:  # "cuda" and "cuda:0" are one GPU
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = launch.indexed(device)
     key = (n, kk, g, str(device))
     with _lock:
         if key in _done:
