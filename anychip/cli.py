@@ -144,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "same settings)")
     b.add_argument("--server-arg", action="append", default=[], metavar="FLAG",
                    help="with --launch: an extra vLLM server flag, e.g. --server-arg=--enforce-eager (repeatable)")
+    b.add_argument("--server-log", metavar="PATH", help="with --launch: write the server's output here (default: a "
+                   "new temporary folder, printed at start)")
     b.add_argument("--model", help="model name (default: the server's first model)")
     b.add_argument("--concurrency", type=_csv_ints, default=[1, 4, 16, 64])
     b.add_argument("--input-len", type=_csv_ints, default=[512])

@@ -388,6 +388,70 @@ def test_bench_serve_counts_failed_requests(scripted_server, tmp_path):
     assert row["failed"] == 2 and "HTTP 400" in row["errors"][0]
 
 
+def test_bench_serve_keeps_the_levels_it_finished(scripted_server, tmp_path, monkeypatch):
+    """The report is written after every level: a later level that dies leaves the earlier ones on disk."""
+    real, calls = serve.run_level, []
+
+    def flaky(*args, **kwargs):
+        calls.append(args[2])
+        if len(calls) == 3:  # the warm-up request, the first level, then the second level
+            raise RuntimeError("the second level died")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(serve, "run_level", flaky)
+    out = tmp_path / "serve.json"
+    with pytest.raises(RuntimeError, match="second level"):
+        main(["bench", "serve", scripted_server, "--concurrency", "1,2", "--input-len", "16", "--output-len", "3",
+              "--num-prompts", "2", "--json", str(out)])
+    (row,) = json.loads(out.read_text())["rows"]
+    assert (row["concurrency"], row["completed"]) == (1, 2)
+    assert "| 1 | 16 | 3 |" in out.with_suffix(".md").read_text()
+
+
+_FAKE_SERVER = """
+import http.server, os, sys
+open(sys.argv[2], "w").write(str(os.getpid()))
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b'{"data": [{"id": "m"}]}')
+    def log_message(self, *a): pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+_HOLDER = """
+import sys, time
+from pathlib import Path
+from anychip.bench import server
+server.server_command = lambda model, host, port, extra: ([sys.executable, "-c", sys.argv[1], str(port), sys.argv[2]], {})
+with server.local_server(Path("."), ready_timeout_s=60):
+    print("ready", flush=True)
+    time.sleep(120)
+"""
+
+
+def test_a_terminated_bench_stops_its_server(tmp_path):
+    """`timeout` sends SIGTERM: the launched server (its own process group) must not outlive the bench, or it keeps
+    the port and the GPU's memory from the next server."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    pid_file = tmp_path / "server.pid"
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, _FAKE_SERVER, str(pid_file)], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        pid = int(pid_file.read_text())
+        os.kill(pid, 0)  # the server runs
+        holder.send_signal(signal.SIGTERM)
+        assert holder.wait(timeout=90) == 128 + signal.SIGTERM
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    finally:
+        holder.kill()
+
+
 # ---- one short real run of each (slow) ----
 
 

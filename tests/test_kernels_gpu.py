@@ -87,20 +87,27 @@ def test_group_dots_extremes_through_op() -> None:
 
 # --- whole linears: exact with power-of-two scales, for every tile config --------------------------------------
 
-def _all_configs() -> list[tuple[int, launch.GemmConfig]]:
+def _all_configs() -> list[tuple[int, int, launch.GemmConfig]]:
     out = []
-    for m in (1, 33, 300):
-        for cfg in launch.candidates(m, 576, 2048, 128):
-            out.append((m, cfg))
-    out.append((7, launch.GemmConfig(16, 32, 256, split_k=3)))
-    out.append((7, launch.GemmConfig(16, 64, 128, swap=True, split_k=5)))
+    for g in (32, 128):  # the candidates depend on G (xsplit needs G >= 64)
+        for m in (1, 33, 300):
+            for cfg in launch.candidates(m, 576, 2048, g):
+                out.append((m, g, cfg))
+        out.append((7, g, launch.GemmConfig(16, 32, 256, split_k=3)))
+        out.append((7, g, launch.GemmConfig(16, 64, 128, swap=True, split_k=5)))
+    out.append((7, 128, launch.GemmConfig(16, 32, 256, xsplit=True, pipe=True, split_k=3)))
     return out
 
 
-@pytest.mark.parametrize("m,cfg", _all_configs(), ids=lambda v: str(v) if isinstance(v, int) else
-                         f"{v.block_m}x{v.block_n}x{v.block_k}{'s' if v.swap else ''}k{v.split_k}w{v.num_warps}")
-@pytest.mark.parametrize("g", [32, 128])
-def test_linear_q_pow2_scales_exact(m: int, cfg: launch.GemmConfig, g: int) -> None:
+def _config_id(v: object) -> str:
+    if isinstance(v, launch.GemmConfig):
+        flags = ("s" if v.swap else "") + ("x" if v.xsplit else "") + ("p" if v.pipe else "")
+        return f"{v.block_m}x{v.block_n}x{v.block_k}{flags}k{v.split_k}w{v.num_warps}"
+    return str(v)
+
+
+@pytest.mark.parametrize("m,g,cfg", _all_configs(), ids=_config_id)
+def test_linear_q_pow2_scales_exact(m: int, g: int, cfg: launch.GemmConfig) -> None:
     n, k = 100, 2048
     q, s = weights(n, k, g, seed=m, pow2=True)
     xq = torch.randint(-127, 128, (m, k), dtype=torch.int8)

@@ -20,10 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -31,46 +29,17 @@ import torch.nn.functional as F
 
 import anychip.kernels.ops  # noqa: F401  (registers torch.ops.anychip.*)
 from anychip import envs
+from anychip.kernels.gpu.timing import graph_ms, rotation
 from anychip.kernels.prepare import prepare_w4a8
 from anychip.kernels.reference import dequantize_weight_ref, quantize_activations_ref
 
 SHAPES: tuple[tuple[int, int], ...] = ((2048, 6144), (6144, 2048), (4096, 4096), (4096, 14336))  # (K, N)
 TOKENS: tuple[int, ...] = (1, 16, 512, 4096)
 NOMINAL_HBM_GBS = 4800.0  # H200 datasheet
-ROTATE_BYTES = 3 * 60 * 2**20  # three times the H200's 60 MB L2
 MARLIN_PEERS = {"marlin_w4a16": False, "marlin_w4a8": True}  # name -> INT8 activations
 # ||y - ref|| / ||ref||; expected about 0.002: the bf16 output, bf16 dequantized weights (W4A16) and the int16 group
 # scales (W4A8) each round at 2^-9. A layout or scale mistake gives errors of order 1.
 MARLIN_MAX_REL_ERR = 0.01
-
-
-def graph_ms(calls: list[Callable[[], object]], replays: int = 10, samples: int = 7) -> float:
-    """Median time per call (ms) of `calls` captured in one CUDA graph, replayed `replays` times per sample."""
-    for fn in calls:  # compile, tune, create cuBLAS handles outside the capture
-        fn()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        for fn in calls:
-            fn()
-        with torch.cuda.graph(graph):
-            for fn in calls:
-                fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(samples):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / (replays * len(calls)))
-    return statistics.median(times)
 
 
 def copy_bandwidth_gbs(size: int = 2 << 30) -> float:
@@ -82,7 +51,7 @@ def copy_bandwidth_gbs(size: int = 2 << 30) -> float:
 
 
 def _copies(nbytes: int) -> int:
-    return max(1, min(32, -(-ROTATE_BYTES // nbytes)))
+    return rotation(nbytes, torch.device("cuda"))
 
 
 def bench_shape(m: int, k: int, n: int, g: int) -> dict[str, object]:

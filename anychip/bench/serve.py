@@ -17,6 +17,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -289,8 +290,10 @@ def _merge(path: Path, doc: dict[str, Any], label: str) -> dict[str, Any]:
     return doc
 
 
-def measure_server(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Every scenario against one server; one row each."""
+def measure_server(url: str, args: argparse.Namespace,
+                   on_row: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
+    """Every scenario against one server; one row each. on_row(rows so far) runs after each level, so a run cut
+    short (a timeout, a crash of a later level) keeps the levels it finished."""
     check_loopback(url)
     lo, hi = (args.vocab_range + [0, 0])[:2]
     if not 0 <= lo < hi:
@@ -315,46 +318,56 @@ def measure_server(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
               f"{sc.num_prompts} ok  TTFT {fmt(row['ttft']['mean_ms'])} ms  TPOT {fmt(row['tpot']['mean_ms'])} ms  "
               f"{fmt(row['output_throughput'])} out tok/s  {fmt(row['total_throughput'])} total tok/s"
               + (f"  errors: {row['errors'][0]}" if row["errors"] else ""))
+        if on_row is not None:
+            on_row(rows)
     return rows
 
 
-def _launched(args: argparse.Namespace) -> list[dict[str, Any]]:
+def _launched(args: argparse.Namespace,
+              on_row: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
     import tempfile
 
     from anychip.bench.server import local_server
 
     model = Path(args.launch).expanduser().resolve()
     args.label = args.label or (("vllm-" if args.stock else "anychip-") + model.name)
-    log = Path(tempfile.mkdtemp(prefix="anychip-bench-serve-")) / "server.log"
+    if args.server_log:
+        log = Path(args.server_log).expanduser().resolve()
+        log.parent.mkdir(parents=True, exist_ok=True)
+    else:
+        log = Path(tempfile.mkdtemp(prefix="anychip-bench-serve-")) / "server.log"
     print(f"anychip bench serve: starting {'stock vLLM' if args.stock else 'anychip'} server for {model} (log: {log})")
     t0 = time.perf_counter()
     with local_server(model, plugin=not args.stock, extra=args.server_arg, log=log) as url:
-        start_s = time.perf_counter() - t0
-        rows = measure_server(url, args)
-    server = {"model": str(model), "plugin": not args.stock, "extra_args": args.server_arg,
-              "start_s": round(start_s, 1)}
-    return [dict(r, server=server) for r in rows]
+        server = {"model": str(model), "plugin": not args.stock, "extra_args": args.server_arg,
+                  "start_s": round(time.perf_counter() - t0, 1), "log": str(log)}
+
+        def tagged(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            return [dict(r, server=server) for r in rows]
+
+        rows = measure_server(url, args, None if on_row is None else lambda rows: on_row(tagged(rows)))
+    return tagged(rows)
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     apply_preset(args)
     if bool(args.url) == bool(args.launch):
         raise AnychipError("give either a server URL or --launch MODEL (not both, not neither)")
-    if (args.stock or args.server_arg) and not args.launch:
-        raise AnychipError("--stock and --server-arg only apply with --launch MODEL")
+    if (args.stock or args.server_arg or args.server_log) and not args.launch:
+        raise AnychipError("--stock, --server-arg and --server-log only apply with --launch MODEL")
     where = machine()  # before measuring: the source state is the one the server loads
-    if args.launch:
-        rows = _launched(args)
-    else:
-        url = args.url.rstrip("/")
-        rows = measure_server(url if url.endswith("/v1") else url + "/v1", args)
     lo, hi = (args.vocab_range + [0, 0])[:2]
     command = command_line(getattr(args, "argv", None))
-    rows = [dict(r, command=command, measured_at=now(), source=where.get("source")) for r in rows]
-    doc = {"benchmark": "serve", "created": now(), "machine": where, "rows": rows,
-           "settings": {"vocab_range": [lo, hi], "seed": args.seed, "preset": args.preset, "scale": args.scale,
-                        "peak_tflops": args.peak_tflops, "peak_gbps": args.peak_gbps}}
-    if args.json:
+    measured_at = now()
+
+    def publish(rows: list[dict[str, Any]]) -> None:
+        """Write the report with the levels measured so far (again after every level)."""
+        if not args.json:
+            return
+        rows = [dict(r, command=command, measured_at=measured_at, source=where.get("source")) for r in rows]
+        doc = {"benchmark": "serve", "created": now(), "machine": where, "rows": rows,
+               "settings": {"vocab_range": [lo, hi], "seed": args.seed, "preset": args.preset, "scale": args.scale,
+                            "peak_tflops": args.peak_tflops, "peak_gbps": args.peak_gbps}}
         path = Path(args.json)
         if args.append:
             doc = _merge(path, doc, rows[0]["label"] if rows else "")
@@ -362,4 +375,12 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         doc["comparisons"] = comparisons(doc["rows"], args.baseline)
         for p in write_outputs(path, doc, render_markdown(doc), plot):
             print(f"wrote {p}")
+
+    if args.launch:
+        rows = _launched(args, publish)
+    else:
+        url = args.url.rstrip("/")
+        rows = measure_server(url if url.endswith("/v1") else url + "/v1", args, publish)
+    if not rows:
+        publish(rows)
     return 0 if all(r["failed"] == 0 for r in rows) else 1

@@ -39,7 +39,8 @@ def local_server(model: Path, *, plugin: bool = True, port: int | None = None, e
     """Start anychip's vLLM server command for MODEL on 127.0.0.1 and yield its base URL (…/v1) once /v1/models answers.
 
     plugin=False sets VLLM_PLUGINS to every installed plugin but anychip: stock vLLM with the same settings.
-    The server runs in its own process group, which is interrupted, then killed, on exit."""
+    The server runs in its own process group, which is interrupted, then killed, on exit, also when this process
+    is sent SIGTERM (`timeout`, a job scheduler): the server would otherwise outlive it and keep the GPU's memory."""
     port = port or free_port()
     url = f"http://127.0.0.1:{port}/v1"
     cmd, profile_env = server_command(Path(model).resolve(), "127.0.0.1", port, list(extra or []))
@@ -48,6 +49,7 @@ def local_server(model: Path, *, plugin: bool = True, port: int | None = None, e
         env["VLLM_PLUGINS"] = plugins_without_anychip()
     out = open(log, "w") if log else subprocess.DEVNULL
     proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    previous = _exit_on_sigterm()
     try:
         deadline = time.monotonic() + ready_timeout_s
         while not _ready(url):
@@ -63,6 +65,22 @@ def local_server(model: Path, *, plugin: bool = True, port: int | None = None, e
         _stop(proc)
         if log:
             out.close()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _exit_on_sigterm() -> object | None:
+    """SIGTERM becomes SystemExit, so the `finally` that stops the server runs; returns the handler it replaced
+    (None off the main thread, where Python cannot set handlers: there the caller owns signals)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _terminated)
 
 
 def _stop(proc: subprocess.Popen) -> None:

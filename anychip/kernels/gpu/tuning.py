@@ -93,11 +93,13 @@ def lookup(bucket: str | int, n: int, k: int, g: int, device: torch.device,
 
 
 def tune_linear(weight: torch.Tensor, scales: torch.Tensor, n: int, k: int, g: int, mode: str,
-                tuning_dir: Path | None, precompile_threads: int = 0) -> None:
+                tuning_dir: Path | None, precompile_threads: int = 0, retune: bool = False,
+                times: dict[str, dict[str, float]] | None = None) -> None:
     """Make every bucket's config known for this linear before it serves (called at load, by the route's
     prepare): from the caches, else (mode "load") timed here on the layer's weights and written to the disk
     cache; mode "off" leaves unknown buckets on their default config. precompile_threads > 0: then compile the
-    configs' kernels on that many background threads (precompile.py)."""
+    configs' kernels on that many background threads (precompile.py). retune: time every bucket even where a
+    table knows it (the table maker). times: filled with each timed bucket's {config: ms}."""
     if mode not in TUNING_MODES:
         raise ValueError(f"GPU tuning mode {mode!r} is not one of {TUNING_MODES}")
     device = weight.device
@@ -107,9 +109,12 @@ def tune_linear(weight: torch.Tensor, scales: torch.Tensor, n: int, k: int, g: i
     for bucket, m in BUCKETS:
         if launch.config_for(m, n, k, g, device) is not None:
             continue
-        cfg = lookup(bucket, n, k, g, device, tuning_dir)
+        cfg = None if retune else lookup(bucket, n, k, g, device, tuning_dir)
         if cfg is None and mode == "load":
-            cfg = _time_candidates(m, weight, scales, n, k, g)
+            timed: dict[str, float] = {}
+            cfg = _time_candidates(m, weight, scales, n, k, g, timed)
+            if times is not None:
+                times[entry_key(bucket, n, k, g)] = timed
             fresh[entry_key(bucket, n, k, g)] = asdict(cfg)
         if cfg is not None:
             launch.remember(m, n, k, g, device, cfg)
@@ -119,23 +124,30 @@ def tune_linear(weight: torch.Tensor, scales: torch.Tensor, n: int, k: int, g: i
     precompile.submit(n, k, g, device, [bucket for bucket, _ in BUCKETS], scales.dtype, precompile_threads)
 
 
-def _time_candidates(m: int, weight: torch.Tensor, scales: torch.Tensor, n: int, k: int, g: int
-                     ) -> launch.GemmConfig:
-    from triton.testing import do_bench
+def _time_candidates(m: int, weight: torch.Tensor, scales: torch.Tensor, n: int, k: int, g: int,
+                     times: dict[str, float] | None = None) -> launch.GemmConfig:
+    """The fastest candidate at M tokens, timed as it serves: in a CUDA graph (no launch cost hides a short
+    kernel), and for decode and mid M over weight copies beyond the L2 cache (weights stream from HBM, as in a
+    model; prefill is compute-bound, one copy). times: filled with each candidate's ms."""
+    from anychip.kernels.gpu.timing import graph_ms, rotation
 
-    gen = torch.Generator(device=weight.device).manual_seed(m * 7919 + n)
-    xq = torch.randint(-127, 128, (m, k), dtype=torch.int8, device=weight.device, generator=gen)
-    sx = torch.rand((m,), dtype=torch.float32, device=weight.device, generator=gen) / 100 + 1e-4
-    out = torch.empty((m, n), dtype=torch.bfloat16, device=weight.device)
-    options = launch.candidates(m, n, k, g, launch.multiprocessors(weight.device))
-    times = []
+    device = weight.device
+    gen = torch.Generator(device=device).manual_seed(m * 7919 + n)
+    xq = torch.randint(-127, 128, (m, k), dtype=torch.int8, device=device, generator=gen)
+    sx = torch.rand((m,), dtype=torch.float32, device=device, generator=gen) / 100 + 1e-4
+    out = torch.empty((m, n), dtype=torch.bfloat16, device=device)
+    nbytes = weight.numel() + scales.numel() * scales.element_size()
+    copies = rotation(nbytes, device) if m <= launch.MID_M else 1
+    operands = [(weight, scales)] + [(weight.clone(), scales.clone()) for _ in range(copies - 1)]
+    options = launch.candidates(m, n, k, g, launch.multiprocessors(device))
+    ms = []
     for cfg in options:
-        def run(cfg: launch.GemmConfig = cfg) -> None:
-            launch.launch_config(cfg, xq, sx, weight, scales, None, n, k, g, out)
-
-        run()  # compile outside the timing
-        times.append(do_bench(run, warmup=5, rep=20, return_mode="median"))
-    return options[min(range(len(options)), key=times.__getitem__)]
+        calls = [lambda cfg=cfg, w=w, s=s: launch.launch_config(cfg, xq, sx, w, s, None, n, k, g, out)
+                 for w, s in operands]
+        ms.append(graph_ms(calls, replays=max(1, 32 // len(calls)), samples=5))
+        if times is not None:
+            times[str(cfg)] = round(ms[-1], 5)
+    return options[min(range(len(options)), key=ms.__getitem__)]
 
 
 def shapes_of(config: dict) -> list[tuple[int, int, int]]:
@@ -155,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m anychip.kernels.gpu.tuning", description=main.__doc__)
     parser.add_argument("shapes", nargs="+", help="a model directory (its config.json) or N,K,G")
     parser.add_argument("--out", type=Path, default=SHIPPED_DIR, help="folder of the <gpu>.json table")
+    parser.add_argument("--times", type=Path, help="also write every candidate's time per shape and bucket (JSON)")
+    parser.add_argument("--retune", action="store_true", help="time every shape, also those the tables know "
+                        "(their entries are replaced)")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     triples: list[tuple[int, int, int]] = []
@@ -166,14 +181,17 @@ def main(argv: list[str] | None = None) -> int:
             triples.append(tuple(int(v) for v in text.split(",")))  # type: ignore[arg-type]
     launch.clear_tuning()
     t0 = time.perf_counter()
+    times: dict[str, dict[str, float]] = {}
     for n, k, g in sorted(set(triples)):
         gen = torch.Generator(device=device).manual_seed(n * 31 + k)
         weight = torch.randint(-128, 128, (n, k // 2), dtype=torch.int8, device=device, generator=gen)
         scales = torch.rand((k // g, n), dtype=torch.float32, device=device, generator=gen) / 50 + 1e-3
-        tune_linear(weight, scales, n, k, g, "load", args.out)
+        tune_linear(weight, scales, n, k, g, "load", args.out, retune=args.retune, times=times)
         print(f"N={n} K={k} G={g}: " + ", ".join(
             f"{b}={launch.config_for(m, n, k, g, device)}" for b, m in BUCKETS), flush=True)
     print(f"tuned {len(set(triples))} shapes in {time.perf_counter() - t0:.0f} s -> {args.out}")
+    if args.times:
+        args.times.write_text(json.dumps({"gpu": torch.cuda.get_device_name(device), "times_ms": times}, indent=1))
     return 0
 
 
