@@ -144,7 +144,7 @@ def _time_candidates(m: int, weight: torch.Tensor, scales: torch.Tensor, n: int,
     for cfg in options:
         calls = [lambda cfg=cfg, w=w, s=s: launch.launch_config(cfg, xq, sx, w, s, None, n, k, g, out)
                  for w, s in operands]
-        ms.append(graph_ms(calls, replays=max(1, 32 // len(calls)), samples=5))
+        ms.append(graph_ms(calls, replays=max(2, 16 // len(calls)), samples=5))
         if times is not None:
             times[str(cfg)] = round(ms[-1], 5)
     return options[min(range(len(options)), key=ms.__getitem__)]
