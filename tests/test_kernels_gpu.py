@@ -89,19 +89,19 @@ def test_group_dots_extremes_through_op() -> None:
 
 def _all_configs() -> list[tuple[int, int, launch.GemmConfig]]:
     out = []
-    for g in (32, 128):  # the candidates depend on G (xsplit needs G >= 64)
+    for g in (32, 128):
         for m in (1, 33, 300):
             for cfg in launch.candidates(m, 576, 2048, g):
                 out.append((m, g, cfg))
         out.append((7, g, launch.GemmConfig(16, 32, 256, split_k=3)))
         out.append((7, g, launch.GemmConfig(16, 64, 128, swap=True, split_k=5)))
-    out.append((7, 128, launch.GemmConfig(16, 32, 256, xsplit=True, pipe=True, split_k=3)))
+    out.append((7, 128, launch.GemmConfig(16, 32, 256, pipe=True, split_k=3)))
     return out
 
 
 def _config_id(v: object) -> str:
     if isinstance(v, launch.GemmConfig):
-        flags = ("s" if v.swap else "") + ("x" if v.xsplit else "") + ("p" if v.pipe else "")
+        flags = ("s" if v.swap else "") + ("p" if v.pipe else "")
         return f"{v.block_m}x{v.block_n}x{v.block_k}{flags}k{v.split_k}w{v.num_warps}"
     return str(v)
 

@@ -63,30 +63,20 @@ def test_group_dots_exact(m: int, n: int, k: int, g: int, swap: bool) -> None:
 
 def _configs() -> list[tuple[int, int, launch.GemmConfig]]:
     cases = [(m, 32, cfg) for m in (1, 33, 130) for cfg in launch.candidates(m, 40, 512, 32)]
-    # the variants that need G >= 64 (xsplit) and the pipelined rescale, at the default group size
-    cases += [(m, 128, cfg) for m in (1, 33, 130) for cfg in launch.candidates(m, 40, 512, 128)
-              if cfg.xsplit or cfg.pipe]
+    # the pipelined rescale at the default group size too
+    cases += [(m, 128, cfg) for m in (33, 130) for cfg in launch.candidates(m, 40, 512, 128) if cfg.pipe]
     cases += [(7, 32, launch.GemmConfig(16, 32, 64, split_k=3)),
               (7, 32, launch.GemmConfig(16, 16, 128, swap=True, split_k=5)),
-              (7, 64, launch.GemmConfig(16, 32, 128, xsplit=True, pipe=True, split_k=3)),  # two groups a step
-              (7, 64, launch.GemmConfig(16, 16, 128, swap=True, xsplit=True, pipe=True, split_k=5))]
+              (7, 64, launch.GemmConfig(16, 32, 128, pipe=True, split_k=3)),  # two groups a step
+              (7, 64, launch.GemmConfig(16, 16, 128, swap=True, pipe=True, split_k=5))]
     return cases
 
 
 def _id(v: object) -> str:
     if isinstance(v, launch.GemmConfig):
-        flags = ("s" if v.swap else "") + ("x" if v.xsplit else "") + ("p" if v.pipe else "")
+        flags = ("s" if v.swap else "") + ("p" if v.pipe else "")
         return f"{v.block_m}x{v.block_n}x{v.block_k}{flags}k{v.split_k}"
     return str(v)
-
-
-def test_xsplit_needs_a_group_of_64() -> None:
-    q, s = weights(40, 512, 32, seed=0)
-    w, sw = _layout(q, s)
-    with pytest.raises(ValueError, match="xsplit needs a group size of at least 64"):
-        launch.w4a8_linear_q(torch.zeros(1, 512, dtype=torch.int8), torch.ones(1, 1), w, sw, None, 40, 512, 32,
-                             torch.float32, config=launch.GemmConfig(16, 32, 64, xsplit=True))
-    assert not any(c.xsplit for m in (1, 130) for c in launch.candidates(m, 40, 512, 32))
 
 
 @pytest.mark.parametrize("m,g,cfg", _configs(), ids=_id)

@@ -22,7 +22,6 @@ from anychip.kernels.hooks import DeviceCounter
 DECODE_M = 16
 MID_M = 64
 MAX_SPLIT_K = 16
-XSPLIT_MIN_G = 64  # xsplit's dots are G/2 deep; the int8 MMA needs 32
 LOCKS = 1 << 16  # split-K semaphores a (device, stream): one per output tile
 
 
@@ -31,7 +30,6 @@ class GemmConfig:
     """One tiling of the GEMM.  block_k: input channels a main-loop step (a multiple of G; smaller means one
     group a step).  swap: compute W @ X^T so the weight tile is the MMA's M side (tokens on its narrow N side).
     split_k: programs along K; the last one to finish a tile sums the partials (no second kernel).
-    xsplit: dot the even and the odd channels of a group separately (no nibble interleave; used from G = 64).
     pipe: rescale a group's integer sums one step later, while the next group's dot runs (same bits)."""
 
     block_m: int
@@ -42,7 +40,6 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     group_m: int = 8
-    xsplit: bool = False
     pipe: bool = False
 
     def __post_init__(self) -> None:
@@ -55,18 +52,17 @@ class GemmConfig:
 
 
 # (block_m, block_n, block_k, swap, num_warps, num_stages, programs per multiprocessor that split-K aims for
-# [, flags: "x" xsplit, "p" pipe]); the first of each regime is its default. Decode aims at several programs per
+# [, "p": pipe]); the first of each regime is its default. Decode aims at several programs per
 # multiprocessor, each streaming a short stretch of K: a program's K loop is a chain of memory latencies, so short
 # chains and many of them in flight keep HBM busy.
 _DECODE = ((16, 32, 512, False, 4, 2, 8), (16, 32, 256, False, 4, 3, 8), (16, 64, 512, False, 4, 2, 4),
-           (16, 64, 256, True, 4, 3, 4), (16, 32, 512, False, 4, 2, 8, "x"), (16, 64, 512, False, 4, 2, 4, "x"),
-           (16, 64, 256, True, 4, 3, 4, "x"))
+           (16, 64, 256, True, 4, 3, 4))
 _MID = ((64, 64, 128, False, 4, 4, 2), (32, 64, 256, False, 4, 4, 2),  # 64x128 with 4 warps spilled on sm_90
         (64, 64, 128, False, 4, 4, 2, "p"))
 _PREFILL = ((128, 64, 128, False, 4, 4, 1), (128, 128, 128, False, 8, 3, 1), (128, 128, 128, True, 8, 3, 1),
             (64, 128, 128, False, 4, 4, 1), (128, 64, 256, False, 4, 3, 1), (128, 128, 256, True, 8, 3, 1),
             (128, 64, 128, False, 4, 4, 1, "p"), (128, 128, 128, False, 8, 3, 1, "p"),
-            (128, 128, 128, True, 8, 3, 1, "p"), (128, 128, 128, False, 8, 3, 1, "px"))
+            (128, 128, 128, True, 8, 3, 1, "p"))
 
 
 def regime(m: int) -> str:
@@ -94,12 +90,9 @@ def candidates(m: int, n: int, k: int, g: int, sms: int = 132) -> list[GemmConfi
     table = {"decode": _DECODE, "mid": _MID, "prefill": _PREFILL}[regime(m)]
     out = []
     for bm, bn, bk, swap, warps, stages, per_sm, *flags in table:
-        flags = flags[0] if flags else ""
-        if "x" in flags and g < XSPLIT_MIN_G:
-            continue
         bk = max(bk, g)
         out.append(GemmConfig(bm, bn, bk, swap, split_for(m, n, k, g, bm, bn, bk, per_sm, sms), warps, stages,
-                              xsplit="x" in flags, pipe="p" in flags))
+                              pipe="p" in flags))
     return out
 
 
@@ -200,14 +193,12 @@ def gemm_launch(cfg: GemmConfig, m, n, kk, g, xq, sx, weight, scales, bias, out,
                 stride_x: int, stride_out: int) -> tuple[tuple[int, int], tuple, dict]:
     """(grid, arguments, compile-time options) of one GEMM launch: the one place they are spelled, for the launch
     and for precompile.py (which passes dtypes where the launch passes tensors: Triton compiles the same kernel)."""
-    if cfg.xsplit and g < XSPLIT_MIN_G:
-        raise ValueError(f"{cfg}: xsplit needs a group size of at least {XSPLIT_MIN_G}, got {g}")
     split = split_of(cfg, m, n)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split)
     args = (xq, sx, weight, scales, bias, out, parts, locks, cell, slot, m, n, kk, stride_x, stride_out, m * n)
     options = dict(G=g, BM=cfg.block_m, BN=cfg.block_n, BK=max(cfg.block_k, g), SWAP=cfg.swap, SPLIT_K=split,
                    GROUP_M=cfg.group_m, HAS_BIAS=bias is not None, COUNT=cell is not None,
-                   XSPLIT=cfg.xsplit, PIPE=cfg.pipe, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                   PIPE=cfg.pipe, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return grid, args, options
 
 

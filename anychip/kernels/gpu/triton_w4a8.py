@@ -39,31 +39,17 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.
 
 
 @triton.jit
-def _group_dot16(x_ptrs, w_ptrs, x_mask, w_mask, BN: tl.constexpr, G: tl.constexpr, SWAP: tl.constexpr,
-                 XSPLIT: tl.constexpr = False):
-    """16 x one group's integer dot products: (BM, BN) int32, or (BN, BM) when SWAP (weights as the MMA's A).
-    XSPLIT: x_ptrs point at the group's even channels only (BM, G/2); the odd ones are the next byte. Two dots of
-    G/2 (even channels x low nibbles, odd x high) replace interleaving the nibbles back into channel order: the
-    same integer sum without the register shuffle. Needs G/2 >= 32 (the int8 MMA's K)."""
+def _group_dot16(x_ptrs, w_ptrs, x_mask, w_mask, BN: tl.constexpr, G: tl.constexpr, SWAP: tl.constexpr):
+    """16 x one group's integer dot products: (BM, BN) int32, or (BN, BM) when SWAP (weights as the MMA's A)."""
+    x = tl.load(x_ptrs, mask=x_mask, other=0)  # (BM, G) int8
     wp = tl.load(w_ptrs, mask=w_mask, other=0)  # (BN, G/2) int8, two nibbles a byte
     lo = wp << 4  # 16 * w[2b] (int8 arithmetic: the scalar does not widen the type)
     hi = wp & -16  # 16 * w[2b+1]
-    if XSPLIT:
-        xe = tl.load(x_ptrs, mask=x_mask, other=0)  # (BM, G/2): channels 2b
-        xo = tl.load(x_ptrs + 1, mask=x_mask, other=0)  # channels 2b + 1
-        if SWAP:
-            d = tl.dot(lo, tl.trans(xe), out_dtype=tl.int32)
-            d = tl.dot(hi, tl.trans(xo), d, out_dtype=tl.int32)
-        else:
-            d = tl.dot(xe, tl.trans(lo), out_dtype=tl.int32)
-            d = tl.dot(xo, tl.trans(hi), d, out_dtype=tl.int32)
+    w = tl.reshape(tl.join(lo, hi), (BN, G))  # (BN, G), k = 2b + {0, 1}
+    if SWAP:
+        d = tl.dot(w, tl.trans(x), out_dtype=tl.int32)
     else:
-        x = tl.load(x_ptrs, mask=x_mask, other=0)  # (BM, G) int8
-        w = tl.reshape(tl.join(lo, hi), (BN, G))  # (BN, G), k = 2b + {0, 1}
-        if SWAP:
-            d = tl.dot(w, tl.trans(x), out_dtype=tl.int32)
-        else:
-            d = tl.dot(x, tl.trans(w), out_dtype=tl.int32)
+        d = tl.dot(x, tl.trans(w), out_dtype=tl.int32)
     return d
 
 
@@ -73,11 +59,11 @@ def _w4a8_gemm_kernel(
     M, N, K, stride_xm, stride_om, stride_split,
     G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr,
     SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, COUNT: tl.constexpr,
-    XSPLIT: tl.constexpr = False, PIPE: tl.constexpr = False,
+    PIPE: tl.constexpr = False,
 ):
     """out (M, N) = the W4A8 linear.  SPLIT_K > 1: part (SPLIT_K, M, N) fp32 scratch, lock (>= tiles) int32 zeros.
     COUNT: count (slots, 2) int64 [calls, rows] of this layer, bumped at slot[0] by one program (hooks.py).
-    XSPLIT: see _group_dot16.  PIPE: rescale group g-1's integer sums while group g's dot runs (the dot's result
+    PIPE: rescale group g-1's integer sums while group g's dot runs (the dot's result
     is first read one step later, so the tensor cores need not wait for the rescale); the fp32 sum adds the
     same terms in the same order, so the result is the same bits."""
     pid = tl.program_id(0)
@@ -103,11 +89,7 @@ def _w4a8_gemm_kernel(
     per_split = tl.cdiv(groups, SPLIT_K)
     g_begin = pid_k * per_split
     g_end = tl.minimum(g_begin + per_split, groups)
-    if XSPLIT:
-        x_cols = tl.arange(0, G // 2) * 2  # the even channels; _group_dot16 reads the odd ones at +1
-    else:
-        x_cols = tl.arange(0, G)
-    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + x_cols[None, :]
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + tl.arange(0, G)[None, :]
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * (K // 2) + tl.arange(0, G // 2)[None, :]
     if SWAP:
         acc = tl.zeros((BN, BM), dtype=tl.float32)
@@ -123,7 +105,7 @@ def _w4a8_gemm_kernel(
             # comparison as int32 and then refuses it as a load mask; compiled code is the same uniform predicate
             live = tl.full((1,), g, tl.int32) < g_end
             d = _group_dot16(x_ptrs + g * G, w_ptrs + g * (G // 2), mask_m[:, None] & live[None, :],
-                             mask_n[:, None] & live[None, :], BN, G, SWAP, XSPLIT)
+                             mask_n[:, None] & live[None, :], BN, G, SWAP)
             s = tl.load(s_ptr + g * N + offs_n, mask=mask_n & live, other=0.0).to(tl.float32) * 0.0625
             if PIPE:
                 acc = _rescale_add(acc, d_prev, s_prev, SWAP)
