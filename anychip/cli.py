@@ -109,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", help="write JSON rows here (a Markdown table goes beside it)")
     b.add_argument("--quick", action="store_true", help="fewer shapes and iterations")
     b.add_argument("--decode-only", action="store_true", help="only every decode linear at M=1 (model shapes)")
+    b.add_argument("--model", metavar="DIR", help="a model directory (config.json): the decode rows and the decode "
+                   "step are its shapes (default: the default model's, plus the llama-1b/2b synthetic shapes)")
     b.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="cuda: the Triton route against cuBLAS BF16 and torch._int_mm on the first GPU")
     b.set_defaults(target="anychip.bench.kernels:cmd_bench_kernels")

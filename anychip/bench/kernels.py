@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from anychip import envs
+from anychip.errors import AnychipError
 from anychip.kernels import cpu_ext, routes
 from anychip.kernels.prepare import prepare_w4a8
 from anychip.kernels.routes.base import PreparedW4A8
@@ -217,44 +218,90 @@ def bench_decode_shape(model: str, layer: str, k: int, n: int, llc: int, budget_
     return row
 
 
-#: SmolLM2-135M's decode step as vLLM runs it: 30 layers of (K, N) merged linears, G=32 (the default checkpoint's),
-#: then the BF16 output head (49152 x 576, tied).
-STEP_LAYERS, STEP_GROUP, STEP_HEAD = 30, 32, (49152, 576)
-STEP_LINEARS = ((576, 960), (576, 576), (576, 3072), (1536, 576))  # qkv, o, gate_up, down
+@dataclass(frozen=True)
+class DecodeStep:
+    """One model's decode step as vLLM runs it: `layers` x the merged linears (label, K, N) at group size `group`,
+    then the BF16 output head (vocab, hidden)."""
+
+    name: str
+    layers: int
+    group: int
+    linears: tuple[tuple[str, int, int], ...]
+    head: tuple[int, int]
+
+    @classmethod
+    def of_config(cls, config: dict[str, object], name: str) -> DecodeStep:
+        """From a Llama config.json: the checkpoint's group size when it is quantized, else the largest supported
+        one that divides every K."""
+        from anychip.checkpoint.layout import LlamaDims
+        from anychip.formats import GROUP_SIZES
+
+        d = LlamaDims.from_config(config)  # type: ignore[arg-type]
+        q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
+        linears = (("qkv_proj", d.hidden, q + 2 * kv), ("o_proj", q, d.hidden),
+                   ("gate_up_proj", d.hidden, 2 * d.intermediate), ("down_proj", d.intermediate, d.hidden))
+        groups = (config.get("quantization_config") or {}).get("config_groups") or {}  # type: ignore[union-attr]
+        sizes = [int(g["weights"]["group_size"]) for g in groups.values() if g.get("weights", {}).get("group_size")]
+        fits = [g for g in GROUP_SIZES if all(k % g == 0 for _, k, _ in linears)]
+        group = sizes[0] if sizes else max(fits or [min(GROUP_SIZES)])
+        return cls(name, d.layers, group, linears, (d.vocab, d.hidden))
+
+    @classmethod
+    def of_model(cls, model: Path) -> DecodeStep:
+        path = Path(model) / "config.json"
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise AnychipError(f"--model {model}: cannot read {path}: {exc}") from exc
+        return cls.of_config(config, Path(model).name)
+
+    def decode_shapes(self) -> tuple[tuple[str, str, int, int], ...]:
+        """Its linears as DECODE_SHAPES rows."""
+        return tuple((self.name, label, k, n) for label, k, n in self.linears)
 
 
-def bench_decode_step(reps: int, clock: Callable[[], float] = time.perf_counter) -> dict[str, object]:
-    """The kernels of one SmolLM2-135M decode step in the model's order, outside vLLM: 120 W4A8 linears at M=1 with
-    distinct weights (66 MB, twice this machine's LLC, so each streams from DRAM as in a real step), then the head
-    through its route. Per step: the fastest and the median of `reps` steps, for the linears and the head."""
+#: The default model's (SmolLM2-135M, G=32 as its checkpoint) step, when no --model is given.
+DEFAULT_STEP = DecodeStep("smollm2-135m", 30, 32, (("qkv_proj", 576, 960), ("o_proj", 576, 576),
+                                                   ("gate_up_proj", 576, 3072), ("down_proj", 1536, 576)),
+                          (49152, 576))
+
+
+def bench_decode_step(reps: int, clock: Callable[[], float] = time.perf_counter,
+                      step: DecodeStep = DEFAULT_STEP) -> dict[str, object]:
+    """The kernels of one decode step in the model's order, outside vLLM: every W4A8 linear at M=1 with distinct
+    weights (for the default model 66 MB, twice this machine's LLC, so each streams from DRAM as in a real step),
+    then the head through its route. Per step: the fastest and the median of `reps` steps, for the linears and
+    the head."""
     from anychip.kernels.routes.head import select_head
 
     policy = envs.kernel_policy()
     gen = torch.Generator().manual_seed(0)
+    g = step.group
     layers = [prepare_w4a8(torch.randint(-8, 8, (n, k), dtype=torch.int8, generator=gen),
-                           torch.rand(n, k // STEP_GROUP, generator=gen) * 0.02 + 1e-3, STEP_GROUP, packed=False,
-                           policy=policy)
-              for _ in range(STEP_LAYERS) for k, n in STEP_LINEARS]
-    head = select_head(policy).prepare((torch.randn(*STEP_HEAD, generator=gen) * 0.05).bfloat16(), policy)
-    xs = {k: torch.randn(1, k, generator=gen).bfloat16() for k in {k for k, _ in STEP_LINEARS}}
+                           torch.rand(n, k // g, generator=gen) * 0.02 + 1e-3, g, packed=False, policy=policy)
+              for _ in range(step.layers) for _, k, n in step.linears]
+    head = select_head(policy).prepare((torch.randn(*step.head, generator=gen) * 0.05).bfloat16(), policy)
+    xs = {k: torch.randn(1, k, generator=gen).bfloat16() for k in {k for _, k, _ in step.linears} | {step.head[1]}}
     lin_s, head_s = [], []
     for rep in range(reps + 2):  # two warm-up steps
         t0 = clock()
         for p in layers:
             _call(xs[p.k], p)
         t1 = clock()
-        head.logits(xs[STEP_HEAD[1]])
+        head.logits(xs[step.head[1]])
         if rep >= 2:
             lin_s.append(t1 - t0), head_s.append(clock() - t1)
     lin_bytes = sum(p.weight.numel() + p.scales.numel() * 4 for p in layers)
-    head_bytes = STEP_HEAD[0] * STEP_HEAD[1] * 2
+    head_bytes = step.head[0] * step.head[1] * 2
 
     def stats(times: list[float], nbytes: int) -> dict[str, float]:
         return {"min_ms": round(min(times) * 1e3, 3), "median_ms": round(sorted(times)[len(times) // 2] * 1e3, 3),
                 "gbs_at_min": round(nbytes / min(times) / 1e9, 2)}
 
-    return {"linears": {"calls": len(layers), "bytes": lin_bytes, **stats(lin_s, lin_bytes)},
-            "head": {"route": head.route.id, "bytes": head_bytes, **stats(head_s, head_bytes)}, "reps": reps}
+    return {"model": step.name, "group_size": g, "layers": step.layers,
+            "linears": {"calls": len(layers), "bytes": lin_bytes, **stats(lin_s, lin_bytes)},
+            "head": {"route": head.route.id, "shape": list(step.head), "bytes": head_bytes,
+                     **stats(head_s, head_bytes)}, "reps": reps}
 
 
 def check_targets(rows: list[dict[str, object]], read_gbs: float, t: Targets,
@@ -320,7 +367,8 @@ def markdown_run(run: dict[str, object]) -> list[str]:
                 f"| {_fmt(r, 'bf16_ms')} | {_fmt(r, 'vs_w4a16', '')} | {_fmt(r, 'vs_bf16', '')} | {r['weight_gbs']} "
                 f"| {float(r['bandwidth_frac']):.0%} |")
     if step := run.get("decode_step"):
-        lines += ["", f"A SmolLM2-135M decode step's kernels in the model's order (G={STEP_GROUP}, distinct weights, "
+        lines += ["", f"A {step.get('model', DEFAULT_STEP.name)} decode step's kernels in the model's order "
+                  f"(G={step.get('group_size', DEFAULT_STEP.group)}, distinct weights, "
                   f"{step['reps']} steps; the op called as vLLM's graph calls it, no vLLM around it):", "",
                   "| part | MB read | fastest ms | median ms | GB/s at fastest | of read bandwidth |",
                   "|---|--:|--:|--:|--:|--:|"]
@@ -371,9 +419,10 @@ def _progress(title: str, row: dict[str, object]) -> None:
 
 def bench_run(
     title: str, threads: int, clock: Callable[[], float], quick: bool, dyn_iters: int, llc: int,
-    decode_only: bool = False,
+    decode_only: bool = False, step: DecodeStep | None = None,
 ) -> dict[str, object]:
-    """The SHAPES x TOKENS grid (unless decode_only), then every DECODE_SHAPES linear at M=1."""
+    """The SHAPES x TOKENS grid (unless decode_only), then every decode linear at M=1 (DECODE_SHAPES, or the
+    given model's step), then (decode_only) the whole step's kernels."""
     shapes = SHAPES[:2] + SHAPES[3:4] if quick else SHAPES
     budget_s = 0.3 if quick else 1.0
     with _threads(threads):
@@ -384,10 +433,10 @@ def bench_run(
             rows.append(bench_shape(m, k, n, llc, budget_s, dyn_iters, clock=clock))
             _progress(title, rows[-1])
         decode = []
-        for model, layer, k, n in DECODE_SHAPES:
+        for model, layer, k, n in step.decode_shapes() if step is not None else DECODE_SHAPES:
             decode.append(bench_decode_shape(model, layer, k, n, llc, budget_s, float(bandwidth["read_gbs"]), clock))
             _progress(title, decode[-1])
-        step = bench_decode_step(20 if quick else 60, clock) if decode_only else None
+        timed = bench_decode_step(20 if quick else 60, clock, step or DEFAULT_STEP) if decode_only else None
         # other work on a shared machine takes bandwidth at times: the best of the probes before and after is the
         # bandwidth every fraction is taken of (the stricter choice)
         after = read_bandwidth_gbs(size=(256 << 20) if quick else (1 << 30), clock=clock)
@@ -399,8 +448,8 @@ def bench_run(
         "title": title, "threads": threads, "clock": clock.__name__, "load_before": load_before,
         "load_after": _load(), "bandwidth": bandwidth, "rows": rows, "decode_rows": decode,
     }
-    if step is not None:
-        run["decode_step"] = step
+    if timed is not None:
+        run["decode_step"] = timed
     run["targets"] = check_targets(rows, float(bandwidth["read_gbs"]), Targets(), decode)
     return run
 
@@ -415,15 +464,17 @@ def cmd_bench_kernels(args: argparse.Namespace) -> int:
 
         argv = ["--json", args.json, "--md", str(Path(args.json).with_suffix(".md"))] if args.json else []
         return kernels_gpu.main(argv + (["--tokens", "1", "16", "4096"] if quick else []))
+    step = DecodeStep.of_model(Path(args.model)) if getattr(args, "model", None) else None
     llc = llc_bytes()
     threads = torch.get_num_threads()
     runs = [
         bench_run(f"{threads} threads, wall clock", threads, time.perf_counter, quick, 1 if quick else 3, llc,
-                  decode_only),
-        bench_run("1 thread, thread CPU time", 1, time.thread_time, quick, 1, llc, decode_only),
+                  decode_only, step),
+        bench_run("1 thread, thread CPU time", 1, time.thread_time, quick, 1, llc, decode_only, step),
     ]
     report: dict[str, object] = {
         "command": ("anychip bench kernels" + (" --quick" if quick else "") + (" --decode-only" if decode_only else "")
+                    + (f" --model {args.model}" if getattr(args, "model", None) else "")
                     + (f" --json {args.json}" if args.json else "")),
         "cpu": _cpu_name(),
         "cores": os.cpu_count(),
@@ -464,4 +515,5 @@ if __name__ == "__main__":
     parser.add_argument("--json")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--decode-only", action="store_true", help="only the M=1 decode shapes (DECODE_SHAPES)")
+    parser.add_argument("--model", help="a model directory: its decode step's shapes instead of the default's")
     sys.exit(cmd_bench_kernels(parser.parse_args()))
