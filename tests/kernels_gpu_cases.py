@@ -36,3 +36,11 @@ def assert_close(y: torch.Tensor, ref: torch.Tensor) -> None:
     bound = rtol * ref.abs() + 1e-5 * ref.abs().max()
     worst = ((y - ref).abs() - bound).max().item()
     assert worst <= 0, f"max excess error {worst:.3g} over the bound (rtol {rtol})"
+
+
+def config_id(v: object) -> str:
+    """A test id for a launch.GemmConfig parameter (tiles, s: swap, p: pipe, k: split-K, w: warps); str otherwise."""
+    if hasattr(v, "block_m"):
+        flags = ("s" if v.swap else "") + ("p" if v.pipe else "")
+        return f"{v.block_m}x{v.block_n}x{v.block_k}{flags}k{v.split_k}w{v.num_warps}"
+    return str(v)

@@ -21,7 +21,7 @@ from anychip.kernels.gpu import launch, unavailable_reason  # noqa: E402
 from anychip.kernels.prepare import prepare_w4a8, w4a8_linear  # noqa: E402
 from anychip.kernels.reference import group_dot_ref, quantize_activations_ref, w4a8_linear_ref  # noqa: E402
 from anychip.kernels.routes import NoKernelRoute  # noqa: E402
-from kernels_gpu_cases import activations, assert_close, weights  # noqa: E402
+from kernels_gpu_cases import activations, assert_close, config_id, weights  # noqa: E402
 
 DEV = torch.device("cuda")
 if reason := unavailable_reason(DEV):
@@ -99,14 +99,7 @@ def _all_configs() -> list[tuple[int, int, launch.GemmConfig]]:
     return out
 
 
-def _config_id(v: object) -> str:
-    if isinstance(v, launch.GemmConfig):
-        flags = ("s" if v.swap else "") + ("p" if v.pipe else "")
-        return f"{v.block_m}x{v.block_n}x{v.block_k}{flags}k{v.split_k}w{v.num_warps}"
-    return str(v)
-
-
-@pytest.mark.parametrize("m,g,cfg", _all_configs(), ids=_config_id)
+@pytest.mark.parametrize("m,g,cfg", _all_configs(), ids=config_id)
 def test_linear_q_pow2_scales_exact(m: int, g: int, cfg: launch.GemmConfig) -> None:
     n, k = 100, 2048
     q, s = weights(n, k, g, seed=m, pow2=True)

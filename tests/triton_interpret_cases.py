@@ -17,7 +17,7 @@ from anychip.kernels import hooks  # noqa: E402
 from anychip.kernels.gpu import launch, triton_w4a8  # noqa: E402
 from anychip.kernels.gpu.layout import pack_nibbles  # noqa: E402
 from anychip.kernels.reference import group_dot_ref, quantize_activations_ref, w4a8_linear_ref  # noqa: E402
-from kernels_gpu_cases import activations, assert_close, weights  # noqa: E402
+from kernels_gpu_cases import activations, assert_close, config_id, weights  # noqa: E402
 
 
 def _layout(q: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,14 +72,7 @@ def _configs() -> list[tuple[int, int, launch.GemmConfig]]:
     return cases
 
 
-def _id(v: object) -> str:
-    if isinstance(v, launch.GemmConfig):
-        flags = ("s" if v.swap else "") + ("p" if v.pipe else "")
-        return f"{v.block_m}x{v.block_n}x{v.block_k}{flags}k{v.split_k}"
-    return str(v)
-
-
-@pytest.mark.parametrize("m,g,cfg", _configs(), ids=_id)
+@pytest.mark.parametrize("m,g,cfg", _configs(), ids=config_id)
 def test_linear_q_pow2_scales_exact(m: int, g: int, cfg: launch.GemmConfig) -> None:
     n, k = 40, 512
     q, s = weights(n, k, g, seed=m, pow2=True)

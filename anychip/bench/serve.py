@@ -16,8 +16,8 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
