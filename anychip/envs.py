@@ -16,6 +16,11 @@ from anychip.kernels.policy import KernelPolicy
 #: What anychip sets for the vLLM engines it starts (bench, eval, tests; a user's own value wins): the engine core
 #: in-process, so a decode step pays no inter-process round trip (twice the decode speed on a 2-core CPU).
 VLLM_STARTUP: dict[str, str] = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+#: vLLM's compilation config for the CPU engines anychip starts (serve, bench; a user's own flag wins): one Inductor
+#: graph for the whole forward instead of one piece between every two attention calls. Splitting only serves
+#: piecewise CUDA graphs, which a CPU has none of; each piece costs a Python call through vLLM's piecewise backend
+#: and Inductor's wrapper, about a quarter of a SmolLM2-135M decode step on 2 cores (docs/kernels-cpu.md).
+VLLM_CPU_COMPILATION: dict[str, list] = {"splitting_ops": []}
 
 #: Where prepared models are cached (the directory that holds `smollm2-135m-instruct/...`).
 ANYCHIP_CACHE = "ANYCHIP_CACHE"

@@ -11,7 +11,7 @@ import platform
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from anychip.envs import VLLM_STARTUP
+from anychip.envs import VLLM_CPU_COMPILATION, VLLM_STARTUP
 from anychip.errors import AnychipError
 
 # Features that matter to our kernels, by architecture (names as /proc/cpuinfo spells them).
@@ -247,8 +247,19 @@ def rank_cpus(cpus: list[int], tensor_parallel: int) -> list[list[int]]:
     return [cpus[r * per:(r + 1) * per] for r in range(tensor_parallel)]
 
 
-def build_profile(cpu: CpuInfo | None = None, tensor_parallel: int = 1) -> Profile:
+def serving_device() -> str:
+    """"cuda" where torch sees an NVIDIA GPU (vLLM's CUDA build then serves on it), else "cpu"."""
+    try:
+        import torch
+    except ImportError:
+        return "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def build_profile(cpu: CpuInfo | None = None, tensor_parallel: int = 1, device: str | None = None) -> Profile:
+    """The settings for serving on this machine; device "cpu" or "cuda" (default: serving_device())."""
     cpu = cpu or detect_cpu()
+    device = device or serving_device()
     ranks = rank_cpus(list(cpu.serving_cpus), tensor_parallel)
     n = len(ranks[0])
     kv_gib = max(1, min(16, int(cpu.memory_gib * 0.25)))
@@ -277,6 +288,10 @@ def build_profile(cpu: CpuInfo | None = None, tensor_parallel: int = 1) -> Profi
                 if "avx512_bf16" in cpu.features or "bf16" in cpu.features else
                 "BF16 storage halves activation traffic even without native BF16 arithmetic"),
     ]
+    if device == "cpu":
+        settings.append(Setting("--compilation-config", json.dumps(VLLM_CPU_COMPILATION),
+                                "one compiled graph for the whole forward: the pieces between attention calls only "
+                                "serve CUDA graphs, and each costs a Python call per step"))
     return Profile(cpu=cpu, settings=settings)
 
 

@@ -78,3 +78,18 @@ def test_offline_cpus_and_smt_siblings_are_left_out(tmp_path: Path) -> None:
 def test_this_machine_still_profiles() -> None:
     cpu = detect_cpu()
     assert cpu.serving_cpus and cpu.logical_cpus >= len(cpu.serving_cpus) and cpu.arch
+
+
+def test_one_compiled_graph_on_the_cpu_and_pieces_on_a_gpu() -> None:
+    """CPU engines compile the whole forward as one graph (no CUDA graphs to split it for); a GPU keeps vLLM's
+    piecewise default, which its CUDA graphs need. The user's own --compilation-config wins (serve_command)."""
+    import json
+
+    from anychip.serve import server_command
+
+    cpu = detect_cpu(TREES / "graviton3")
+    flags = build_profile(cpu, device="cpu").flags()
+    assert json.loads(flags[flags.index("--compilation-config") + 1]) == {"splitting_ops": []}
+    assert "--compilation-config" not in build_profile(cpu, device="cuda").flags()
+    cmd, _ = server_command(Path("/m"), "127.0.0.1", 8000, ["--compilation-config", '{"mode": 0}'])
+    assert cmd.count("--compilation-config") == 1 and cmd[cmd.index("--compilation-config") + 1] == '{"mode": 0}'

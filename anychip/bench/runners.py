@@ -109,6 +109,8 @@ class VllmTimed:
             kv_cache_memory_bytes=kv_bytes,
             seed=spec.seed,
         )
+        if spec.device == "cpu" and not spec.eager:  # every vLLM system on the CPU: the same engine settings
+            self._kwargs["compilation_config"] = dict(envs.VLLM_CPU_COMPILATION)
         self.llm = offline.make_llm(**self._kwargs)
 
     def _run(self, prompts: list[list[int]], max_tokens: int) -> float:
@@ -144,6 +146,7 @@ class VllmTimed:
             "max_num_batched_tokens": self._kwargs["max_num_batched_tokens"],
             "kv_cache_bytes": self._kwargs["kv_cache_memory_bytes"],
             "prefix_caching": False,
+            "compilation_config": self._kwargs.get("compilation_config"),
             "versions": {"vllm": self._offline.version(), "torch": torch.__version__},
         }
 
