@@ -237,9 +237,7 @@ class DecodeStep:
         from anychip.formats import GROUP_SIZES
 
         d = LlamaDims.from_config(config)  # type: ignore[arg-type]
-        q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
-        linears = (("qkv_proj", d.hidden, q + 2 * kv), ("o_proj", q, d.hidden),
-                   ("gate_up_proj", d.hidden, 2 * d.intermediate), ("down_proj", d.intermediate, d.hidden))
+        linears = tuple((label, k, n) for label, (n, k) in d.merged_linear_shapes().items())
         groups = (config.get("quantization_config") or {}).get("config_groups") or {}  # type: ignore[union-attr]
         sizes = [int(g["weights"]["group_size"]) for g in groups.values() if g.get("weights", {}).get("group_size")]
         fits = [g for g in GROUP_SIZES if all(k % g == 0 for _, k, _ in linears)]

@@ -110,7 +110,7 @@ class VllmTimed:
             seed=spec.seed,
         )
         if spec.device == "cpu" and not spec.eager:  # every vLLM system on the CPU: the same engine settings
-            self._kwargs["compilation_config"] = dict(envs.VLLM_CPU_COMPILATION)
+            self._kwargs["compilation_config"] = {k: list(v) for k, v in envs.VLLM_CPU_COMPILATION.items()}
         self.llm = offline.make_llm(**self._kwargs)
 
     def _run(self, prompts: list[list[int]], max_tokens: int) -> float:

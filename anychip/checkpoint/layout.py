@@ -80,6 +80,12 @@ class LlamaDims:
             "mlp.down_proj": (self.hidden, self.intermediate),
         }
 
+    def merged_linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(N, K) of each decoder linear as vLLM runs it, q/k/v and gate/up merged."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return {"qkv_proj": (q + 2 * kv, self.hidden), "o_proj": (self.hidden, q),
+                "gate_up_proj": (2 * self.intermediate, self.hidden), "down_proj": (self.hidden, self.intermediate)}
+
 
 def parse_linear_weight(name: str) -> tuple[int, str] | None:
     """(layer index, linear) for a decoder linear's BF16 weight name, else None."""
