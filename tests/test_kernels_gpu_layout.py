@@ -104,8 +104,9 @@ def test_precompile_token_counts_fall_in_their_buckets(monkeypatch) -> None:
     for bucket, _ in tuning.BUCKETS:
         ms = precompile.token_counts(bucket)
         assert all(launch._key(m, 64, 256, 32, cpu)[0] == bucket for m in ms), (bucket, ms)
-        assert any(m % 16 == 0 for m in ms) and any(m % 16 and m != 1 for m in ms)
-    assert 1 in precompile.token_counts("decode")
+        if bucket != "gemv":
+            assert any(m % 16 == 0 for m in ms) and any(m % 16 and m != 1 for m in ms)
+    assert precompile.token_counts("gemv") == (1,)  # the GEMV takes no token count
     assert precompile.submit(64, 256, 32, cpu, ["decode"], torch.float32, 4) == 0  # not a GPU: nothing to compile
     from anychip import envs
 

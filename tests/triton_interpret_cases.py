@@ -86,6 +86,46 @@ def test_linear_q_pow2_scales_exact(m: int, g: int, cfg: launch.GemmConfig) -> N
     assert not launch._locks(xq.device).any()  # split-K re-arms every semaphore it took
 
 
+@pytest.mark.parametrize("n,k,g", [(40, 512, 128), (33, 640, 128), (300, 576, 64)])  # a partial K step; N tails
+def test_gemv_fused_quantization_and_every_config(n: int, k: int, g: int) -> None:
+    """Batch one: quantize_words packs exactly quantize_act's INT8 values and scale; every GEMV candidate is
+    bit-exact with power-of-two scales (pre-quantized, with bias), and within tolerance on bf16 activations."""
+    q, s = weights(n, k, g, seed=n, pow2=True)
+    w, sw = _layout(q, s)
+    x = activations(1, k, torch.bfloat16, seed=k)
+    rq, rs = quantize_activations_ref(x)
+    xw, sxw = launch.quantize_words(x)
+    assert torch.equal(xw, launch.words_of(rq)) and torch.equal(sxw, rs.reshape(-1))
+    xq = torch.randint(-127, 128, (1, k), dtype=torch.int8, generator=torch.Generator().manual_seed(n))
+    sx = torch.full((1, 1), 2.0**-7)
+    bias = torch.randn(n)
+    exact = w4a8_linear_ref(xq, sx, q, s, bias, out_dtype=torch.float32)
+    configs = [c for c in launch.candidates(1, n, k, g) if isinstance(c, launch.GemvConfig)]
+    assert configs and configs[0] == launch.serving_config(1, n, k, g, xq.device)  # the GEMV is M = 1's default
+    for cfg in configs:
+        assert torch.equal(launch.w4a8_linear_q(xq, sx, w, sw, bias, n, k, g, torch.float32, config=cfg), exact)
+        y = launch.w4a8_linear(x, w, sw, bias.bfloat16(), n, k, g, config=cfg)
+        assert y.dtype == torch.bfloat16
+        assert_close(y, w4a8_linear_ref(rq, rs, q, s, bias.bfloat16(), out_dtype=torch.float64))
+    assert not launch._locks(xq.device).any()
+
+
+def test_gemv_counts_once_a_launch_and_refuses_more_rows() -> None:
+    n, k, g = 40, 512, 64
+    q, s = weights(n, k, g, seed=6)
+    w, sw = _layout(q, s)
+    counter = hooks.DeviceCounter(torch.zeros((len(hooks.SLOTS), 2), dtype=torch.int64),
+                                  torch.tensor([hooks.SLOTS.index("decode")], dtype=torch.int32))
+    cfg = launch.GemvConfig(16, 64, split_k=4)
+    for _ in range(3):
+        launch.w4a8_linear(torch.randn(1, k), w, sw, None, n, k, g, config=cfg, counter=counter)
+    assert counter.cell.tolist() == [[0, 0], [0, 0], [3, 3]]  # split-K's programs count once
+    with pytest.raises(ValueError, match="one token"):
+        launch.w4a8_linear(torch.randn(2, k), w, sw, None, n, k, g, config=cfg)
+    assert launch.gemv_fits(100, 4) and launch.gemv_fits(576, 576) and launch.gemv_fits(576, 32) is None
+    assert all(not isinstance(c, launch.GemvConfig) for c in launch.candidates(1, n, 96 * 6, 96))
+
+
 def test_linear_bf16_within_tolerance() -> None:
     m, n, k, g = 5, 48, 384, 64
     q, s = weights(n, k, g, seed=3)

@@ -69,11 +69,18 @@ def bench_shape(m: int, k: int, n: int, g: int) -> dict[str, object]:
     ops = torch.ops.anychip
     row["w4a8_ms"] = graph_ms([lambda p=p: ops.w4a8_linear(x, p.weight, p.scales, None, n, k, g, p.route.id, None)
                                for p in preps])
-    xq, sx = ops.quantize_act(x)
-    row["w4a8_gemm_ms"] = graph_ms([lambda p=p: ops.w4a8_linear_q(xq, sx, p.weight, p.scales, None, n, k, g,
-                                                                  p.route.id, None, torch.bfloat16) for p in preps])
     from anychip.kernels.gpu import launch
 
+    xq, sx = ops.quantize_act(x)
+    cfg = launch.serving_config(m, n, k, g, x.device)
+    if isinstance(cfg, launch.GemvConfig):  # the GEMV alone, on activations already packed into its words
+        xw, out = launch.words_of(xq), torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+        row["w4a8_gemm_ms"] = graph_ms([lambda p=p: launch.launch_gemv(cfg, xw, sx, p.weight, p.scales, None, n, k,
+                                                                        g, out) for p in preps])
+    else:
+        row["w4a8_gemm_ms"] = graph_ms([lambda p=p: ops.w4a8_linear_q(xq, sx, p.weight, p.scales, None, n, k, g,
+                                                                      p.route.id, None, torch.bfloat16)
+                                        for p in preps])
     row["w4a8_config"] = str(launch.config_for(m, n, k, g, x.device))
     del preps, prepared
 

@@ -1,8 +1,10 @@
 """Launchers for the Triton W4A8 kernels: tile configs and split-K.
 
-Three regimes by tokens M: decode (M <= 16: memory-bound, a GEMV in disguise; 16-row tiles and split-K to put
-several programs on every multiprocessor), mid (M <= 64) and prefill (compute-bound; 64-128 row tiles on Hopper's
-wgmma). Each regime has a few candidate configs, the first being the default. Which one serves a shape (regime,
+Four regimes by tokens M: gemv (M = 1: a GEMV on the CUDA cores, dp4a on the weight words, the activation
+quantization fused into it; the tensor-core decode tiles compete with it in tuning), decode (M <= 16: memory-bound;
+16-row tiles and split-K to put several programs on every multiprocessor), mid (M <= 64) and prefill
+(compute-bound; 64-128 row tiles on Hopper's wgmma). Each regime has a few candidate configs, the first being the
+default. Which one serves a shape (regime,
 or M's octave for prefill; N, K, G) is decided at load by tuning.py (a shipped table, a disk cache, or timing the
 candidates once) and remembered here for the process (`remember`, `tuned()`, `clear_tuning()`); a call never
 times anything: a shape nobody tuned runs its regime's default config.
@@ -51,6 +53,39 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.split_k={self.split_k}: 1..{MAX_SPLIT_K}")
 
 
+@dataclass(frozen=True)
+class GemvConfig:
+    """One tiling of the batch-one GEMV (_w4a8_gemv_kernel): block_n output channels a program, block_k input
+    channels a main-loop step (a multiple of G), split_k programs along K (summed by the last, as GemmConfig's)."""
+
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 8 or value & (value - 1):
+                raise ValueError(f"GemvConfig.{name}={value}: a power of two >= 8")
+        if not 1 <= self.split_k <= MAX_SPLIT_K:
+            raise ValueError(f"GemvConfig.split_k={self.split_k}: 1..{MAX_SPLIT_K}")
+
+
+Config = GemmConfig | GemvConfig
+
+
+def gemv_fits(kk: int, g: int) -> str | None:
+    """None when the GEMV can run this K and G (whole int32 weight words, power-of-two groups), else why not."""
+    if kk % 8 or g % 8 or g & (g - 1):
+        return f"K={kk}, G={g}: the GEMV reads whole int32 words of eight weights and power-of-two groups"
+    return None
+
+
+# (block_n, block_k, num_warps, programs per multiprocessor that split-K aims for); the first is the default.
+# Short programs, many in flight: a program's loads are its K steps' words, so split-K keeps HBM busy.
+_GEMV = ((64, 512, 4, 4), (128, 256, 4, 4), (32, 512, 2, 8), (64, 256, 4, 8), (128, 512, 8, 2), (256, 256, 8, 2))
+
 # (block_m, block_n, block_k, swap, num_warps, num_stages, programs per multiprocessor that split-K aims for
 # [, "p": pipe]); the first of each regime is its default. Decode aims at several programs per
 # multiprocessor, each streaming a short stretch of K: a program's K loop is a chain of memory latencies, so short
@@ -66,7 +101,7 @@ _PREFILL = ((128, 64, 128, False, 4, 4, 1), (128, 128, 128, False, 8, 3, 1), (12
 
 
 def regime(m: int) -> str:
-    return "decode" if m <= DECODE_M else "mid" if m <= MID_M else "prefill"
+    return "gemv" if m == 1 else "decode" if m <= DECODE_M else "mid" if m <= MID_M else "prefill"
 
 
 @functools.cache
@@ -86,9 +121,15 @@ def split_for(m: int, n: int, k: int, g: int, block_m: int, block_n: int, block_
     return max(1, min(triton.cdiv(per_sm * sms, tiles), steps, MAX_SPLIT_K))
 
 
-def candidates(m: int, n: int, k: int, g: int, sms: int = 132) -> list[GemmConfig]:
-    table = {"decode": _DECODE, "mid": _MID, "prefill": _PREFILL}[regime(m)]
-    out = []
+def candidates(m: int, n: int, k: int, g: int, sms: int = 132) -> list[Config]:
+    """The configs tuning times for M's regime (the first is the default): at M = 1 the GEMV's where the shape
+    fits it, then the tensor-core decode tiles."""
+    out: list[Config] = []
+    if regime(m) == "gemv" and gemv_fits(k, g) is None:
+        for bn, bk, warps, per_sm in _GEMV:
+            bk = max(bk, g)
+            out.append(GemvConfig(bn, bk, split_for(1, n, k, g, 16, bn, bk, per_sm, sms), warps))
+    table = {"gemv": _DECODE, "decode": _DECODE, "mid": _MID, "prefill": _PREFILL}[regime(m)]
     for bm, bn, bk, swap, warps, stages, per_sm, *flags in table:
         bk = max(bk, g)
         out.append(GemmConfig(bm, bn, bk, swap, split_for(m, n, k, g, bm, bn, bk, per_sm, sms), warps, stages,
@@ -96,10 +137,10 @@ def candidates(m: int, n: int, k: int, g: int, sms: int = 132) -> list[GemmConfi
     return out
 
 
-_TUNED: dict[tuple, GemmConfig] = {}  # process lifetime, like Triton's own autotune cache
+_TUNED: dict[tuple, Config] = {}  # process lifetime, like Triton's own autotune cache
 
 
-def tuned() -> dict[tuple, GemmConfig]:
+def tuned() -> dict[tuple, Config]:
     return dict(_TUNED)
 
 
@@ -125,9 +166,55 @@ def quantize_options(kk: int) -> dict[str, int]:
     return {"BLOCK": block, "num_warps": 4 if block <= 1024 else 8}
 
 
+def w4a8_linear(
+    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, n: int, kk: int,
+    group_size: int, config: Config | None = None, counter: DeviceCounter | None = None,
+) -> torch.Tensor:
+    """x (M, K) bf16/fp16/fp32 -> (M, N) in x's dtype: the activations quantized (quantize_act, or for the GEMV
+    quantize_words), then the GEMM or GEMV. config: the serving config of M's bucket unless given."""
+    m = x.shape[0]
+    if config is None:
+        config = serving_config(m, n, kk, group_size, x.device)
+    if isinstance(config, GemvConfig):
+        _check_gemv(config, m, kk, group_size)
+        _check(x, weight, scales, n, kk, group_size, activations=False)
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        if n:
+            xw, sx = quantize_words(x)
+            launch_gemv(config, xw, sx, weight, scales, bias, n, kk, group_size, out, counter)
+        return out
+    xq, sx = quantize_act(x)
+    return w4a8_linear_q(xq, sx, weight, scales, bias, n, kk, group_size, x.dtype, config, counter)
+
+
+def quantize_words(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) floats -> xw (M, 2, K/8) int32 (the GEMV's activation words), sx (M,) fp32: the same scale and INT8
+    values as quantize_act, packed (K a multiple of 8)."""
+    m, kk = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    xw = torch.empty((m, 2, kk // 8), dtype=torch.int32, device=x.device)
+    sx = torch.empty((m,), dtype=torch.float32, device=x.device)
+    if m:
+        k._quantize_words_kernel[(m,)](x, xw, sx, kk, kk // 8, x.stride(0), **quantize_words_options(kk))
+    return xw, sx
+
+
+def quantize_words_options(kk: int) -> dict[str, int]:
+    """_quantize_words_kernel's compile-time options for rows of K (precompile.py compiles the same)."""
+    return {**quantize_options(kk), "WBLOCK": min(triton.next_power_of_2(max(kk // 8, 1)), 512)}
+
+
+def words_of(xq: torch.Tensor) -> torch.Tensor:
+    """(M, K) int8 -> (M, 2, K/8) int32 in quantize_words' order: byte b of word j holds k = 8j + 2b (+ 1 for the
+    odd words), little-endian as the GPU reads them."""
+    m, kk = xq.shape
+    return torch.stack((xq[:, 0::2].contiguous().view(torch.int32), xq[:, 1::2].contiguous().view(torch.int32)), 1)
+
+
 def w4a8_linear_q(
     xq: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-    n: int, kk: int, group_size: int, out_dtype: torch.dtype, config: GemmConfig | None = None,
+    n: int, kk: int, group_size: int, out_dtype: torch.dtype, config: Config | None = None,
     counter: DeviceCounter | None = None,
 ) -> torch.Tensor:
     """xq (M, K) int8, sx (M, 1) fp32, weight (N, K/2) int8, scales (K/G, N) -> (M, N) out_dtype.
@@ -141,8 +228,57 @@ def w4a8_linear_q(
         return out
     if config is None:
         config = serving_config(m, n, kk, group_size, xq.device)
-    launch_config(config, xq, sx, weight, scales, bias, n, kk, group_size, out, counter)
+    if isinstance(config, GemvConfig):
+        _check_gemv(config, m, kk, group_size)
+        launch_gemv(config, words_of(xq), sx, weight, scales, bias, n, kk, group_size, out, counter)
+    else:
+        launch_config(config, xq, sx, weight, scales, bias, n, kk, group_size, out, counter)
     return out
+
+
+def _check_gemv(config: GemvConfig, m: int, kk: int, g: int) -> None:
+    if m != 1:
+        raise ValueError(f"{config} serves one token, got M={m}")
+    if why := gemv_fits(kk, g):
+        raise ValueError(f"{config}: {why}")
+    if config.block_k % g:
+        raise ValueError(f"{config}: block_k is not a multiple of G={g}")
+
+
+def launch_gemv(cfg: GemvConfig, xw, sx, weight, scales, bias, n, kk, g, out,
+                counter: DeviceCounter | None = None):
+    """Runs the GEMV with `cfg` into `out` (1, N): xw (1, 2, K/8) the token's activation words, sx its scale."""
+    parts = locks = None
+    split = gemv_split(cfg, n)
+    if split > 1:
+        parts = torch.empty((split, n), dtype=torch.float32, device=xw.device)
+        locks = _locks(xw.device)
+    cell, slot = (counter.cell, counter.slot) if counter is not None else (None, None)
+    grid, args, options = gemv_launch(cfg, n, kk, g, xw, sx.reshape(-1).float(), weight.view(torch.int32), scales,
+                                      bias, out, parts, locks, cell, slot)
+    return k._w4a8_gemv_kernel[grid](*args, **options)
+
+
+def gemv_split(cfg: GemvConfig, n: int) -> int:
+    return cfg.split_k if triton.cdiv(n, cfg.block_n) <= LOCKS else 1
+
+
+def gemv_launch(cfg: GemvConfig, n, kk, g, xw, sx, weight32, scales, bias, out, parts, locks, cell, slot
+                ) -> tuple[tuple[int, int], tuple, dict]:
+    """(grid, arguments, compile-time options) of one GEMV launch (the launch's and precompile.py's)."""
+    split = gemv_split(cfg, n)
+    grid = (triton.cdiv(n, cfg.block_n), split)
+    args = (xw, sx, weight32, scales, bias, out, parts, locks, cell, slot, n, kk, kk // 8)
+    options = dict(G=g, BN=cfg.block_n, BK=cfg.block_k, SPLIT_K=split, HAS_BIAS=bias is not None,
+                   COUNT=cell is not None, ASM=not _interpreting(), num_warps=cfg.num_warps)
+    return grid, args, options
+
+
+def _interpreting() -> bool:
+    """Triton's interpreter (TRITON_INTERPRET=1) runs no inline PTX: the GEMV spells dp4a out there."""
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def group_dots(xq: torch.Tensor, weight: torch.Tensor, n: int, kk: int, group_size: int,
@@ -158,9 +294,13 @@ def group_dots(xq: torch.Tensor, weight: torch.Tensor, n: int, kk: int, group_si
     return out
 
 
-def _check(xq: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, n: int, kk: int, g: int) -> None:
-    if xq.dtype != torch.int8 or xq.dim() != 2 or xq.shape[1] != kk:
+def _check(xq: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, n: int, kk: int, g: int,
+           activations: bool = True) -> None:
+    """activations: xq must be the INT8 activations; else a float row for the fused GEMV."""
+    if activations and (xq.dtype != torch.int8 or xq.dim() != 2 or xq.shape[1] != kk):
         raise ValueError(f"activations must be (M, K={kk}) int8, got {xq.dtype} {tuple(xq.shape)}")
+    if not activations and (not xq.dtype.is_floating_point or xq.dim() != 2 or xq.shape[1] != kk):
+        raise ValueError(f"activations must be (M, K={kk}) floats, got {xq.dtype} {tuple(xq.shape)}")
     if weight.dtype != torch.int8 or tuple(weight.shape) != (n, kk // 2) or not weight.is_contiguous():
         raise ValueError(f"weight must be the Triton layout (N={n}, K/2={kk // 2}) int8 contiguous, got "
                          f"{weight.dtype} {tuple(weight.shape)}: prepare it with anychip.kernels.prepare.prepare_w4a8")
@@ -215,27 +355,32 @@ def _locks(device: torch.device) -> torch.Tensor:
     return _LOCKS[key]
 
 
-def compile_report(xq, sx, weight, scales, n: int, kk: int, g: int, cfg: GemmConfig) -> dict[str, object]:
-    """Run one config and read the compiler's resource report: registers, spills, shared memory, MMA kind."""
+def compile_report(xq, sx, weight, scales, n: int, kk: int, g: int, cfg: Config) -> dict[str, object]:
+    """Run one config and read the compiler's resource report: registers, spills, shared memory, MMA kind (dp4a
+    for the GEMV)."""
     out = torch.empty((xq.shape[0], n), dtype=torch.bfloat16, device=xq.device)
-    compiled = launch_config(cfg, xq, sx.reshape(-1).float().contiguous(), weight, scales, None, n, kk, g, out)
+    if isinstance(cfg, GemvConfig):
+        compiled = launch_gemv(cfg, words_of(xq[:1]), sx[:1], weight, scales, None, n, kk, g, out[:1])
+    else:
+        compiled = launch_config(cfg, xq, sx.reshape(-1).float().contiguous(), weight, scales, None, n, kk, g, out)
     ptx = compiled.asm.get("ptx", "")
-    mma = "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "none"
+    mma = ("wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "dp4a" if "dp4a" in ptx
+           else "none")
     return {"config": str(cfg), "registers": compiled.n_regs, "spills": compiled.n_spills,
             "shared_bytes": compiled.metadata.shared, "mma": mma}
 
 
-def remember(m: int, n: int, kk: int, g: int, device: torch.device, cfg: GemmConfig) -> None:
+def remember(m: int, n: int, kk: int, g: int, device: torch.device, cfg: Config) -> None:
     """Serve M's bucket of this shape on `device` with `cfg` for the rest of the process (tuning.py)."""
     _TUNED[_key(m, n, kk, g, device)] = cfg
 
 
-def config_for(m: int, n: int, kk: int, g: int, device: torch.device) -> GemmConfig | None:
+def config_for(m: int, n: int, kk: int, g: int, device: torch.device) -> Config | None:
     """The config tuning.py settled for this shape's M bucket on this GPU, if it has (else calls run the default)."""
     return _TUNED.get(_key(m, n, kk, g, device))
 
 
-def serving_config(m: int, n: int, kk: int, g: int, device: torch.device) -> GemmConfig:
+def serving_config(m: int, n: int, kk: int, g: int, device: torch.device) -> Config:
     """The config a call at M tokens runs: the settled one of its bucket, else the regime's default."""
     return config_for(m, n, kk, g, device) or candidates(m, n, kk, g, multiprocessors(device))[0]
 

@@ -5,7 +5,8 @@ Right after load vLLM runs a warm-up and captures CUDA graphs at some fifty batc
 model's engine start on an H200, against 2 s of graph capture for BF16. Once a shape's configs are known
 (tuning.tune_linear, at load), `submit` queues the compiles of every M bucket's config, in each form Triton
 specializes the token count into (M = 1, a multiple of 16, neither), on a thread pool, so that they overlap the
-rest of loading and torch.compile (Triton's compiler passes and ptxas run outside the GIL). A launch that comes
+rest of loading and torch.compile (Triton's compiler passes and ptxas run outside the GIL); the batch-one bucket's
+GEMV config (and its activation packing) compiles in the one form it is launched in. A launch that comes
 before its compile has finished compiles the kernel itself, as it always did; a failed precompile is logged and
 changes nothing else. Activations are assumed BF16 (the models vLLM serves here); other dtypes compile at first
 launch.
@@ -35,30 +36,42 @@ _lock = threading.Lock()
 
 def token_counts(bucket: str | int) -> tuple[int, ...]:
     """Token counts that stand for a config bucket's specializations of M: 1, a multiple of 16, neither."""
+    if bucket == "gemv":
+        return (1,)
     if bucket == "decode":
-        return (1, 2, launch.DECODE_M)
+        return (2, launch.DECODE_M)
     if bucket == "mid":
         return (launch.DECODE_M + 8, 2 * launch.DECODE_M)
     return (int(bucket) - 8, int(bucket))
 
 
 def gemm_specs(n: int, kk: int, g: int, device: torch.device, buckets: Iterable[str | int],
-               scales_dtype: torch.dtype) -> list[tuple[tuple[int, int], tuple, dict]]:
-    """(grid, arguments, options) of every GEMM launch form the buckets' configs will take, with dtypes for the
-    tensors, as the plugin launches them (counting on the device, no bias; split-K scratch where it splits)."""
-    f32, i8, i32 = torch.float32, torch.int8, torch.int32
+               scales_dtype: torch.dtype) -> list[tuple[object, tuple[tuple[int, int], tuple, dict]]]:
+    """(kernel, (grid, arguments, options)) of every launch form the buckets' configs will take, with dtypes for
+    the tensors, as the plugin launches them (counting on the device, no bias; split-K scratch where it splits;
+    the GEMV on a BF16 row it quantizes itself)."""
+    f32, i8, i32, bf16 = torch.float32, torch.int8, torch.int32, torch.bfloat16
     seen, specs = set(), []
     for bucket in buckets:
         for m in token_counts(bucket):
             cfg = launch.serving_config(m, n, kk, g, device)
-            split = launch.split_of(cfg, m, n)
-            spec = launch.gemm_launch(cfg, m, n, kk, g, i8, f32, i8, scales_dtype, None, torch.bfloat16,
-                                      f32 if split > 1 else None, i32 if split > 1 else None, torch.int64, i32,
-                                      kk, n)
-            key = (cfg, split, m == 1, m % 16 == 0)
+            if isinstance(cfg, launch.GemvConfig):
+                split = launch.gemv_split(cfg, n)
+                kernel = kern._w4a8_gemv_kernel
+                spec = launch.gemv_launch(cfg, n, kk, g, i32, f32, i32, scales_dtype, None, bf16,
+                                          f32 if split > 1 else None, i32 if split > 1 else None, torch.int64,
+                                          i32)
+                key = (cfg, split)
+            else:
+                split = launch.split_of(cfg, m, n)
+                kernel = kern._w4a8_gemm_kernel
+                spec = launch.gemm_launch(cfg, m, n, kk, g, i8, f32, i8, scales_dtype, None, bf16,
+                                          f32 if split > 1 else None, i32 if split > 1 else None, torch.int64, i32,
+                                          kk, n)
+                key = (cfg, split, m == 1, m % 16 == 0)
             if key not in seen:
                 seen.add(key)
-                specs.append(spec)
+                specs.append((kernel, spec))
     return specs
 
 
@@ -74,9 +87,12 @@ def submit(n: int, kk: int, g: int, device: torch.device, buckets: Iterable[str 
         if key in _done:
             return 0
         _done.add(key)
-    jobs = [(kern._w4a8_gemm_kernel, spec) for spec in gemm_specs(n, kk, g, device, buckets, scales_dtype)]
+    jobs = gemm_specs(n, kk, g, device, buckets, scales_dtype)
     jobs.append((kern._quantize_rows_kernel, ((1,), (torch.bfloat16, torch.int8, torch.float32, kk, kk, kk),
                                               launch.quantize_options(kk))))
+    if any(kernel is kern._w4a8_gemv_kernel for kernel, _ in jobs):
+        jobs.append((kern._quantize_words_kernel, ((1,), (torch.bfloat16, torch.int32, torch.float32, kk, kk // 8,
+                                                          kk), launch.quantize_words_options(kk))))
     with torch.cuda.device(device):  # each kernel's binder made here, on the loading thread: workers never race
         index = torch.cuda.current_device()  # for its creation (Triton keys them by device index)
         for kernel in {kernel for kernel, _ in jobs}:

@@ -30,12 +30,17 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.
     for k0 in range(0, K, BLOCK):
         offs = k0 + tl.arange(0, BLOCK)
         v = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-        # plain `/` is div.full.f32 (not correctly rounded); adding and removing 1.5 * 2^23 rounds |v| < 2^22 to
-        # an integer, half to even, in IEEE fp32 arithmetic (libdevice.rint would too, but not interpreted)
-        q = (tl.math.div_rn(v, safe) + 12582912.0) - 12582912.0
-        q = tl.minimum(tl.maximum(q, -127.0), 127.0)
-        tl.store(q_ptr + row * stride_q + offs, q.to(tl.int8), mask=offs < K)
+        tl.store(q_ptr + row * stride_q + offs, _round_q(v, safe).to(tl.int8), mask=offs < K)
     tl.store(s_ptr + row, scale)
+
+
+@triton.jit
+def _round_q(v, safe):
+    """rint(v / safe) clamped to [-127, 127], as fp32 (v fp32).  Plain `/` is div.full.f32 (not correctly
+    rounded); adding and removing 1.5 * 2^23 rounds |v| < 2^22 to an integer, half to even, in IEEE fp32
+    arithmetic (libdevice.rint would too, but not interpreted)."""
+    q = (tl.math.div_rn(v, safe) + 12582912.0) - 12582912.0
+    return tl.minimum(tl.maximum(q, -127.0), 127.0)
 
 
 @triton.jit
@@ -174,3 +179,120 @@ def _group_dots_kernel(
     groups = K // G
     out_ptrs = out_ptr + (offs_m[:, None].to(tl.int64) * N + offs_n[None, :]) * groups + g
     tl.store(out_ptrs, d, mask=mask_m[:, None] & mask_n[None, :])
+
+
+# --- batch one: a GEMV on the CUDA cores, activation quantization fused --------------------------------------------
+
+@triton.jit
+def _dp4a(a, b, c, ASM: tl.constexpr):
+    """c + the dot product of a's and b's four signed bytes, elementwise over int32 tensors of one shape: one
+    dp4a instruction a word when ASM (compiled), the same sum spelled out in shifts otherwise (the interpreter)."""
+    if ASM:
+        return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        for i in tl.static_range(4):
+            c += ((a << (24 - 8 * i)) >> 24) * ((b << (24 - 8 * i)) >> 24)
+        return c
+
+
+@triton.jit
+def _x_words(x_ptr, offs_w, mask_w, first: tl.constexpr, safe):
+    """(W,) int32: word j holds the activations k = 8j + first + {0, 2, 4, 6}, quantized with the scale `safe`
+    exactly as _quantize_rows_kernel does, in bytes 0..3: the channels a weight word's low (first = 0) or high
+    (first = 1) nibbles hold."""
+    word = tl.zeros(offs_w.shape, tl.int32)
+    for b in tl.static_range(4):
+        v = tl.load(x_ptr + offs_w * 8 + (first + 2 * b), mask=mask_w, other=0.0).to(tl.float32)
+        word = word | ((_round_q(v, safe).to(tl.int32) & 255) << (8 * b))
+    return word
+
+
+@triton.jit
+def _quantize_words_kernel(x_ptr, xw_ptr, s_ptr, K, words, stride_x, BLOCK: tl.constexpr, WBLOCK: tl.constexpr):
+    """One program per token: the same scale and INT8 values as _quantize_rows_kernel, written as the GEMV reads
+    them: xw (M, 2, K/8) int32, [even channels' words, odd channels' words] (see _x_words)."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    amax = tl.zeros([BLOCK], tl.float32)
+    for k0 in range(0, K, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        amax = tl.maximum(amax, tl.abs(tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)))
+    scale = tl.math.div_rn(tl.max(amax, axis=0), 127.0)
+    safe = tl.where(scale > 0.0, scale, 1.0)
+    out = xw_ptr + row * 2 * words
+    for w0 in range(0, words, WBLOCK):
+        offs_w = w0 + tl.arange(0, WBLOCK)
+        mask_w = offs_w < words
+        tl.store(out + offs_w, _x_words(x_row, offs_w, mask_w, 0, safe), mask=mask_w)
+        tl.store(out + words + offs_w, _x_words(x_row, offs_w, mask_w, 1, safe), mask=mask_w)
+    tl.store(s_ptr + row, scale)
+
+
+@triton.jit
+def _w4a8_gemv_kernel(
+    xw_ptr, sx_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr, count_ptr, slot_ptr,
+    N, K, words,
+    G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    COUNT: tl.constexpr, ASM: tl.constexpr,
+):
+    """out (1, N) = the W4A8 linear of one token, on the CUDA cores: the weights as int32 words of eight nibbles,
+    each word's low and high nibbles widened in place to bytes holding 16 * w (two integer ops a word), then one
+    dp4a each against four INT8 activations; the words of a group summed exactly in INT32, rescaled in fp32.
+    xw (2, K/8) int32: the token's INT8 activations as _quantize_words_kernel packs them, sx (1,) its scale.
+    w (N, K/8) int32: layout.py's bytes read as little-endian words; words = K / 8, an argument of its own so that
+    Triton sees its divisibility (16-byte row starts: vector loads). SPLIT_K > 1: part (SPLIT_K, N) fp32 scratch
+    and lock (>= N/BN) int32 zeros, as in _w4a8_gemm_kernel."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    if COUNT:
+        if (pid_n == 0) & (pid_k == 0):
+            at = count_ptr + tl.load(slot_ptr).to(tl.int64) * 2
+            tl.atomic_add(at, 1)
+            tl.atomic_add(at + 1, 1)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    mask_n = offs_n < N
+    groups = K // G
+    steps = tl.cdiv(K, BK)
+    per_split = tl.cdiv(steps, SPLIT_K)
+    s_begin = pid_k * per_split
+    s_end = tl.minimum(s_begin + per_split, steps)
+    rows = w_ptr + offs_n[:, None].to(tl.int64) * words
+    acc = tl.zeros((BN,), dtype=tl.float32)
+    for st in range(s_begin, s_end):
+        for j in tl.static_range(BK // G):
+            g = st * (BK // G) + j
+            offs_w = g * (G // 8) + tl.arange(0, G // 8)
+            mask_w = offs_w < words
+            xe = tl.load(xw_ptr + offs_w, mask=mask_w, other=0)
+            xo = tl.load(xw_ptr + words + offs_w, mask=mask_w, other=0)
+            w = tl.load(rows + offs_w[None, :], mask=mask_n[:, None] & mask_w[None, :], other=0)
+            lo = (w << 4) & -252645136  # 0xF0F0F0F0: bytes 16 * w[8j + 2b]
+            hi = w & -252645136  # bytes 16 * w[8j + 2b + 1]
+            zero = tl.zeros(w.shape, tl.int32)
+            d = _dp4a(lo, tl.broadcast_to(xe[None, :], w.shape),
+                      _dp4a(hi, tl.broadcast_to(xo[None, :], w.shape), zero, ASM), ASM)
+            live = tl.full((1,), g, tl.int32) < groups  # (1,): see _w4a8_gemm_kernel
+            s = tl.load(s_ptr + g * N + offs_n, mask=mask_n & live, other=0.0).to(tl.float32)
+            acc += tl.sum(d, axis=1).to(tl.float32) * (s * 0.0625)  # |16 * group sum| < 2^24: exact in fp32
+    scale = tl.load(sx_ptr)
+    if SPLIT_K == 1:
+        _gemv_epilogue(acc, offs_n, mask_n, scale, bias_ptr, out_ptr, HAS_BIAS)
+    else:
+        tl.store(part_ptr + pid_k * N + offs_n, acc, mask=mask_n)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros((BN,), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(part_ptr + s * N + offs_n, mask=mask_n, other=0.0, cache_modifier=".cg")
+            _gemv_epilogue(total, offs_n, mask_n, scale, bias_ptr, out_ptr, HAS_BIAS)
+            tl.atomic_xchg(lock_ptr + pid_n, 0)
+
+
+@triton.jit
+def _gemv_epilogue(acc, offs_n, mask_n, scale, bias_ptr, out_ptr, HAS_BIAS: tl.constexpr):
+    y = acc * scale
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=mask_n)

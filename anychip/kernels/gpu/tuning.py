@@ -1,7 +1,7 @@
 """Tuned GEMM configs per GPU and shape, so that no request ever waits for the tuner.
 
-A config is looked up by (M bucket, N, K, G) on one GPU model (launch._key's bucket: "decode" for M <= 16, "mid"
-for M <= 64, then one entry an octave of M up to 4096). Where the answer comes from, first hit wins:
+A config is looked up by (M bucket, N, K, G) on one GPU model (launch._key's bucket: "gemv" for M = 1, "decode"
+for M <= 16, "mid" for M <= 64, then one entry an octave of M up to 4096). Where the answer comes from, first hit wins:
   1. this process (`launch.tuned()`);
   2. the disk cache, `<tuning_dir>/<gpu>.json`, written by earlier engines on this machine;
   3. the table shipped with anychip, `anychip/kernels/gpu/tuned/<gpu>.json` (made on a lent GPU with
@@ -10,7 +10,8 @@ for M <= 64, then one entry an octave of M up to 4096). Where the answer comes f
      the layer's own weights once and writes the disk cache; with "off", the regime's default config.
 The request path only reads: a shape first seen at run time gets the default config, never a timing stall.
 
-File format: {"gpu": name, "triton": version, "entries": {"<bucket>:<N>:<K>:<G>": {GemmConfig fields}}}.
+File format: {"gpu": name, "triton": version, "entries": {"<bucket>:<N>:<K>:<G>": {GemmConfig fields}}}; a GEMV
+entry has GemvConfig's fields and "kind": "gemv".
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ import torch
 from anychip.kernels.gpu import launch, precompile
 
 SHIPPED_DIR = Path(__file__).parent / "tuned"
-#: (bucket, M the candidates are timed at): decode at batch one, its headline case; prefill at the octave's top.
-BUCKETS: tuple[tuple[str | int, int], ...] = (("decode", 1), ("mid", 64)) + tuple(
+#: (bucket, M the candidates are timed at): gemv is batch one (the GEMV's configs against the decode tiles, each
+#: with its activation quantization); decode at two tokens (memory-bound: its 16-row tiles cost the same at any
+#: M <= 16); prefill at the octave's top.
+BUCKETS: tuple[tuple[str | int, int], ...] = (("gemv", 1), ("decode", 2), ("mid", 64)) + tuple(
     (m, m) for m in (128, 256, 512, 1024, 2048, 4096))
 TUNING_MODES = ("load", "off")
 
@@ -75,15 +78,22 @@ def _write(path: Path, device: torch.device, new: dict[str, dict]) -> None:
     _files[path] = entries
 
 
-def _config(fields: dict) -> launch.GemmConfig | None:
+def _config(fields: dict) -> launch.Config | None:
+    fields = dict(fields)
+    kind = fields.pop("kind", "gemm")
     try:
-        return launch.GemmConfig(**fields)
-    except (TypeError, ValueError):  # written by another anychip version: retune rather than fail
+        return {"gemm": launch.GemmConfig, "gemv": launch.GemvConfig}[kind](**fields)
+    except (KeyError, TypeError, ValueError):  # written by another anychip version: retune rather than fail
         return None
 
 
+def _fields(cfg: launch.Config) -> dict:
+    """A config as a table entry: its fields, and "kind": "gemv" for the GEMV's."""
+    return {**asdict(cfg), "kind": "gemv"} if isinstance(cfg, launch.GemvConfig) else asdict(cfg)
+
+
 def lookup(bucket: str | int, n: int, k: int, g: int, device: torch.device,
-           tuning_dir: Path | None) -> launch.GemmConfig | None:
+           tuning_dir: Path | None) -> launch.Config | None:
     """The disk cache's or the shipped table's config for this shape on this GPU model, if either has one."""
     slug, key = gpu_slug(device), entry_key(bucket, n, k, g)
     for path in ([tuning_dir / f"{slug}.json"] if tuning_dir else []) + [SHIPPED_DIR / f"{slug}.json"]:
@@ -115,7 +125,7 @@ def tune_linear(weight: torch.Tensor, scales: torch.Tensor, n: int, k: int, g: i
             cfg = _time_candidates(m, weight, scales, n, k, g, timed)
             if times is not None:
                 times[entry_key(bucket, n, k, g)] = timed
-            fresh[entry_key(bucket, n, k, g)] = asdict(cfg)
+            fresh[entry_key(bucket, n, k, g)] = _fields(cfg)
         if cfg is not None:
             launch.remember(m, n, k, g, device, cfg)
     if fresh and tuning_dir is not None:
@@ -125,7 +135,7 @@ def tune_linear(weight: torch.Tensor, scales: torch.Tensor, n: int, k: int, g: i
 
 
 def _time_candidates(m: int, weight: torch.Tensor, scales: torch.Tensor, n: int, k: int, g: int,
-                     times: dict[str, float] | None = None) -> launch.GemmConfig:
+                     times: dict[str, float] | None = None) -> launch.Config:
     """The fastest candidate at M tokens, timed as it serves: in a CUDA graph (no launch cost hides a short
     kernel), and for decode and mid M over weight copies beyond the L2 cache (weights stream from HBM, as in a
     model; prefill is compute-bound, one copy). times: filled with each candidate's ms."""
@@ -135,6 +145,7 @@ def _time_candidates(m: int, weight: torch.Tensor, scales: torch.Tensor, n: int,
     gen = torch.Generator(device=device).manual_seed(m * 7919 + n)
     xq = torch.randint(-127, 128, (m, k), dtype=torch.int8, device=device, generator=gen)
     sx = torch.rand((m,), dtype=torch.float32, device=device, generator=gen) / 100 + 1e-4
+    x = torch.randn((m, k), dtype=torch.float32, device=device, generator=gen).bfloat16()
     out = torch.empty((m, n), dtype=torch.bfloat16, device=device)
     nbytes = weight.numel() + scales.numel() * scales.element_size()
     copies = rotation(nbytes, device) if m <= launch.MID_M else 1
@@ -142,8 +153,12 @@ def _time_candidates(m: int, weight: torch.Tensor, scales: torch.Tensor, n: int,
     options = launch.candidates(m, n, k, g, launch.multiprocessors(device))
     ms = []
     for cfg in options:
-        calls = [lambda cfg=cfg, w=w, s=s: launch.launch_config(cfg, xq, sx, w, s, None, n, k, g, out)
-                 for w, s in operands]
+        if launch.regime(m) == "gemv":  # the GEMV quantizes inside: time every candidate with its quantization
+            calls = [lambda cfg=cfg, w=w, s=s: launch.w4a8_linear(x, w, s, None, n, k, g, config=cfg)
+                     for w, s in operands]
+        else:
+            calls = [lambda cfg=cfg, w=w, s=s: launch.launch_config(cfg, xq, sx, w, s, None, n, k, g, out)
+                     for w, s in operands]
         ms.append(graph_ms(calls, replays=max(2, 16 // len(calls)), samples=5))
         if times is not None:
             times[str(cfg)] = round(ms[-1], 5)

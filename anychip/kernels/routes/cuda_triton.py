@@ -1,4 +1,5 @@
-"""NVIDIA GPUs: Triton kernels with INT8 tensor-core dots on INT4 weights unpacked in registers (kernels/gpu).
+"""NVIDIA GPUs: Triton kernels with INT8 tensor-core dots on INT4 weights unpacked in registers, and at one token a
+GEMV with the activation quantization fused (kernels/gpu).
 
 Layout (gpu/layout.py): weight (N, K/2) int8 two's-complement nibbles, scales (K/G, N). Triton is imported on
 the first call, never at import time.
@@ -25,7 +26,7 @@ class CudaTriton(Route):
     device = "cuda"
     kernel = "triton"
     bit_exact = True
-    summary = "Triton INT8 tensor-core dots, INT4 unpacked in registers, split-K for decode"
+    summary = "Triton INT8 tensor-core dots, INT4 unpacked in registers, split-K for decode; dp4a GEMV at batch one"
     #: The GEMM launch bumps the coverage counter itself (hooks.DeviceCounter): counts survive CUDA-graph replay.
     counts_on_device = True
 
@@ -50,10 +51,8 @@ class CudaTriton(Route):
         return weight, scales
 
     def linear(self, x, weight, scales, bias, n, k, group_size):
-        launch = _launch()
         counter = hooks.take_device_counter(x.device)
-        xq, sx = launch.quantize_act(x)
-        return launch.w4a8_linear_q(xq, sx, weight, scales, bias, n, k, group_size, x.dtype, counter=counter)
+        return _launch().w4a8_linear(x, weight, scales, bias, n, k, group_size, counter=counter)
 
     def linear_q(self, xq, sx, weight, scales, bias, n, k, group_size, out_dtype):
         counter = hooks.take_device_counter(xq.device)
