@@ -489,3 +489,11 @@ def test_bench_serve_wants_a_url_or_launch():
     assert main(["bench", "serve"]) == 2
     assert main(["bench", "serve", "http://127.0.0.1:1/v1", "--launch", "somewhere"]) == 2
     assert main(["bench", "serve", "http://127.0.0.1:1/v1", "--stock"]) == 2
+
+
+def test_source_commit_can_be_named_for_an_exported_tree(monkeypatch) -> None:
+    """A `git archive` export has no .git: ANYCHIP_SOURCE_COMMIT names the commit the report records."""
+    from anychip.bench.host import source_state
+
+    monkeypatch.setenv("ANYCHIP_SOURCE_COMMIT", "5ddecec")
+    assert source_state() == {"commit": "5ddecec", "uncommitted": []}

@@ -41,7 +41,11 @@ def machine() -> dict[str, Any]:
 
 
 def source_state() -> dict[str, Any]:
-    """The anychip commit measured, and files under anychip/ that differ from it (work in progress measured)."""
+    """The anychip commit measured, and files under anychip/ that differ from it (work in progress measured).
+    ANYCHIP_SOURCE_COMMIT names it for a tree without its own .git (a `git archive` export run elsewhere), where
+    git would otherwise answer for whatever repository lies above it."""
+    if commit := os.environ.get("ANYCHIP_SOURCE_COMMIT"):
+        return {"commit": commit, "uncommitted": []}
     root = Path(__file__).resolve().parents[2]
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
