@@ -110,12 +110,16 @@ def test_gemv_fused_quantization_and_every_config(n: int, k: int, g: int) -> Non
     assert not launch._locks(xq.device).any()
 
 
+def _decode_counter() -> hooks.DeviceCounter:
+    """A layer's coverage counter with the decode slot current."""
+    return hooks.DeviceCounter(torch.zeros((len(hooks.SLOTS), 2), dtype=torch.int64),
+                               torch.tensor([hooks.SLOTS.index("decode")], dtype=torch.int32))
+
+
 def test_gemv_counts_once_a_launch_and_refuses_more_rows() -> None:
     n, k, g = 40, 512, 64
-    q, s = weights(n, k, g, seed=6)
-    w, sw = _layout(q, s)
-    counter = hooks.DeviceCounter(torch.zeros((len(hooks.SLOTS), 2), dtype=torch.int64),
-                                  torch.tensor([hooks.SLOTS.index("decode")], dtype=torch.int32))
+    w, sw = _layout(*weights(n, k, g, seed=6))
+    counter = _decode_counter()
     cfg = launch.GemvConfig(16, 64, split_k=4)
     for _ in range(3):
         launch.w4a8_linear(torch.randn(1, k), w, sw, None, n, k, g, config=cfg, counter=counter)
@@ -140,10 +144,8 @@ def test_linear_bf16_within_tolerance() -> None:
 
 def test_gemm_bumps_the_coverage_counter_once_a_launch() -> None:
     n, k, g = 40, 256, 64
-    q, s = weights(n, k, g, seed=5)
-    w, sw = _layout(q, s)
-    counter = hooks.DeviceCounter(torch.zeros((len(hooks.SLOTS), 2), dtype=torch.int64),
-                                  torch.tensor([hooks.SLOTS.index("decode")], dtype=torch.int32))
+    w, sw = _layout(*weights(n, k, g, seed=5))
+    counter = _decode_counter()
     for m, cfg in ((1, launch.GemmConfig(16, 32, 64, split_k=4)), (3, launch.GemmConfig(16, 32, 256))):
         xq = torch.randint(-127, 128, (m, k), dtype=torch.int8)
         launch.w4a8_linear_q(xq, torch.ones(m, 1), w, sw, None, n, k, g, torch.float32, config=cfg, counter=counter)
