@@ -497,3 +497,29 @@ def test_source_commit_can_be_named_for_an_exported_tree(monkeypatch) -> None:
 
     monkeypatch.setenv("ANYCHIP_SOURCE_COMMIT", "5ddecec")
     assert source_state() == {"commit": "5ddecec", "uncommitted": []}
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_decode_bytes_and_the_bandwidth_bound_target(tmp_path, tied: bool) -> None:
+    """A decode step reads every tensor but the embedding of an untied model (one row of it); a tied head streams
+    the embedding. tg128 against read bandwidth / those bytes is the CPU report's bandwidth target."""
+    from safetensors.torch import save_file
+
+    tensors = {"model.embed_tokens.weight": torch.zeros(100, 8, dtype=torch.bfloat16),  # 1600 B
+               "model.layers.0.mlp.down_proj.weight_packed": torch.zeros(8, 2, dtype=torch.int32),  # 64 B
+               "model.norm.weight": torch.zeros(8, dtype=torch.bfloat16)}  # 16 B
+    if not tied:
+        tensors["lm_head.weight"] = torch.zeros(100, 8, dtype=torch.bfloat16)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": tied}))
+    assert latency.decode_bytes(ModelDir.open(tmp_path)) == 1680
+
+    row = {"system": latency.OURS, "status": "ok", "tg": 128, "tg_tps": MeanSd(30.0, 1.0, 3)}
+    row["bandwidth"] = latency.bandwidth_bound(row, 40.0, 10**9)  # 40 tok/s at best
+    assert row["bandwidth"]["bound_tps"] == 40.0 and row["bandwidth"]["tg_of_bound"] == 0.75
+    (check,) = latency.target_checks([row], "cpu")
+    assert check["metric"] == "tg128 of bound" and check["met"] and check["target"] == latency.BOUND_TARGET
+    row["tg_tps"] = MeanSd(20.0, 1.0, 3)
+    row["bandwidth"] = latency.bandwidth_bound(row, 40.0, 10**9)
+    assert not latency.target_checks([row], "cpu")[0]["met"]
+    assert latency.target_checks([row], "cuda") == []  # a GPU report has no such target

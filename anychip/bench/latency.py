@@ -53,6 +53,11 @@ TARGETS: tuple[tuple[str, str, str, float], ...] = (
     (OURS, "start", "vllm-bf16", 1.0),
 )
 #: The NVIDIA GPU issue's targets ("batch": the batched run's output tok/s).
+#: On the CPU: our tg128 as a fraction of the bandwidth bound (the read bandwidth probed in the same run over the
+#: bytes a decode step must read), a minimum.
+BOUND_TARGET = 0.70
+BOUND_PEER = "read bandwidth"
+
 GPU_TARGETS: tuple[tuple[str, str, str, float], ...] = (
     (OURS, "tg", "vllm-bf16", 1.3),
     (OURS, "batch", "vllm-bf16", 1.3),
@@ -293,10 +298,38 @@ def measured_row(result: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+def decode_bytes(md: ModelDir) -> int:
+    """Bytes one decode step of a batch of one must read: every tensor of the checkpoint, except the token
+    embedding when the head is a tensor of its own (a step reads one embedding row); a tied head streams the
+    embedding matrix as the head. The KV cache of a short context is left out (kilobytes)."""
+    from anychip.checkpoint.io import read_header
+
+    tied = bool(md.get("tie_word_embeddings", False))
+    total = 0
+    for shard in md.shards:
+        for name, info in read_header(shard).items():
+            if not tied and name.endswith("embed_tokens.weight"):
+                continue
+            total += info.nbytes
+    return total
+
+
+def bandwidth_bound(row: dict[str, Any], read_gbs: float, nbytes: int) -> dict[str, float]:
+    """The row's tg against the bandwidth bound: read_gbs / bytes a token (tok/s), and tg as a fraction of it."""
+    bound = read_gbs * 1e9 / nbytes
+    return {"read_gbs": read_gbs, "bytes_per_token": nbytes, "bound_tps": round(bound, 2),
+            "tg_of_bound": round(row["tg_tps"].mean / bound, 4)}
+
+
 def target_checks(rows: list[dict[str, Any]], device: str = "cpu") -> list[dict[str, Any]]:
-    """Ours ÷ peer for every target of the device whose two rows were measured; sizes that differ are flagged."""
+    """Ours ÷ peer for every target of the device whose two rows were measured; sizes that differ are flagged.
+    On the CPU also our tg against the bandwidth bound of its row (`bandwidth`), where it was measured."""
     by = {r["system"]: r for r in rows if r.get("status") == "ok"}
     out = []
+    if device == "cpu" and (ours := by.get(OURS)) and ours.get("bandwidth"):
+        value = ours["bandwidth"]["tg_of_bound"]
+        out.append({"system": OURS, "metric": f"tg{ours['tg']} of bound", "peer": BOUND_PEER,
+                    "target": BOUND_TARGET, "ratio": value, "met": value >= BOUND_TARGET, "same_size": True})
     for mine, metric, peer, target in GPU_TARGETS if device == "cuda" else TARGETS:
         ours, theirs = by.get(mine), by.get(peer)
         if metric in AT_MOST:  # engine start: seconds, lower is better
@@ -368,6 +401,12 @@ def render_markdown(doc: dict[str, Any]) -> str:
             notes += [f"- {r['system']}: {n}" for n in r["notes"]]
             if r.get("vllm_kernels"):
                 notes.append(f"- {r['system']}: vLLM chose " + "; ".join(r["vllm_kernels"]))
+            if bw := r.get("bandwidth"):
+                notes.append(f"- {r['system']}: bandwidth bound {fmt(bw['bound_tps'])} tok/s = read bandwidth "
+                             f"{bw['read_gbs']:.1f} GB/s (probed after its repetitions: the faster of anychip's "
+                             f"read probe and torch.sum over 1 GiB) / {bw['bytes_per_token'] / 1e6:.1f} MB a "
+                             f"decode step reads (every weight, the head included); tg at "
+                             f"{100 * bw['tg_of_bound']:.0f}% of it")
             cov = r.get("coverage")
             if cov:
                 routes = ", ".join(f"{k}: {v}" for k, v in cov["routes"].items())
@@ -472,6 +511,12 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         print(f"  {system.name:<16} ", end="", flush=True)
         row = run_system(system, args, workdir)
+        if system.name == OURS and args.device == "cpu" and row["status"] == "ok":
+            from anychip.bench.kernels import read_bandwidth_gbs
+
+            # probed right after the system ran, on the same machine state: the streaming read rate a decode
+            # step could reach at best
+            row["bandwidth"] = bandwidth_bound(row, read_bandwidth_gbs()["read_gbs"], decode_bytes(md))
         rows.append(row)
         if row["status"] == "ok":
             print(f"pp {row['pp_tps']} tok/s   tg {row['tg_tps']} tok/s   total {row['total_tps']} tok/s"
