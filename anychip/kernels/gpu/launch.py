@@ -1,11 +1,10 @@
 """Launchers for the Triton W4A8 kernels: tile configs and split-K.
 
-Four regimes by tokens M: gemv (M = 1: a GEMV on the CUDA cores, dp4a on the weight words, the activation
-quantization fused into it; the tensor-core decode tiles compete with it in tuning), decode (M <= 16: memory-bound;
-16-row tiles and split-K to put several programs on every multiprocessor), mid (M <= 64) and prefill
-(compute-bound; 64-128 row tiles on Hopper's wgmma). Each regime has a few candidate configs, the first being the
-default. Which one serves a shape (regime,
-or M's octave for prefill; N, K, G) is decided at load by tuning.py (a shipped table, a disk cache, or timing the
+Four regimes by tokens M: gemv (M = 1: a GEMV on the CUDA cores, dp4a on the weight words, after one small
+kernel quantizes the token into the activation words it needs; the tensor-core decode tiles compete with it in
+tuning), decode (M <= 16: memory-bound; 16-row tiles and split-K to put several programs on every multiprocessor),
+mid (M <= 64) and prefill (compute-bound; 64-128 row tiles on Hopper's wgmma). Each regime has a few candidate
+configs, the first being the default. Which one serves a shape (regime, or M's octave for prefill; N, K, G) is decided at load by tuning.py (a shipped table, a disk cache, or timing the
 candidates once) and remembered here for the process (`remember`, `tuned()`, `clear_tuning()`); a call never
 times anything: a shape nobody tuned runs its regime's default config.
 """
@@ -208,7 +207,6 @@ def quantize_words_options(kk: int) -> dict[str, int]:
 def words_of(xq: torch.Tensor) -> torch.Tensor:
     """(M, K) int8 -> (M, 2, K/8) int32 in quantize_words' order: byte b of word j holds k = 8j + 2b (+ 1 for the
     odd words), little-endian as the GPU reads them."""
-    m, kk = xq.shape
     return torch.stack((xq[:, 0::2].contiguous().view(torch.int32), xq[:, 1::2].contiguous().view(torch.int32)), 1)
 
 
