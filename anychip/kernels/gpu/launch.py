@@ -269,15 +269,14 @@ def gemv_launch(cfg: GemvConfig, n, kk, g, xw, sx, weight32, scales, bias, out, 
     grid = (triton.cdiv(n, cfg.block_n), split)
     args = (xw, sx, weight32, scales, bias, out, parts, locks, cell, slot, n, kk, kk // 8)
     options = dict(G=g, BN=cfg.block_n, BK=cfg.block_k, SPLIT_K=split, HAS_BIAS=bias is not None,
-                   COUNT=cell is not None, ASM=not _interpreting(), num_warps=cfg.num_warps)
+                   COUNT=cell is not None, ASM=_compiled(weight32), num_warps=cfg.num_warps)
     return grid, args, options
 
 
-def _interpreting() -> bool:
-    """Triton's interpreter (TRITON_INTERPRET=1) runs no inline PTX: the GEMV spells dp4a out there."""
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+def _compiled(weight32) -> bool:
+    """Whether the GEMV runs compiled (CUDA tensors, or the dtypes precompile.py passes) and so may use inline PTX:
+    Triton's interpreter runs on CPU tensors and spells dp4a out."""
+    return not isinstance(weight32, torch.Tensor) or weight32.is_cuda
 
 
 def group_dots(xq: torch.Tensor, weight: torch.Tensor, n: int, kk: int, group_size: int,
