@@ -49,7 +49,7 @@ def gemm_specs(n: int, kk: int, g: int, device: torch.device, buckets: Iterable[
                scales_dtype: torch.dtype) -> list[tuple[object, tuple[tuple[int, int], tuple, dict]]]:
     """(kernel, (grid, arguments, options)) of every launch form the buckets' configs will take, with dtypes for
     the tensors, as the plugin launches them (counting on the device, no bias; split-K scratch where it splits;
-    the GEMV on a BF16 row it quantizes itself)."""
+    the GEMV on the activation words of one token)."""
     f32, i8, i32, bf16 = torch.float32, torch.int8, torch.int32, torch.bfloat16
     seen, specs = set(), []
     for bucket in buckets:

@@ -20,18 +20,24 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.
     """One program per token: sx = amax / 127, q = rint(x / sx), both IEEE round-to-nearest-even like torch."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
-    amax = tl.zeros([BLOCK], tl.float32)
-    for k0 in range(0, K, BLOCK):
-        offs = k0 + tl.arange(0, BLOCK)
-        v = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(v))
-    scale = tl.math.div_rn(tl.max(amax, axis=0), 127.0)
-    safe = tl.where(scale > 0.0, scale, 1.0)
+    scale, safe = _row_scale(x_row, K, BLOCK)
     for k0 in range(0, K, BLOCK):
         offs = k0 + tl.arange(0, BLOCK)
         v = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
         tl.store(q_ptr + row * stride_q + offs, _round_q(v, safe).to(tl.int8), mask=offs < K)
     tl.store(s_ptr + row, scale)
+
+
+@triton.jit
+def _row_scale(x_row, K, BLOCK: tl.constexpr):
+    """(scale, safe) of one token's row of K: scale = amax / 127 (IEEE division), safe = scale, or 1 for a zero
+    row (whose q are then 0)."""
+    amax = tl.zeros([BLOCK], tl.float32)
+    for k0 in range(0, K, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        amax = tl.maximum(amax, tl.abs(tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)))
+    scale = tl.math.div_rn(tl.max(amax, axis=0), 127.0)
+    return scale, tl.where(scale > 0.0, scale, 1.0)
 
 
 @triton.jit
@@ -181,7 +187,7 @@ def _group_dots_kernel(
     tl.store(out_ptrs, d, mask=mask_m[:, None] & mask_n[None, :])
 
 
-# --- batch one: a GEMV on the CUDA cores, activation quantization fused --------------------------------------------
+# --- batch one: a GEMV on the CUDA cores, on activations packed into words ------------------------------------------
 
 @triton.jit
 def _dp4a(a, b, c, ASM: tl.constexpr):
@@ -214,12 +220,7 @@ def _quantize_words_kernel(x_ptr, xw_ptr, s_ptr, K, words, stride_x, BLOCK: tl.c
     them: xw (M, 2, K/8) int32, [even channels' words, odd channels' words] (see _x_words)."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
-    amax = tl.zeros([BLOCK], tl.float32)
-    for k0 in range(0, K, BLOCK):
-        offs = k0 + tl.arange(0, BLOCK)
-        amax = tl.maximum(amax, tl.abs(tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)))
-    scale = tl.math.div_rn(tl.max(amax, axis=0), 127.0)
-    safe = tl.where(scale > 0.0, scale, 1.0)
+    scale, safe = _row_scale(x_row, K, BLOCK)
     out = xw_ptr + row * 2 * words
     for w0 in range(0, words, WBLOCK):
         offs_w = w0 + tl.arange(0, WBLOCK)
