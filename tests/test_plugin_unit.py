@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import time
+
 import pytest
 import torch
 
@@ -140,6 +143,74 @@ def test_recorder_counts_cpp_layers_in_the_kernel_per_phase():
     assert doc["layers"][name]["tokens"] == {"warmup": 3, "prefill": 3, "decode": 2}
     assert doc["phases"] == {"prefill": {"forward_passes": 1, "tokens": 3},
                              "decode": {"forward_passes": 1, "tokens": 1}}
+
+
+def test_report_never_pairs_a_layer_snapshot_with_counters_of_newer_layers(tmp_path):
+    """The report thread writes while the model is still being built: a layer registered between the report's
+    snapshot of the layers and its read of the kernel counters must wait for the next report (it once raised
+    KeyError there, which ended the report thread and left coverage.json without the prepared layers)."""
+    import threading
+
+    from compressed_tensors.quantization import QuantizationArgs
+
+    from anychip.formats import pack_int4
+    from anychip.kernels.policy import KernelPolicy
+    from anychip.vllm_plugin.recorder import Recorder
+    from anychip.vllm_plugin.scheme import AnychipW4A8Scheme
+
+    recorder = Recorder(None, KernelPolicy())
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=64)
+
+    def prepare(name: str) -> None:
+        scheme = AnychipW4A8Scheme(args, "pack-quantized", name, recorder)
+        layer = torch.nn.Module()
+        scheme.create_weights(layer, 48, 256, [48], 256, torch.bfloat16, weight_loader=lambda *a: None)
+        layer.weight_packed.data.copy_(pack_int4(torch.randint(-8, 8, (48, 256), dtype=torch.int8)))
+        layer.weight_scale.data.copy_(torch.rand(48, 4, dtype=torch.bfloat16) + 0.01)
+        scheme.process_weights_after_loading(layer)
+
+    prepare("model.layers.0.mlp.down_proj")  # the C++ routes' table exists from here on
+    snapshot = recorder.coverage.snapshot
+    builder: list[threading.Thread] = []
+
+    def snapshot_while_a_layer_is_prepared():
+        doc = snapshot()
+        thread = threading.Thread(target=prepare, args=("model.layers.1.mlp.down_proj",))
+        thread.start()
+        thread.join(timeout=0.5)  # time for the layer to land inside the report's window, were it open
+        builder.append(thread)
+        return doc
+
+    recorder.coverage.snapshot = snapshot_while_a_layer_is_prepared
+    doc = recorder.document()
+    builder[0].join()
+    assert list(doc["layers"]) == ["model.layers.0.mlp.down_proj"]
+    recorder.coverage.snapshot = snapshot
+    assert list(recorder.document()["layers"]) == ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
+
+
+def test_a_failed_report_is_retried_and_the_report_thread_lives_on(tmp_path, monkeypatch):
+    from anychip.kernels.policy import KernelPolicy
+    from anychip.vllm_plugin import recorder as recorder_mod
+
+    monkeypatch.setattr(recorder_mod, "FLUSH_SECONDS", 0.05)
+    path = tmp_path / "coverage.json"
+    recorder = recorder_mod.Recorder(path, KernelPolicy())
+    real, failures = recorder.document, []
+
+    def failing_once():
+        if not failures:
+            failures.append(1)
+            raise KeyError("a layer the snapshot does not hold")
+        return real()
+
+    recorder.document = failing_once
+    deadline = time.time() + 10
+    while not path.exists() and time.time() < deadline:
+        time.sleep(0.05)
+    recorder._stop.set()
+    assert failures and path.exists()
+    assert json.loads(path.read_text())["layers"] == {}
 
 
 def test_row_parallel_refusal_names_sizes_that_work():

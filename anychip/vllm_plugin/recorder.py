@@ -52,6 +52,9 @@ class Recorder:
         self._in_kernel: set[int] = set()  # layer ids counted in it
         self._steps: dict[str, Counter] = {}  # phase -> forward passes, tokens (device-counted engines)
         self._device_dirty = False
+        # registration (model build, possibly on another thread than the report's) and document() hold it, so that
+        # a report never pairs a snapshot of the layers with counters of layers the snapshot does not hold
+        self._lock = threading.RLock()
         hooks.install(self.on_call)
         if path is not None:
             thread = threading.Thread(target=self._flush_loop, name="anychip-coverage", daemon=True)
@@ -60,12 +63,13 @@ class Recorder:
 
     # -- filled while the model is built and loaded --
     def add_layer(self, route: LayerRoute) -> int:
-        layer_id = self.coverage.add_layer(route)
-        if self._first_layer is None and not route.route.startswith("vllm."):
-            self._first_layer = layer_id  # the first linear our ops run in every forward pass
-        if not route.route.startswith("vllm.") and routes.get(route.route).counts_in_kernel:
-            self._count_in_kernel(layer_id)
-        return layer_id
+        with self._lock:
+            layer_id = self.coverage.add_layer(route)
+            if self._first_layer is None and not route.route.startswith("vllm."):
+                self._first_layer = layer_id  # the first linear our ops run in every forward pass
+            if not route.route.startswith("vllm.") and routes.get(route.route).counts_in_kernel:
+                self._count_in_kernel(layer_id)
+            return layer_id
 
     def _count_in_kernel(self, layer_id: int) -> None:
         """Give the layer a row of the C++ routes' table (growing it, and installing it for the ops)."""
@@ -85,7 +89,7 @@ class Recorder:
     def note_unquantized_linear(self, prefix: str, layer: Any, ignored: bool) -> None:
         """A linear vLLM serves unquantized (BF16): in the checkpoint's ignore list, or not targeted at all."""
         why = "in the checkpoint's ignore list" if ignored else "not targeted by any quantization config group"
-        self.coverage.add_layer(LayerRoute(
+        self.add_layer(LayerRoute(
             name=prefix, route="vllm.unquantized", kernel="UnquantizedLinearMethod", isa="vllm", group_size=0,
             n=getattr(layer, "output_size_per_partition", 0), k=getattr(layer, "input_size_per_partition", 0),
             checkpoint_format="unquantized", quantized=False, ignored=ignored, reason=why))
@@ -93,9 +97,10 @@ class Recorder:
     def note_embedding(self, prefix: str, layer: Any, is_head: bool) -> None:
         """Remember the output head (for its GEMM route) and the input embedding (to report tying)."""
         prefix = prefix or "embed_tokens"  # vLLM's Llama builds its input embedding without a prefix
-        self._embeddings[prefix] = weakref.ref(layer)
-        if is_head:
-            self._head_name = prefix
+        with self._lock:
+            self._embeddings[prefix] = weakref.ref(layer)
+            if is_head:
+                self._head_name = prefix
 
     def head_route(self) -> dict[str, Any] | None:
         layers = {name: ref() for name, ref in self._embeddings.items()}
@@ -137,28 +142,32 @@ class Recorder:
     def _device_counter(self, layer_id: int) -> hooks.DeviceCounter | None:
         """The layer's row of its device's table, allocated at the first call (every layer is prepared by then,
         and vLLM's first forward pass is eager, never a CUDA-graph capture); None to count in Python."""
-        layer = self.coverage.layers[layer_id]
-        route = routes.get(layer.route) if not layer.route.startswith("vllm.") else None
-        counter = None
-        if getattr(route, "counts_on_device", False) and torch.cuda.is_available():
-            device = torch.device("cuda", torch.cuda.current_device())
-            table = self._tables.get(device)
-            if table is None and not torch.cuda.is_current_stream_capturing():
-                table = self._tables[device] = _DeviceTable(len(self.coverage.layers), device)
-                if not compat.install_step_hook(self.on_step):
-                    logger.warning("anychip: this vLLM has no GPU model runner to hook: coverage phases on %s "
-                                   "are all counted as warmup", device)
-            if table is not None and layer_id < table.layers:
-                counter = hooks.DeviceCounter(table.counts[layer_id], table.slot)
-            else:
-                logger.warning("anychip: layer %s is counted in Python: its calls inside CUDA graphs are missed",
-                               layer.name)
-        self._counters[layer_id] = counter
-        return counter
+        with self._lock:  # the report iterates _counters and _tables
+            layer = self.coverage.layers[layer_id]
+            route = routes.get(layer.route) if not layer.route.startswith("vllm.") else None
+            counter = None
+            if getattr(route, "counts_on_device", False) and torch.cuda.is_available():
+                device = torch.device("cuda", torch.cuda.current_device())
+                table = self._tables.get(device)
+                if table is None and not torch.cuda.is_current_stream_capturing():
+                    table = self._tables[device] = _DeviceTable(len(self.coverage.layers), device)
+                    if not compat.install_step_hook(self.on_step):
+                        logger.warning("anychip: this vLLM has no GPU model runner to hook: coverage phases on %s "
+                                       "are all counted as warmup", device)
+                if table is not None and layer_id < table.layers:
+                    counter = hooks.DeviceCounter(table.counts[layer_id], table.slot)
+                else:
+                    logger.warning("anychip: layer %s is counted in Python: its calls inside CUDA graphs are missed",
+                                   layer.name)
+            self._counters[layer_id] = counter
+            return counter
 
     def on_step(self, phase: str, tokens: int, runner: Any = None) -> None:
         """Before every model-runner step (compat.install_step_hook): the phase slot the kernels count at."""
-        counts = self._steps.setdefault(phase, Counter())
+        counts = self._steps.get(phase)
+        if counts is None:  # a new key: not while document() iterates the dict
+            with self._lock:
+                counts = self._steps.setdefault(phase, Counter())
         counts["forward_passes"] += 1
         counts["tokens"] += tokens
         for table in self._tables.values():
@@ -170,12 +179,13 @@ class Recorder:
         self._device_dirty = True
 
     def document(self) -> dict[str, Any]:
-        self.coverage.head_route = self.head_route()
-        doc = self.coverage.snapshot()
-        if self._tables or self._kernel_counts is not None:
-            self._device_dirty = False
-            self._merge_device_counts(doc)
-        return doc
+        with self._lock:
+            self.coverage.head_route = self.head_route()
+            doc = self.coverage.snapshot()
+            if self._tables or self._kernel_counts is not None:
+                self._device_dirty = False
+                self._merge_device_counts(doc)
+            return doc
 
     def _merge_device_counts(self, doc: dict[str, Any]) -> None:
         """Kernel-counted layers' calls and rows, and the step hook's passes and tokens per phase, into `doc`."""
@@ -195,8 +205,9 @@ class Recorder:
         if self.path is not None:
             try:
                 write_atomic(self.path, self.document())
-            except (OSError, RuntimeError) as exc:  # never take the engine down for a report (RuntimeError: CUDA)
-                logger.warning("anychip: could not write coverage report %s: %s", self.path, exc)
+            except Exception as exc:  # never take the engine (or the report thread) down for a report
+                self.coverage.dirty = True  # what this write missed goes out with the next one
+                logger.warning("anychip: could not write coverage report %s: %r", self.path, exc)
 
     def _flush_loop(self) -> None:
         while not self._stop.wait(FLUSH_SECONDS):
