@@ -48,6 +48,16 @@ def test_quantize_bit_exact(m: int, k: int, dtype: torch.dtype) -> None:
     assert torch.equal(xq.cpu(), rq)
 
 
+@pytest.mark.parametrize("m,k,one_pass_max", [(3, 1000, None), (2, 1000, 64), (1, 14336, None), (2, 14336, 4096)])
+def test_quantize_words_one_pass_and_in_blocks(m: int, k: int, one_pass_max: int | None) -> None:
+    """The GEMV's activation words hold exactly quantize_act's values, the row read once or in blocks."""
+    x = activations(m, k, torch.bfloat16, seed=k + m)
+    x[-1] = 0
+    rq, rs = quantize_activations_ref(x)
+    xw, sx = launch.quantize_words(x.to(DEV), one_pass_max=one_pass_max)
+    assert torch.equal(xw.cpu(), launch.words_of(rq)) and torch.equal(sx.cpu(), rs.reshape(-1))
+
+
 def test_quantize_ties_round_half_to_even() -> None:
     halves = torch.arange(-126, 127, dtype=torch.float32) + 0.5  # x / scale lands exactly on .5
     rows = [torch.cat([halves, torch.tensor([127.0])]),  # scale = 1

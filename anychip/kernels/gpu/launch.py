@@ -187,22 +187,30 @@ def w4a8_linear(
     return w4a8_linear_q(xq, sx, weight, scales, bias, n, kk, group_size, x.dtype, config, counter)
 
 
-def quantize_words(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_words(x: torch.Tensor, one_pass_max: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(M, K) floats -> xw (M, 2, K/8) int32 (the GEMV's activation words), sx (M,) fp32: the same scale and INT8
-    values as quantize_act, packed (K a multiple of 8)."""
+    values as quantize_act, packed (K a multiple of 8).  one_pass_max: see quantize_words_options (tests)."""
     m, kk = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
     xw = torch.empty((m, 2, kk // 8), dtype=torch.int32, device=x.device)
     sx = torch.empty((m,), dtype=torch.float32, device=x.device)
     if m:
-        k._quantize_words_kernel[(m,)](x, xw, sx, kk, kk // 8, x.stride(0), **quantize_words_options(kk))
+        options = quantize_words_options(kk, one_pass_max or QUANTIZE_ONE_PASS)
+        k._quantize_words_kernel[(m,)](x, xw, sx, kk, kk // 8, x.stride(0), **options)
     return xw, sx
 
 
-def quantize_words_options(kk: int) -> dict[str, int]:
-    """_quantize_words_kernel's compile-time options for rows of K (precompile.py compiles the same)."""
-    return {**quantize_options(kk), "WBLOCK": min(triton.next_power_of_2(max(kk // 8, 1)), 512)}
+QUANTIZE_ONE_PASS = 16384  # channels a token up to which _quantize_words_kernel holds the row in registers
+
+
+def quantize_words_options(kk: int, one_pass_max: int = QUANTIZE_ONE_PASS) -> dict[str, int]:
+    """_quantize_words_kernel's compile-time options for rows of K (precompile.py compiles the same): the whole row
+    in one block up to one_pass_max channels, else blocks of 4096."""
+    span = triton.next_power_of_2(max(kk, 8))
+    one = span <= one_pass_max
+    block = span if one else min(4096, triton.next_power_of_2(max(one_pass_max, 8)))
+    return {"BLOCK": block, "WBLOCK": block // 8, "ONE_PASS": one, "num_warps": 4 if block <= 2048 else 8}
 
 
 def words_of(xq: torch.Tensor) -> torch.Tensor:
@@ -273,10 +281,10 @@ def gemv_launch(cfg: GemvConfig, n, kk, g, xw, sx, weight32, scales, bias, out, 
     return grid, args, options
 
 
-def _compiled(weight32) -> bool:
-    """Whether the GEMV runs compiled (CUDA tensors, or the dtypes precompile.py passes) and so may use inline PTX:
-    Triton's interpreter runs on CPU tensors and spells dp4a out."""
-    return not isinstance(weight32, torch.Tensor) or weight32.is_cuda
+def _compiled(weight) -> bool:
+    """Whether a kernel runs compiled (CUDA tensors, or the dtypes precompile.py passes) and so may use inline PTX:
+    Triton's interpreter runs on CPU tensors and spells dp4a and the nibble widening out."""
+    return not isinstance(weight, torch.Tensor) or weight.is_cuda
 
 
 def group_dots(xq: torch.Tensor, weight: torch.Tensor, n: int, kk: int, group_size: int,
@@ -288,7 +296,8 @@ def group_dots(xq: torch.Tensor, weight: torch.Tensor, n: int, kk: int, group_si
     bm, bn = (16, 64) if swap else (16, 32)
     if out.numel():
         grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), kk // group_size)
-        k._group_dots_kernel[grid](xq, weight, out, m, n, kk, xq.stride(0), G=group_size, BM=bm, BN=bn, SWAP=swap)
+        k._group_dots_kernel[grid](xq, weight, out, m, n, kk, xq.stride(0), G=group_size, BM=bm, BN=bn, SWAP=swap,
+                                   ASM=_compiled(weight))
     return out
 
 
@@ -336,7 +345,7 @@ def gemm_launch(cfg: GemmConfig, m, n, kk, g, xq, sx, weight, scales, bias, out,
     args = (xq, sx, weight, scales, bias, out, parts, locks, cell, slot, m, n, kk, stride_x, stride_out, m * n)
     options = dict(G=g, BM=cfg.block_m, BN=cfg.block_n, BK=max(cfg.block_k, g), SWAP=cfg.swap, SPLIT_K=split,
                    GROUP_M=cfg.group_m, HAS_BIAS=bias is not None, COUNT=cell is not None,
-                   PIPE=cfg.pipe, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                   PIPE=cfg.pipe, ASM=_compiled(weight), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return grid, args, options
 
 

@@ -50,12 +50,12 @@ def _round_q(v, safe):
 
 
 @triton.jit
-def _group_dot16(x_ptrs, w_ptrs, x_mask, w_mask, BN: tl.constexpr, G: tl.constexpr, SWAP: tl.constexpr):
+def _group_dot16(x_ptrs, w_ptrs, x_mask, w_mask, BN: tl.constexpr, G: tl.constexpr, SWAP: tl.constexpr,
+                 ASM: tl.constexpr):
     """16 x one group's integer dot products: (BM, BN) int32, or (BN, BM) when SWAP (weights as the MMA's A)."""
     x = tl.load(x_ptrs, mask=x_mask, other=0)  # (BM, G) int8
     wp = tl.load(w_ptrs, mask=w_mask, other=0)  # (BN, G/2) int8, two nibbles a byte
-    lo = wp << 4  # 16 * w[2b] (int8 arithmetic: the scalar does not widen the type)
-    hi = wp & -16  # 16 * w[2b+1]
+    lo, hi = _widen_nibbles(wp, ASM)
     w = tl.reshape(tl.join(lo, hi), (BN, G))  # (BN, G), k = 2b + {0, 1}
     if SWAP:
         d = tl.dot(w, tl.trans(x), out_dtype=tl.int32)
@@ -65,18 +65,36 @@ def _group_dot16(x_ptrs, w_ptrs, x_mask, w_mask, BN: tl.constexpr, G: tl.constex
 
 
 @triton.jit
+def _widen_nibbles(wp, ASM: tl.constexpr):
+    """(16 * low nibble, 16 * high nibble) of every int8 byte of wp, each as an int8: `b << 4` and `b & 0xF0`.
+    ASM (compiled): on four bytes a register at once (shl + and, and one and), where the int8 operators compile
+    to a byte extract, mask and re-pack per byte (the main loop's largest instruction count); both are bytewise,
+    so the result does not depend on which bytes the compiler packs together."""
+    if ASM:
+        lo = tl.inline_asm_elementwise("{ .reg .b32 t; shl.b32 t, $1, 4; and.b32 $0, t, 0xF0F0F0F0; }", "=r,r",
+                                       [wp], dtype=tl.int8, is_pure=True, pack=4)
+        hi = tl.inline_asm_elementwise("and.b32 $0, $1, 0xF0F0F0F0;", "=r,r", [wp], dtype=tl.int8, is_pure=True,
+                                       pack=4)
+    else:
+        lo = wp << 4  # int8 arithmetic: the scalar does not widen the type
+        hi = wp & -16
+    return lo, hi
+
+
+@triton.jit
 def _w4a8_gemm_kernel(
     x_ptr, sx_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr, count_ptr, slot_ptr,
     M, N, K, stride_xm, stride_om, stride_split,
     G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr,
     SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, COUNT: tl.constexpr,
-    PIPE: tl.constexpr = False,
+    PIPE: tl.constexpr = False, ASM: tl.constexpr = False,
 ):
     """out (M, N) = the W4A8 linear.  SPLIT_K > 1: part (SPLIT_K, M, N) fp32 scratch, lock (>= tiles) int32 zeros.
     COUNT: count (slots, 2) int64 [calls, rows] of this layer, bumped at slot[0] by one program (hooks.py).
     PIPE: rescale group g-1's integer sums while group g's dot runs (the dot's result
     is first read one step later, so the tensor cores need not wait for the rescale); the fp32 sum adds the
-    same terms in the same order, so the result is the same bits."""
+    same terms in the same order, so the result is the same bits.  ASM: widen nibbles with inline PTX (compiled
+    only; the interpreter runs the int8 operators)."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     if COUNT:
@@ -112,12 +130,19 @@ def _w4a8_gemm_kernel(
     for g0 in range(g_begin, g_end, BK // G):
         for j in tl.static_range(BK // G):
             g = g0 + j
-            # a (1,) block rather than a scalar: the interpreter (TRITON_INTERPRET=1, Triton 3.9) types a scalar
-            # comparison as int32 and then refuses it as a load mask; compiled code is the same uniform predicate
-            live = tl.full((1,), g, tl.int32) < g_end
-            d = _group_dot16(x_ptrs + g * G, w_ptrs + g * (G // 2), mask_m[:, None] & live[None, :],
-                             mask_n[:, None] & live[None, :], BN, G, SWAP)
-            s = tl.load(s_ptr + g * N + offs_n, mask=mask_n & live, other=0.0).to(tl.float32) * 0.0625
+            if BK == G:  # one group a step: always inside the split, masks loop-invariant
+                x_mask = mask_m[:, None]
+                w_mask = mask_n[:, None]
+                s_mask = mask_n
+            else:
+                # a (1,) block rather than a scalar: the interpreter (TRITON_INTERPRET=1, Triton 3.9) types a
+                # scalar comparison as int32 and then refuses it as a load mask; compiled: a uniform predicate
+                live = tl.full((1,), g, tl.int32) < g_end
+                x_mask = mask_m[:, None] & live[None, :]
+                w_mask = mask_n[:, None] & live[None, :]
+                s_mask = mask_n & live
+            d = _group_dot16(x_ptrs + g * G, w_ptrs + g * (G // 2), x_mask, w_mask, BN, G, SWAP, ASM)
+            s = tl.load(s_ptr + g * N + offs_n, mask=s_mask, other=0.0).to(tl.float32) * 0.0625
             if PIPE:
                 acc = _rescale_add(acc, d_prev, s_prev, SWAP)
                 d_prev = d
@@ -132,19 +157,28 @@ def _w4a8_gemm_kernel(
     if SPLIT_K == 1:
         _epilogue(acc, offs_m, offs_n, mask_m, mask_n, sx_ptr, bias_ptr, out_ptr, stride_om, HAS_BIAS)
     else:
-        # Split-K: each split stores its fp32 partial; the last to arrive at the tile's semaphore sums all of them
-        # in split order (deterministic) and writes the output, then re-arms the semaphore for the next launch.
         offs = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-        mask = mask_m[:, None] & mask_n[None, :]
-        tl.store(part_ptr + pid_k.to(tl.int64) * stride_split + offs, acc, mask=mask)
-        tl.debug_barrier()  # every thread's partial is written before the release below
-        arrived = tl.atomic_add(lock_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            total = tl.zeros((BM, BN), dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):
-                total += tl.load(part_ptr + s * stride_split + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        total, last = _split_k_sum(acc, part_ptr, lock_ptr + pid, pid_k.to(tl.int64) * stride_split, stride_split,
+                                   offs, mask_m[:, None] & mask_n[None, :], SPLIT_K)
+        if last:
             _epilogue(total, offs_m, offs_n, mask_m, mask_n, sx_ptr, bias_ptr, out_ptr, stride_om, HAS_BIAS)
-            tl.atomic_xchg(lock_ptr + pid, 0)
+
+
+@triton.jit
+def _split_k_sum(acc, part_ptr, lock, at, stride_split, offs, mask, SPLIT_K: tl.constexpr):
+    """Split-K, the GEMM's and the GEMV's: each split stores its fp32 partial at part + at + offs; the last to
+    arrive at the tile's semaphore `lock` sums all of them in split order (deterministic) and re-arms the
+    semaphore for the next launch.  Returns (the sum, whether this program is the last, which writes it)."""
+    tl.store(part_ptr + at + offs, acc, mask=mask)
+    tl.debug_barrier()  # every thread's partial is written before the release below
+    arrived = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
+    last = arrived == SPLIT_K - 1
+    total = tl.zeros(acc.shape, dtype=tl.float32)
+    if last:
+        for s in tl.static_range(SPLIT_K):
+            total += tl.load(part_ptr + s * stride_split + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.atomic_xchg(lock, 0)
+    return total, last
 
 
 @triton.jit
@@ -169,7 +203,7 @@ def _epilogue(acc, offs_m, offs_n, mask_m, mask_n, sx_ptr, bias_ptr, out_ptr, st
 @triton.jit
 def _group_dots_kernel(
     x_ptr, w_ptr, out_ptr, M, N, K, stride_xm,
-    G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SWAP: tl.constexpr,
+    G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SWAP: tl.constexpr, ASM: tl.constexpr,
 ):
     """Debug: out (M, N, K/G) int32 = the exact per-group sums, through the GEMM's own _group_dot16."""
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -179,7 +213,7 @@ def _group_dots_kernel(
     mask_n = offs_n < N
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + g * G + tl.arange(0, G)[None, :]
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * (K // 2) + g * (G // 2) + tl.arange(0, G // 2)[None, :]
-    d = _group_dot16(x_ptrs, w_ptrs, mask_m[:, None], mask_n[:, None], BN, G, SWAP) >> 4
+    d = _group_dot16(x_ptrs, w_ptrs, mask_m[:, None], mask_n[:, None], BN, G, SWAP, ASM) >> 4
     if SWAP:
         d = tl.trans(d)
     groups = K // G
@@ -203,30 +237,48 @@ def _dp4a(a, b, c, ASM: tl.constexpr):
 
 
 @triton.jit
-def _x_words(x_ptr, offs_w, mask_w, first: tl.constexpr, safe):
-    """(W,) int32: word j holds the activations k = 8j + first + {0, 2, 4, 6}, quantized with the scale `safe`
-    exactly as _quantize_rows_kernel does, in bytes 0..3: the channels a weight word's low (first = 0) or high
-    (first = 1) nibbles hold."""
-    word = tl.zeros(offs_w.shape, tl.int32)
-    for b in tl.static_range(4):
-        v = tl.load(x_ptr + offs_w * 8 + (first + 2 * b), mask=mask_w, other=0.0).to(tl.float32)
-        word = word | ((_round_q(v, safe).to(tl.int32) & 255) << (8 * b))
-    return word
+def _or(a, b):
+    return a | b
 
 
 @triton.jit
-def _quantize_words_kernel(x_ptr, xw_ptr, s_ptr, K, words, stride_x, BLOCK: tl.constexpr, WBLOCK: tl.constexpr):
+def _pack_words(x_ptr, offs, K, safe, W: tl.constexpr):
+    """The 8W channels `offs` of a token (8W contiguous, from a multiple of 8), quantized with the scale `safe`
+    exactly as _quantize_rows_kernel does, as two (W,) int32 tensors of words: word j of the first holds
+    k = 8j + {0, 2, 4, 6} in bytes 0..3, of the second k = 8j + {1, 3, 5, 7}: the channels a weight word's low and
+    high nibbles hold.  Contiguous (coalesced) loads; the bytes are placed by shifts and joined by an OR."""
+    v = tl.load(x_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)
+    q = _round_q(v, safe).to(tl.int32) & 255
+    even, odd = tl.split(tl.reshape(q, (W, 4, 2)))  # [j, b] = k 8j + 2b (+ 1)
+    shifts = (8 * tl.arange(0, 4))[None, :]
+    return tl.reduce(even << shifts, 1, _or), tl.reduce(odd << shifts, 1, _or)
+
+
+@triton.jit
+def _quantize_words_kernel(x_ptr, xw_ptr, s_ptr, K, words, stride_x, BLOCK: tl.constexpr, WBLOCK: tl.constexpr,
+                           ONE_PASS: tl.constexpr):
     """One program per token: the same scale and INT8 values as _quantize_rows_kernel, written as the GEMV reads
-    them: xw (M, 2, K/8) int32, [even channels' words, odd channels' words] (see _x_words)."""
+    them: xw (M, 2, K/8) int32, [even channels' words, odd channels' words] (see _pack_words).  ONE_PASS
+    (8 * WBLOCK >= K): the row is read once, for its scale and its words."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
-    scale, safe = _row_scale(x_row, K, BLOCK)
     out = xw_ptr + row * 2 * words
-    for w0 in range(0, words, WBLOCK):
-        offs_w = w0 + tl.arange(0, WBLOCK)
-        mask_w = offs_w < words
-        tl.store(out + offs_w, _x_words(x_row, offs_w, mask_w, 0, safe), mask=mask_w)
-        tl.store(out + words + offs_w, _x_words(x_row, offs_w, mask_w, 1, safe), mask=mask_w)
+    if ONE_PASS:
+        offs = tl.arange(0, 8 * WBLOCK)
+        amax = tl.max(tl.abs(tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)), axis=0)
+        scale = tl.math.div_rn(amax, 127.0)  # as _row_scale
+        safe = tl.where(scale > 0.0, scale, 1.0)
+        offs_w = tl.arange(0, WBLOCK)
+        even, odd = _pack_words(x_row, offs, K, safe, WBLOCK)  # the same addresses: served from L1
+        tl.store(out + offs_w, even, mask=offs_w < words)
+        tl.store(out + words + offs_w, odd, mask=offs_w < words)
+    else:
+        scale, safe = _row_scale(x_row, K, BLOCK)
+        for w0 in range(0, words, WBLOCK):
+            offs_w = w0 + tl.arange(0, WBLOCK)
+            even, odd = _pack_words(x_row, w0 * 8 + tl.arange(0, 8 * WBLOCK), K, safe, WBLOCK)
+            tl.store(out + offs_w, even, mask=offs_w < words)
+            tl.store(out + words + offs_w, odd, mask=offs_w < words)
     tl.store(s_ptr + row, scale)
 
 
@@ -280,15 +332,9 @@ def _w4a8_gemv_kernel(
     if SPLIT_K == 1:
         _gemv_epilogue(acc, offs_n, mask_n, scale, bias_ptr, out_ptr, HAS_BIAS)
     else:
-        tl.store(part_ptr + pid_k * N + offs_n, acc, mask=mask_n)
-        tl.debug_barrier()  # every thread's partial is written before the release below
-        arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            total = tl.zeros((BN,), dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):
-                total += tl.load(part_ptr + s * N + offs_n, mask=mask_n, other=0.0, cache_modifier=".cg")
+        total, last = _split_k_sum(acc, part_ptr, lock_ptr + pid_n, pid_k * N, N, offs_n, mask_n, SPLIT_K)
+        if last:
             _gemv_epilogue(total, offs_n, mask_n, scale, bias_ptr, out_ptr, HAS_BIAS)
-            tl.atomic_xchg(lock_ptr + pid_n, 0)
 
 
 @triton.jit
