@@ -336,11 +336,6 @@ def split_of(cfg: GemmConfig, m: int, n: int) -> int:
     return cfg.split_k if triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n) <= LOCKS else 1
 
 
-# The GEMM's group rescale converts its int32 sums to fp32 by the magic-number add (triton_w4a8._rescale_add):
-# exact while |16 * group sum| < 2^22, i.e. G <= 256. Module state, not configuration: both forms give the same bits.
-MAGIC_CVT = True
-
-
 def gemm_launch(cfg: GemmConfig, m, n, kk, g, xq, sx, weight, scales, bias, out, parts, locks, cell, slot,
                 stride_x: int, stride_out: int) -> tuple[tuple[int, int], tuple, dict]:
     """(grid, arguments, compile-time options) of one GEMM launch: the one place they are spelled, for the launch
@@ -350,8 +345,7 @@ def gemm_launch(cfg: GemmConfig, m, n, kk, g, xq, sx, weight, scales, bias, out,
     args = (xq, sx, weight, scales, bias, out, parts, locks, cell, slot, m, n, kk, stride_x, stride_out, m * n)
     options = dict(G=g, BM=cfg.block_m, BN=cfg.block_n, BK=max(cfg.block_k, g), SWAP=cfg.swap, SPLIT_K=split,
                    GROUP_M=cfg.group_m, HAS_BIAS=bias is not None, COUNT=cell is not None,
-                   PIPE=cfg.pipe, ASM=_compiled(weight), MAGIC=MAGIC_CVT and g <= 256, num_warps=cfg.num_warps,
-                   num_stages=cfg.num_stages)
+                   PIPE=cfg.pipe, ASM=_compiled(weight), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return grid, args, options
 
 

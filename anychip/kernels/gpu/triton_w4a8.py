@@ -87,14 +87,14 @@ def _w4a8_gemm_kernel(
     M, N, K, stride_xm, stride_om, stride_split,
     G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr,
     SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, COUNT: tl.constexpr,
-    PIPE: tl.constexpr = False, ASM: tl.constexpr = False, MAGIC: tl.constexpr = False,
+    PIPE: tl.constexpr = False, ASM: tl.constexpr = False,
 ):
     """out (M, N) = the W4A8 linear.  SPLIT_K > 1: part (SPLIT_K, M, N) fp32 scratch, lock (>= tiles) int32 zeros.
     COUNT: count (slots, 2) int64 [calls, rows] of this layer, bumped at slot[0] by one program (hooks.py).
     PIPE: rescale group g-1's integer sums while group g's dot runs (the dot's result
     is first read one step later, so the tensor cores need not wait for the rescale); the fp32 sum adds the
     same terms in the same order, so the result is the same bits.  ASM: widen nibbles with inline PTX (compiled
-    only; the interpreter runs the int8 operators).  MAGIC: see _rescale_add."""
+    only; the interpreter runs the int8 operators)."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     if COUNT:
@@ -144,13 +144,13 @@ def _w4a8_gemm_kernel(
             d = _group_dot16(x_ptrs + g * G, w_ptrs + g * (G // 2), x_mask, w_mask, BN, G, SWAP, ASM)
             s = tl.load(s_ptr + g * N + offs_n, mask=s_mask, other=0.0).to(tl.float32) * 0.0625
             if PIPE:
-                acc = _rescale_add(acc, d_prev, s_prev, SWAP, MAGIC)
+                acc = _rescale_add(acc, d_prev, s_prev, SWAP)
                 d_prev = d
                 s_prev = s
             else:
-                acc = _rescale_add(acc, d, s, SWAP, MAGIC)
+                acc = _rescale_add(acc, d, s, SWAP)
     if PIPE:
-        acc = _rescale_add(acc, d_prev, s_prev, SWAP, MAGIC)
+        acc = _rescale_add(acc, d_prev, s_prev, SWAP)
     if SWAP:
         acc = tl.trans(acc)
 
@@ -182,18 +182,12 @@ def _split_k_sum(acc, part_ptr, lock, at, stride_split, offs, mask, SPLIT_K: tl.
 
 
 @triton.jit
-def _rescale_add(acc, d, s, SWAP: tl.constexpr, MAGIC: tl.constexpr):
-    """acc + float(d) * s, s along the weight (N) side of the tile.  MAGIC (|d| < 2^22, G <= 256): float(d) as
-    bits(d + 0x4B400000) - 1.5 * 2^23, an integer add and an fp32 subtract (both exact) in place of the int -> fp32
-    conversion instruction; the same value, so the same bits."""
-    if MAGIC:
-        f = (d + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
-    else:
-        f = d.to(tl.float32)
+def _rescale_add(acc, d, s, SWAP: tl.constexpr):
+    """acc + float(d) * s, s along the weight (N) side of the tile."""
     if SWAP:
-        return acc + f * s[:, None]
+        return acc + d.to(tl.float32) * s[:, None]
     else:
-        return acc + f * s[None, :]
+        return acc + d.to(tl.float32) * s[None, :]
 
 
 @triton.jit
