@@ -108,25 +108,32 @@ def test_channelwise_scales_are_served_as_repeated_groups():
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
 
 
-def test_recorder_counts_cpp_layers_in_the_kernel_per_phase():
-    """A layer on a C++ route is counted by its op in C++ at the slot the step hook sets: no Python per call."""
+def _prepared_g64_layer(recorder, name: str):
+    """A 48 x 256 G64 pack-quantized linear prepared by the plugin's scheme (random weights): (scheme, layer)."""
     from compressed_tensors.quantization import QuantizationArgs
 
     from anychip.formats import pack_int4
-    from anychip.kernels import hooks, routes
-    from anychip.kernels.policy import KernelPolicy
-    from anychip.vllm_plugin.recorder import Recorder
     from anychip.vllm_plugin.scheme import AnychipW4A8Scheme
 
-    recorder = Recorder(None, KernelPolicy())
     args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=64)
-    name = "model.layers.0.mlp.down_proj"
     scheme = AnychipW4A8Scheme(args, "pack-quantized", name, recorder)
     layer = torch.nn.Module()
     scheme.create_weights(layer, 48, 256, [48], 256, torch.bfloat16, weight_loader=lambda *a: None)
     layer.weight_packed.data.copy_(pack_int4(torch.randint(-8, 8, (48, 256), dtype=torch.int8)))
     layer.weight_scale.data.copy_(torch.rand(48, 4, dtype=torch.bfloat16) + 0.01)
     scheme.process_weights_after_loading(layer)
+    return scheme, layer
+
+
+def test_recorder_counts_cpp_layers_in_the_kernel_per_phase():
+    """A layer on a C++ route is counted by its op in C++ at the slot the step hook sets: no Python per call."""
+    from anychip.kernels import hooks, routes
+    from anychip.kernels.policy import KernelPolicy
+    from anychip.vllm_plugin.recorder import Recorder
+
+    recorder = Recorder(None, KernelPolicy())
+    name = "model.layers.0.mlp.down_proj"
+    scheme, layer = _prepared_g64_layer(recorder, name)
     assert routes.get(scheme.route_id).counts_in_kernel
     notified: list[tuple[int, int]] = []
     hooks.install(lambda layer_id, tokens: notified.append((layer_id, tokens)))
@@ -151,31 +158,17 @@ def test_report_never_pairs_a_layer_snapshot_with_counters_of_newer_layers(tmp_p
     KeyError there, which ended the report thread and left coverage.json without the prepared layers)."""
     import threading
 
-    from compressed_tensors.quantization import QuantizationArgs
-
-    from anychip.formats import pack_int4
     from anychip.kernels.policy import KernelPolicy
     from anychip.vllm_plugin.recorder import Recorder
-    from anychip.vllm_plugin.scheme import AnychipW4A8Scheme
 
     recorder = Recorder(None, KernelPolicy())
-    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=64)
-
-    def prepare(name: str) -> None:
-        scheme = AnychipW4A8Scheme(args, "pack-quantized", name, recorder)
-        layer = torch.nn.Module()
-        scheme.create_weights(layer, 48, 256, [48], 256, torch.bfloat16, weight_loader=lambda *a: None)
-        layer.weight_packed.data.copy_(pack_int4(torch.randint(-8, 8, (48, 256), dtype=torch.int8)))
-        layer.weight_scale.data.copy_(torch.rand(48, 4, dtype=torch.bfloat16) + 0.01)
-        scheme.process_weights_after_loading(layer)
-
-    prepare("model.layers.0.mlp.down_proj")  # the C++ routes' table exists from here on
+    _prepared_g64_layer(recorder, "model.layers.0.mlp.down_proj")  # the C++ routes' table exists from here on
     snapshot = recorder.coverage.snapshot
     builder: list[threading.Thread] = []
 
     def snapshot_while_a_layer_is_prepared():
         doc = snapshot()
-        thread = threading.Thread(target=prepare, args=("model.layers.1.mlp.down_proj",))
+        thread = threading.Thread(target=_prepared_g64_layer, args=(recorder, "model.layers.1.mlp.down_proj"))
         thread.start()
         thread.join(timeout=0.5)  # time for the layer to land inside the report's window, were it open
         builder.append(thread)
