@@ -253,6 +253,30 @@ def test_gpu_targets_batch_and_stock_kernels(tmp_path):
     assert latency.chosen_kernels(log) == ["CutlassW4A8LinearKernel for CompressedTensorsW4A8Fp8"]
 
 
+def test_engine_start_breakdown_from_the_log(tmp_path):
+    """vLLM 0.26's and 0.32's start lines and anychip's precompile lines (parallel: the longest counts)."""
+    log = tmp_path / "e.log"
+    log.write_text(
+        "(EngineCore pid=1) INFO 12-02 [default_loader.py:501] Loading weights took 3.15 seconds\n"
+        "INFO [gpu_model_runner.py:1] Model loading took 2.4200 GiB memory and 4.501 seconds\n"
+        "anychip: precompiled 9 Triton kernels for N=6144 K=2048 G128 in 12.5 s (8 threads)\n"
+        "anychip: precompiled 7 Triton kernels for N=2048 K=6144 G128 in 17.0 s (8 threads)\n"
+        "INFO [backends.py:1] Compiling a graph for compile range (1, 8192) takes 7.04 s\n"
+        "INFO [monitor.py:1] torch.compile takes 9.42 s in total\n"
+        "INFO [gpu_model_runner.py:2] Graph capturing finished in 2 secs, took 0.10 GiB\n"
+        "INFO [core.py:402] init engine (profile, create kv cache, warmup model) took 22.26 seconds\n")
+    assert latency.start_breakdown(log) == {
+        "load_weights_s": 3.15, "model_loading_s": 4.5, "torch_compile_s": 9.42, "graph_capture_s": 2.0,
+        "init_engine_s": 22.26, "triton_precompile_s": 17.0}
+    assert latency.start_breakdown(tmp_path / "missing.log") == {}
+    row = _latency_row("anychip-w4a8", 20000, 400)
+    row.update(engine_start_s=61.0, start_breakdown={"torch_compile_s": 9.42, "graph_capture_s": 2.0})
+    notes = latency.render_markdown({"commands": [], "created": "now", "machine": {"cpu": "x", "cpus": 1},
+                                     "threads": 1, "requested": {"pp": 8, "tg": 4, "reps": 1}, "rows": [row],
+                                     "targets": []})
+    assert "anychip-w4a8: engine start 61.0 s, as its log states it: torch compile 9.4 s, graph capture 2.0 s" in notes
+
+
 def test_stock_systems_leave_the_plugin_out(monkeypatch):
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)
     stock = latency.system_env(latency.System("vllm-bf16", "vllm", "BF16"), 2, None)

@@ -192,6 +192,33 @@ def chosen_kernels(log: Path) -> list[str]:
     return list(dict.fromkeys(f"{m.group(1)} for {m.group(2)}" for m in _KERNEL_LINE.finditer(text)))
 
 
+#: Where an engine's start goes, from its log: (field, pattern of one line's seconds, how several lines combine).
+#: vLLM 0.26 (CUDA) and 0.32 (CPU) spellings; anychip's precompile lines run on parallel threads (their longest).
+_START_LINES: tuple[tuple[str, re.Pattern[str], str], ...] = (
+    ("load_weights_s", re.compile(r"Loading weights took ([\d.]+) s"), "sum"),
+    ("model_loading_s", re.compile(r"Model loading took (?:[\d.]+ GiB (?:memory )?and )?([\d.]+) s"), "sum"),
+    ("torch_compile_s", re.compile(r"torch\.compile takes ([\d.]+) s in total"), "sum"),
+    ("graph_capture_s", re.compile(r"Graph capturing finished in ([\d.]+) s"), "sum"),
+    ("init_engine_s", re.compile(r"init engine \(.*?\) took ([\d.]+) s"), "sum"),
+    ("triton_precompile_s", re.compile(r"anychip: precompiled \d+ Triton kernels .* in ([\d.]+) s"), "max"),
+)
+
+
+def start_breakdown(log: Path) -> dict[str, float]:
+    """Seconds of an engine's start by phase, as its log states them (the phases vLLM and anychip log; absent
+    phases are left out)."""
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return {}
+    out: dict[str, float] = {}
+    for field, pattern, how in _START_LINES:
+        values = [float(m.group(1)) for m in pattern.finditer(text)]
+        if values:
+            out[field] = round(sum(values) if how == "sum" else max(values), 2)
+    return out
+
+
 def plugins_without_anychip() -> str:
     """VLLM_PLUGINS value that loads every installed vLLM plugin except anychip ("" when there are none)."""
     names = set()
@@ -273,8 +300,11 @@ def run_system(system: System, args: argparse.Namespace, workdir: Path) -> dict[
         result = _run_child(spec, workdir, timeout_s=args.budget_s + 900)
         row["notes"] = system.notes + [f"compiled mode failed ({compiled_error}); measured eager"]
     row["model"] = str(model)
+    log = workdir / f"{system.name}{'-eager' if spec.eager else ''}.log"
     if system.engine == "vllm" and not system.plugin:
-        row["vllm_kernels"] = chosen_kernels(workdir / f"{system.name}{'-eager' if spec.eager else ''}.log")
+        row["vllm_kernels"] = chosen_kernels(log)
+    if system.engine == "vllm":
+        row["start_breakdown"] = start_breakdown(log)
     if not result.get("ok"):
         return dict(row, status="failed", error=result.get("error"))
     row.update(measured_row(result), waited_for_idle_s=waited)
@@ -401,6 +431,10 @@ def render_markdown(doc: dict[str, Any]) -> str:
             notes += [f"- {r['system']}: {n}" for n in r["notes"]]
             if r.get("vllm_kernels"):
                 notes.append(f"- {r['system']}: vLLM chose " + "; ".join(r["vllm_kernels"]))
+            if r.get("start_breakdown") and r.get("engine_start_s") is not None:
+                notes.append(f"- {r['system']}: engine start {r['engine_start_s']:.1f} s, as its log states it: "
+                             + ", ".join(f"{k[:-2].replace('_', ' ')} {v:.1f} s"
+                                         for k, v in r["start_breakdown"].items()))
             if bw := r.get("bandwidth"):
                 notes.append(f"- {r['system']}: bandwidth bound {fmt(bw['bound_tps'])} tok/s = read bandwidth "
                              f"{bw['read_gbs']:.1f} GB/s (probed after its repetitions: the faster of anychip's "
