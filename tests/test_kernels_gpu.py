@@ -48,8 +48,11 @@ def test_quantize_bit_exact(m: int, k: int, dtype: torch.dtype) -> None:
     assert torch.equal(xq.cpu(), rq)
 
 
-@pytest.mark.parametrize("m,k,one_pass_max", [(3, 1000, None), (2, 1000, 64), (1, 14336, None), (2, 14336, 4096)])
-def test_quantize_words_one_pass_and_in_blocks(m: int, k: int, one_pass_max: int | None) -> None:
+ONE = launch.QUANTIZE_ONE_PASS
+
+
+@pytest.mark.parametrize("m,k,one_pass_max", [(3, 1000, ONE), (2, 1000, 64), (1, 14336, ONE), (2, 14336, 4096)])
+def test_quantize_words_one_pass_and_in_blocks(m: int, k: int, one_pass_max: int) -> None:
     """The GEMV's activation words hold exactly quantize_act's values, the row read once or in blocks."""
     x = activations(m, k, torch.bfloat16, seed=k + m)
     x[-1] = 0

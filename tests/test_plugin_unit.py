@@ -206,6 +206,26 @@ def test_a_failed_report_is_retried_and_the_report_thread_lives_on(tmp_path, mon
     assert json.loads(path.read_text())["layers"] == {}
 
 
+def test_a_report_that_keeps_failing_is_logged_once_per_error(tmp_path, caplog):
+    from anychip.kernels.policy import KernelPolicy
+    from anychip.vllm_plugin import recorder as recorder_mod
+
+    recorder = recorder_mod.Recorder(None, KernelPolicy())
+    recorder.path = tmp_path / "coverage.json"
+    errors = iter([OSError("disk full"), OSError("disk full"), OSError("read-only")])
+
+    def failing():
+        raise next(errors)
+
+    recorder.document = failing
+    with caplog.at_level("WARNING", logger="anychip"):
+        for _ in range(3):
+            recorder.flush()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"anychip: could not write coverage report {recorder.path}: OSError('{e}')" for e in ("disk full", "read-only")]
+    assert recorder.coverage.dirty
+
+
 def test_row_parallel_refusal_names_sizes_that_work():
     from anychip.vllm_plugin.scheme import LayerPrepareError
 

@@ -86,16 +86,15 @@ def test_linear_q_pow2_scales_exact(m: int, g: int, cfg: launch.GemmConfig) -> N
     assert not launch._locks(xq.device).any()  # split-K re-arms every semaphore it took
 
 
-@pytest.mark.parametrize("m,k,one_pass_max", [(3, 1000, None), (2, 1000, 64), (1, 4104, 1024)])
-def test_quantize_words_one_pass_and_in_blocks(m: int, k: int, one_pass_max: int | None) -> None:
+@pytest.mark.parametrize("m,k,one_pass_max", [(3, 1000, launch.QUANTIZE_ONE_PASS), (2, 1000, 64), (1, 4104, 1024)])
+def test_quantize_words_one_pass_and_in_blocks(m: int, k: int, one_pass_max: int) -> None:
     """The GEMV's activation words hold exactly quantize_act's values, whether the row is read once or in
     blocks (K not a power of two, a last block part full; a zero row)."""
     x = activations(m, k, torch.bfloat16, seed=k + m)
     x[-1] = 0
     rq, rs = quantize_activations_ref(x)
     xw, sx = launch.quantize_words(x, one_pass_max=one_pass_max)
-    assert launch.quantize_words_options(k, one_pass_max or launch.QUANTIZE_ONE_PASS)["ONE_PASS"] == (
-        one_pass_max is None)
+    assert launch.quantize_words_options(k, one_pass_max)["ONE_PASS"] == (one_pass_max == launch.QUANTIZE_ONE_PASS)
     assert torch.equal(xw, launch.words_of(rq)) and torch.equal(sx, rs.reshape(-1))
 
 

@@ -55,6 +55,7 @@ class Recorder:
         # registration (model build, possibly on another thread than the report's) and document() hold it, so that
         # a report never pairs a snapshot of the layers with counters of layers the snapshot does not hold
         self._lock = threading.RLock()
+        self._write_error: str | None = None  # the last failed write's error, logged once
         hooks.install(self.on_call)
         if path is not None:
             thread = threading.Thread(target=self._flush_loop, name="anychip-coverage", daemon=True)
@@ -207,7 +208,11 @@ class Recorder:
                 write_atomic(self.path, self.document())
             except Exception as exc:  # never take the engine (or the report thread) down for a report
                 self.coverage.dirty = True  # what this write missed goes out with the next one
-                logger.warning("anychip: could not write coverage report %s: %r", self.path, exc)
+                if repr(exc) != self._write_error:  # retried every FLUSH_SECONDS: each new failure logged once
+                    logger.warning("anychip: could not write coverage report %s: %r", self.path, exc)
+                self._write_error = repr(exc)
+            else:
+                self._write_error = None
 
     def _flush_loop(self) -> None:
         while not self._stop.wait(FLUSH_SECONDS):

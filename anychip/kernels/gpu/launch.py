@@ -187,7 +187,10 @@ def w4a8_linear(
     return w4a8_linear_q(xq, sx, weight, scales, bias, n, kk, group_size, x.dtype, config, counter)
 
 
-def quantize_words(x: torch.Tensor, one_pass_max: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+QUANTIZE_ONE_PASS = 16384  # channels a token up to which _quantize_words_kernel holds the row in registers
+
+
+def quantize_words(x: torch.Tensor, one_pass_max: int = QUANTIZE_ONE_PASS) -> tuple[torch.Tensor, torch.Tensor]:
     """(M, K) floats -> xw (M, 2, K/8) int32 (the GEMV's activation words), sx (M,) fp32: the same scale and INT8
     values as quantize_act, packed (K a multiple of 8).  one_pass_max: see quantize_words_options (tests)."""
     m, kk = x.shape
@@ -196,12 +199,8 @@ def quantize_words(x: torch.Tensor, one_pass_max: int | None = None) -> tuple[to
     xw = torch.empty((m, 2, kk // 8), dtype=torch.int32, device=x.device)
     sx = torch.empty((m,), dtype=torch.float32, device=x.device)
     if m:
-        options = quantize_words_options(kk, one_pass_max or QUANTIZE_ONE_PASS)
-        k._quantize_words_kernel[(m,)](x, xw, sx, kk, kk // 8, x.stride(0), **options)
+        k._quantize_words_kernel[(m,)](x, xw, sx, kk, kk // 8, x.stride(0), **quantize_words_options(kk, one_pass_max))
     return xw, sx
-
-
-QUANTIZE_ONE_PASS = 16384  # channels a token up to which _quantize_words_kernel holds the row in registers
 
 
 def quantize_words_options(kk: int, one_pass_max: int = QUANTIZE_ONE_PASS) -> dict[str, int]:

@@ -36,7 +36,14 @@ def _row_scale(x_row, K, BLOCK: tl.constexpr):
     for k0 in range(0, K, BLOCK):
         offs = k0 + tl.arange(0, BLOCK)
         amax = tl.maximum(amax, tl.abs(tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)))
-    scale = tl.math.div_rn(tl.max(amax, axis=0), 127.0)
+    return _scale_of(tl.max(amax, axis=0))
+
+
+@triton.jit
+def _scale_of(amax):
+    """(scale, safe) of a token whose largest |x| is amax: scale = amax / 127 (IEEE division), safe = scale, or 1
+    for a zero row (whose q are then 0)."""
+    scale = tl.math.div_rn(amax, 127.0)
     return scale, tl.where(scale > 0.0, scale, 1.0)
 
 
@@ -265,9 +272,7 @@ def _quantize_words_kernel(x_ptr, xw_ptr, s_ptr, K, words, stride_x, BLOCK: tl.c
     out = xw_ptr + row * 2 * words
     if ONE_PASS:
         offs = tl.arange(0, 8 * WBLOCK)
-        amax = tl.max(tl.abs(tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)), axis=0)
-        scale = tl.math.div_rn(amax, 127.0)  # as _row_scale
-        safe = tl.where(scale > 0.0, scale, 1.0)
+        scale, safe = _scale_of(tl.max(tl.abs(tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)), axis=0))
         offs_w = tl.arange(0, WBLOCK)
         even, odd = _pack_words(x_row, offs, K, safe, WBLOCK)  # the same addresses: served from L1
         tl.store(out + offs_w, even, mask=offs_w < words)
