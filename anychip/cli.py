@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--synthetic", metavar="SHAPE",
                    help="instead: a random-weight W4A8 Llama for throughput-only runs, e.g. 'llama-2b' or "
                         "'layers=42,hidden=2048,intermediate=6144,heads=16,kv_heads=8,vocab=73448,group=128'")
+    s.add_argument("--tokenizer", metavar="DIR", help="with --synthetic: take the tokenizer (and config template) "
+                   "of this Hugging Face directory instead of the default model's")
     s.add_argument("--force", action="store_true", help="redo every step even if cached")
     s.set_defaults(target="anychip.checkpoint.prepare:cmd_prepare")
 

@@ -176,3 +176,39 @@ def test_synthetic_rejects_bad_shapes_before_writing(default_model):
     cache = model_cache()
     with pytest.raises(ContractError, match="vocab=1000 is smaller than the tokenizer"):
         make_synthetic(parse_shape("tiny,vocab=1000"), cache=cache)
+
+
+def _word_tokenizer(directory: Path, words: int) -> Path:
+    """A Hugging Face tokenizer.json of `words` word-level tokens (no model package needed)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(words)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    directory.mkdir(parents=True)
+    tok.save(str(directory / "tokenizer.json"))
+    return directory
+
+
+def test_synthetic_with_a_given_tokenizer_needs_no_default_model(monkeypatch, tmp_path, capsys):
+    """`prepare --synthetic SHAPE --tokenizer DIR` on a host without the default model's package: the model takes
+    DIR's tokenizer, its recipe names that tokenizer, and a vocab smaller than it or a folder without
+    tokenizer.json is refused before anything is written."""
+    monkeypatch.setattr(from_gguf, "DEFAULT_MODEL_PACKAGE", "anychip_test_no_such_package")
+    tok = _word_tokenizer(tmp_path / "tok", 300)
+    shape = parse_shape("layers=1,hidden=128,intermediate=256,heads=2,kv_heads=1,vocab=320,group=64")
+    assert main(["prepare", "--synthetic", "layers=1,hidden=128,intermediate=256,heads=2,kv_heads=1,vocab=320,"
+                 "group=64", "--tokenizer", str(tok), "--cache", str(tmp_path / "cache")]) == 0
+    out = tmp_path / "cache" / "synthetic" / shape.dirname
+    assert (out / "tokenizer.json").read_bytes() == (tok / "tokenizer.json").read_bytes()
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == 320
+    assert verify_checkpoint(out).checksums_verified
+    recipe = json.loads(marker_path(out).read_text())
+    assert "tokenizer_json_sha256" in json.dumps(recipe)
+    with pytest.raises(ContractError, match="smaller than the tokenizer"):
+        make_synthetic(parse_shape("layers=1,hidden=128,intermediate=256,heads=2,kv_heads=1,vocab=200,group=64"),
+                       cache=tmp_path / "c2", tokenizer=tok)
+    with pytest.raises(ContractError, match="no tokenizer.json"):
+        make_synthetic(shape, cache=tmp_path / "c3", tokenizer=tmp_path)
+    assert main(["prepare", "--tokenizer", str(tok), "--cache", str(tmp_path / "c4")]) != 0
+    assert "--tokenizer goes with --synthetic" in capsys.readouterr().err
+    assert not list((tmp_path / "c2").rglob("*.safetensors")) and not (tmp_path / "c4").exists()

@@ -8,6 +8,8 @@ kernels through Triton's interpreter on the CPU.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -151,6 +153,25 @@ def _linear_cases() -> list[tuple]:
             cases.append((m, k, NS[(i + j) % 4], gs[(i + 2 * j) % len(gs)], (i + j) // 2 % 2 == 0, dtype))
     cases.append((512, 6144, 576, 32, True, torch.float16))
     return cases
+
+
+@pytest.mark.parametrize("n,k,g", [(17, 576, 32), (576, 2048, 128), (6144, 2048, 128), (100, 14336, 128),
+                                   (2048, 8192, 64)])
+def test_fused_gemv_is_the_two_launch_gemv(n: int, k: int, g: int) -> None:
+    """Every fused GEMV candidate (the token quantized inside the GEMV's programs) gives the bits of the same tiling
+    after quantize_words, on fresh tokens each time (a zero token too); split-K semaphores left armed."""
+    q, s = weights(n, k, g, seed=n + k)
+    p = prepare_w4a8(q.to(DEV), s.to(DEV).bfloat16(), g, packed=False)
+    bias = torch.randn(n).bfloat16().to(DEV)
+    fused = [c for c in launch.candidates(1, n, k, g) if isinstance(c, launch.GemvConfig) and c.fused]
+    assert fused
+    for i, cfg in enumerate(fused * 2):
+        x = activations(1, k, torch.bfloat16, seed=i).to(DEV) if i != 3 else torch.zeros(1, k, dtype=torch.bfloat16,
+                                                                                             device=DEV)
+        one = launch.w4a8_linear(x, p.weight, p.scales, bias, n, k, g, config=cfg)
+        two = launch.w4a8_linear(x, p.weight, p.scales, bias, n, k, g, config=replace(cfg, fused=False))
+        assert torch.equal(one, two), cfg
+    assert not launch._locks(DEV).any()
 
 
 @pytest.mark.parametrize("m,k,n,g,has_bias,dtype", _linear_cases())

@@ -5,6 +5,7 @@ on their own (the file name does not start with test_): `TRITON_INTERPRET=1 pyte
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -120,6 +121,27 @@ def test_gemv_fused_quantization_and_every_config(n: int, k: int, g: int) -> Non
         assert y.dtype == torch.bfloat16
         assert_close(y, w4a8_linear_ref(rq, rs, q, s, bias.bfloat16(), out_dtype=torch.float64))
     assert not launch._locks(xq.device).any()
+
+
+@pytest.mark.parametrize("n,k,g,warps", [(40, 512, 128, 4), (33, 4160, 64, 2)])  # 4160 > XBLOCK 2048: three passes
+def test_gemv_fused_is_the_two_launch_gemv(n: int, k: int, g: int, warps: int) -> None:
+    """A fused GEMV (the token quantized inside, one launch) gives the same bits as the same tiling after
+    quantize_words, for a bf16 token, a zero token (output = bias) and an fp32 token; the amax in one block or in
+    several; split-K."""
+    w, sw = _layout(*weights(n, k, g, seed=k))
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(k)).bfloat16()
+    fused = launch.GemvConfig(16, 2 * g, launch.split_for(1, n, k, g, 16, 16, 2 * g, 8, 132), warps, fused=True)
+    options = launch.gemv_launch(fused, n, k, g, *[None] * 10)[2]
+    assert fused.split_k > 1 and options["FUSED"] and options["XBLOCK"] == min(1 << (k - 1).bit_length(), 1024 * warps)
+    for x in (activations(1, k, torch.bfloat16, seed=n), torch.zeros(1, k, dtype=torch.bfloat16),
+              activations(1, k, torch.float32, seed=n + 1)):
+        two = launch.w4a8_linear(x, w, sw, bias.to(x.dtype), n, k, g, config=replace(fused, fused=False))
+        one = launch.w4a8_linear(x, w, sw, bias.to(x.dtype), n, k, g, config=fused)
+        assert torch.equal(one, two)
+        if not x.any():
+            assert torch.equal(one[0], bias)
+    assert not launch._locks(w.device).any()
+    assert any(c.fused for c in launch.candidates(1, n, k, g) if isinstance(c, launch.GemvConfig))
 
 
 def _decode_counter() -> hooks.DeviceCounter:

@@ -104,10 +104,13 @@ def prepare_default(cache: Path | None = None, force: bool = False,
 def cmd_prepare(args: argparse.Namespace) -> int:
     cache = Path(args.cache) if args.cache else None
     if args.synthetic:
-        report = make_synthetic(parse_shape(args.synthetic), cache=cache, force=args.force)
+        tokenizer = Path(args.tokenizer) if args.tokenizer else None
+        report = make_synthetic(parse_shape(args.synthetic), cache=cache, force=args.force, tokenizer=tokenizer)
         print(report.summary())
         print(report.path)
         return 0
+    if args.tokenizer:
+        raise ContractError("--tokenizer goes with --synthetic: the default model brings its own")
     prepared = prepare_default(cache=cache, force=args.force)
     print(prepared.report.summary())
     print(prepared.w4a8_dir)

@@ -1,8 +1,9 @@
 """`anychip prepare --synthetic SHAPE`: a random-weight W4A8 Llama for throughput-only runs at large shapes.
 
 NOT A MODEL: its output is noise. It is labelled so in config.json (`anychip_synthetic`), in its directory
-name and in a README inside it. The tokenizer, chat template and generation config are the default model's,
-so vLLM loads it like any checkpoint. Tensors are generated and written one at a time.
+name and in a README inside it. The tokenizer, chat template and generation config are the default model's
+(or those of `--tokenizer DIR`, for a host without the default model's package), so vLLM loads it like any
+checkpoint. Tensors are generated and written one at a time.
 """
 
 from __future__ import annotations
@@ -174,6 +175,21 @@ def _config(shape: SyntheticShape, template: dict, scheme: W4A8Scheme, seed: int
     return config
 
 
+def _tokenizer_dir(path: Path) -> Path:
+    path = path.expanduser().absolute()
+    if not (path / "tokenizer.json").is_file():
+        raise ContractError(f"--tokenizer {path}: no tokenizer.json there: give a Hugging Face model or tokenizer "
+                            "directory")
+    return path
+
+
+def _tokenizer_id(tokenizer_dir: Path, given: Path | None) -> dict[str, str]:
+    """What the recipe records of the tokenizer: the default model's manifest, or a given one's tokenizer.json."""
+    if given is None:
+        return {"tokenizer_manifest_sha256": sha256_file(tokenizer_dir / "SHA256SUMS")}
+    return {"tokenizer_json_sha256": sha256_file(tokenizer_dir / "tokenizer.json")}
+
+
 def _readme(shape: SyntheticShape) -> str:
     return (f"# {shape.dirname}\n\nTHIS IS NOT A MODEL. Every weight is random ({_NOTICE}).\n\n"
             "It has the shape of a Llama and the W4A8 compressed-tensors layout, so vLLM and anychip serve it at the "
@@ -183,10 +199,12 @@ def _readme(shape: SyntheticShape) -> str:
 
 
 def make_synthetic(shape: SyntheticShape, cache: Path | None = None, force: bool = False,
-                   seed: int = 0) -> VerifyReport:
-    """Build (or reuse) `<cache>/synthetic/<shape.dirname>` and return its verification report."""
+                   seed: int = 0, tokenizer: Path | None = None) -> VerifyReport:
+    """Build (or reuse) `<cache>/synthetic/<shape.dirname>` and return its verification report. tokenizer: a
+    Hugging Face model directory whose tokenizer files (and config.json, when it has one, as the template of
+    the fields a shape leaves open) the model takes instead of the default model's."""
     cache = (cache or cache_dir()).expanduser().absolute()
-    tokenizer_dir = prepare_bf16(cache)
+    tokenizer_dir = _tokenizer_dir(tokenizer) if tokenizer is not None else prepare_bf16(cache)
     tok = tokenizer_size(tokenizer_dir)
     if tok is not None and shape.vocab < tok:
         raise ContractError(f"--synthetic: vocab={shape.vocab} is smaller than the tokenizer ({tok} tokens): "
@@ -194,14 +212,14 @@ def make_synthetic(shape: SyntheticShape, cache: Path | None = None, force: bool
     scheme = W4A8Scheme(group_size=shape.group, format=shape.format)
     root = cache / "synthetic"
     dst = root / shape.dirname
-    recipe = {"step": "synthetic", **asdict(shape), "seed": seed,
-              "tokenizer_manifest_sha256": sha256_file(tokenizer_dir / "SHA256SUMS")}
+    recipe = {"step": "synthetic", **asdict(shape), "seed": seed, **_tokenizer_id(tokenizer_dir, tokenizer)}
     reports: list[VerifyReport] = []
     with cache_lock(root):
         if force or not is_done(dst, recipe, lambda d: reports.append(verify_checkpoint(d))):
             clear_done(dst)
             items = _items(shape, scheme, torch.Generator().manual_seed(seed))
-            template = json.loads((tokenizer_dir / "config.json").read_text())
+            config_path = tokenizer_dir / "config.json"
+            template = json.loads(config_path.read_text()) if config_path.is_file() else {}
             with atomic_directory(dst, overwrite=True) as tmp:
                 with ShardedWriter(tmp, [s for specs, _ in items for s in specs]) as writer:
                     for specs, make in tqdm(items, desc=f"synthetic {shape.dirname}", unit="tensor"):

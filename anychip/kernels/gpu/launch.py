@@ -13,7 +13,7 @@ regime's default config.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -56,12 +56,14 @@ class GemmConfig:
 @dataclass(frozen=True)
 class GemvConfig:
     """One tiling of the batch-one GEMV (_w4a8_gemv_kernel): block_n output channels a program, block_k input
-    channels a main-loop step (a multiple of G), split_k programs along K (summed by the last, as GemmConfig's)."""
+    channels a main-loop step (a multiple of G), split_k programs along K (summed by the last, as GemmConfig's).
+    fused: the GEMV quantizes the token itself (one launch); else quantize_words runs first (two launches)."""
 
     block_n: int
     block_k: int
     split_k: int = 1
     num_warps: int = 4
+    fused: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k"):
@@ -126,9 +128,10 @@ def candidates(m: int, n: int, k: int, g: int, sms: int = 132) -> list[Config]:
     fits it, then the tensor-core decode tiles."""
     out: list[Config] = []
     if regime(m) == "gemv" and gemv_fits(k, g) is None:
-        for bn, bk, warps, per_sm in _GEMV:
-            bk = max(bk, g)
-            out.append(GemvConfig(bn, bk, split_for(1, n, k, g, 16, bn, bk, per_sm, sms), warps))
+        for fused in (False, True):
+            for bn, bk, warps, per_sm in _GEMV:
+                bk = max(bk, g)
+                out.append(GemvConfig(bn, bk, split_for(1, n, k, g, 16, bn, bk, per_sm, sms), warps, fused))
     table = {"gemv": _DECODE, "decode": _DECODE, "mid": _MID, "prefill": _PREFILL}[regime(m)]
     for bm, bn, bk, swap, warps, stages, per_sm, *flags in table:
         bk = max(bk, g)
@@ -171,7 +174,8 @@ def w4a8_linear(
     group_size: int, config: Config | None = None, counter: DeviceCounter | None = None,
 ) -> torch.Tensor:
     """x (M, K) bf16/fp16/fp32 -> (M, N) in x's dtype: the activations quantized (quantize_act, or for the GEMV
-    quantize_words), then the GEMM or GEMV. config: the serving config of M's bucket unless given."""
+    quantize_words, or inside a fused GEMV), then the GEMM or GEMV. config: the serving config of M's bucket unless
+    given."""
     m = x.shape[0]
     if config is None:
         config = serving_config(m, n, kk, group_size, x.device)
@@ -179,7 +183,10 @@ def w4a8_linear(
         _check_gemv(config, m, kk, group_size)
         _check(x, weight, scales, n, kk, group_size, activations=False)
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-        if n:
+        if n and config.fused:
+            launch_gemv(config, x if x.stride(1) == 1 else x.contiguous(), None, weight, scales, bias, n, kk,
+                        group_size, out, counter)
+        elif n:
             xw, sx = quantize_words(x)
             launch_gemv(config, xw, sx, weight, scales, bias, n, kk, group_size, out, counter)
         return out
@@ -236,6 +243,8 @@ def w4a8_linear_q(
         config = serving_config(m, n, kk, group_size, xq.device)
     if isinstance(config, GemvConfig):
         _check_gemv(config, m, kk, group_size)
+        if config.fused:  # the INT8 activations are given: the same GEMV on their words
+            config = replace(config, fused=False)
         launch_gemv(config, words_of(xq), sx, weight, scales, bias, n, kk, group_size, out, counter)
     else:
         launch_config(config, xq, sx, weight, scales, bias, n, kk, group_size, out, counter)
@@ -253,15 +262,17 @@ def _check_gemv(config: GemvConfig, m: int, kk: int, g: int) -> None:
 
 def launch_gemv(cfg: GemvConfig, xw, sx, weight, scales, bias, n, kk, g, out,
                 counter: DeviceCounter | None = None):
-    """Runs the GEMV with `cfg` into `out` (1, N): xw (1, 2, K/8) the token's activation words, sx its scale."""
+    """Runs the GEMV with `cfg` into `out` (1, N): xw (1, 2, K/8) the token's activation words and sx its scale,
+    or (cfg.fused) xw the token's (1, K) float row and sx None."""
     parts = locks = None
     split = gemv_split(cfg, n)
     if split > 1:
         parts = torch.empty((split, n), dtype=torch.float32, device=xw.device)
         locks = _locks(xw.device)
     cell, slot = (counter.cell, counter.slot) if counter is not None else (None, None)
-    grid, args, options = gemv_launch(cfg, n, kk, g, xw, sx.reshape(-1).float(), weight.view(torch.int32), scales,
-                                      bias, out, parts, locks, cell, slot)
+    sx = None if cfg.fused else sx.reshape(-1).float()
+    grid, args, options = gemv_launch(cfg, n, kk, g, xw, sx, weight.view(torch.int32), scales, bias, out, parts,
+                                      locks, cell, slot)
     return k._w4a8_gemv_kernel[grid](*args, **options)
 
 
@@ -277,6 +288,8 @@ def gemv_launch(cfg: GemvConfig, n, kk, g, xw, sx, weight32, scales, bias, out, 
     args = (xw, sx, weight32, scales, bias, out, parts, locks, cell, slot, n, kk, kk // 8)
     options = dict(G=g, BN=cfg.block_n, BK=cfg.block_k, SPLIT_K=split, HAS_BIAS=bias is not None,
                    COUNT=cell is not None, ASM=_compiled(weight32), num_warps=cfg.num_warps)
+    if cfg.fused:  # the amax pass: the whole row in one block up to 1024 channels a warp (32 fp32 a thread)
+        options.update(FUSED=True, XBLOCK=min(triton.next_power_of_2(max(kk, 8)), 1024 * cfg.num_warps))
     return grid, args, options
 
 
@@ -366,7 +379,8 @@ def compile_report(xq, sx, weight, scales, n: int, kk: int, g: int, cfg: Config)
     for the GEMV)."""
     out = torch.empty((xq.shape[0], n), dtype=torch.bfloat16, device=xq.device)
     if isinstance(cfg, GemvConfig):
-        compiled = launch_gemv(cfg, words_of(xq[:1]), sx[:1], weight, scales, None, n, kk, g, out[:1])
+        row = xq[:1].to(torch.bfloat16) if cfg.fused else words_of(xq[:1])  # the fused GEMV quantizes a float row
+        compiled = launch_gemv(cfg, row, sx[:1], weight, scales, None, n, kk, g, out[:1])
     else:
         compiled = launch_config(cfg, xq, sx.reshape(-1).float().contiguous(), weight, scales, None, n, kk, g, out)
     ptx = compiled.asm.get("ptx", "")

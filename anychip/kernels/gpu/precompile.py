@@ -49,7 +49,7 @@ def gemm_specs(n: int, kk: int, g: int, device: torch.device, buckets: Iterable[
                scales_dtype: torch.dtype) -> list[tuple[object, tuple[tuple[int, int], tuple, dict]]]:
     """(kernel, (grid, arguments, options)) of every launch form the buckets' configs will take, with dtypes for
     the tensors, as the plugin launches them (counting on the device, no bias; split-K scratch where it splits;
-    the GEMV on the activation words of one token)."""
+    the GEMV on the activation words of one token, or on its bf16 row when fused)."""
     f32, i8, i32, bf16 = torch.float32, torch.int8, torch.int32, torch.bfloat16
     seen, specs = set(), []
     for bucket in buckets:
@@ -58,9 +58,9 @@ def gemm_specs(n: int, kk: int, g: int, device: torch.device, buckets: Iterable[
             if isinstance(cfg, launch.GemvConfig):
                 split = launch.gemv_split(cfg, n)
                 kernel = kern._w4a8_gemv_kernel
-                spec = launch.gemv_launch(cfg, n, kk, g, i32, f32, i32, scales_dtype, None, bf16,
-                                          f32 if split > 1 else None, i32 if split > 1 else None, torch.int64,
-                                          i32)
+                spec = launch.gemv_launch(cfg, n, kk, g, bf16 if cfg.fused else i32, None if cfg.fused else f32,
+                                          i32, scales_dtype, None, bf16, f32 if split > 1 else None,
+                                          i32 if split > 1 else None, torch.int64, i32)
                 key = (cfg, split)
             else:
                 split = launch.split_of(cfg, m, n)
@@ -90,7 +90,7 @@ def submit(n: int, kk: int, g: int, device: torch.device, buckets: Iterable[str 
     jobs = gemm_specs(n, kk, g, device, buckets, scales_dtype)
     jobs.append((kern._quantize_rows_kernel, ((1,), (torch.bfloat16, torch.int8, torch.float32, kk, kk, kk),
                                               launch.quantize_options(kk))))
-    if any(kernel is kern._w4a8_gemv_kernel for kernel, _ in jobs):
+    if any(kernel is kern._w4a8_gemv_kernel and not spec[2].get("FUSED") for kernel, spec in jobs):
         jobs.append((kern._quantize_words_kernel, ((1,), (torch.bfloat16, torch.int32, torch.float32, kk, kk // 8,
                                                           kk), launch.quantize_words_options(kk))))
     with torch.cuda.device(device):  # each kernel's binder made here, on the loading thread: workers never race

@@ -292,7 +292,7 @@ def _w4a8_gemv_kernel(
     xw_ptr, sx_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr, count_ptr, slot_ptr,
     N, K, words,
     G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    COUNT: tl.constexpr, ASM: tl.constexpr,
+    COUNT: tl.constexpr, ASM: tl.constexpr, FUSED: tl.constexpr = False, XBLOCK: tl.constexpr = 0,
 ):
     """out (1, N) = the W4A8 linear of one token, on the CUDA cores: the weights as int32 words of eight nibbles,
     each word's low and high nibbles widened in place to bytes holding 16 * w (two integer ops a word), then one
@@ -300,7 +300,10 @@ def _w4a8_gemv_kernel(
     xw (2, K/8) int32: the token's INT8 activations as _quantize_words_kernel packs them, sx (1,) its scale.
     w (N, K/8) int32: layout.py's bytes read as little-endian words; words = K / 8, an argument of its own so that
     Triton sees its divisibility (16-byte row starts: vector loads). SPLIT_K > 1: part (SPLIT_K, N) fp32 scratch
-    and lock (>= N/BN) int32 zeros, as in _w4a8_gemm_kernel."""
+    and lock (>= N/BN) int32 zeros, as in _w4a8_gemm_kernel.
+    FUSED: xw is the token's (1, K) float row itself and sx is unused: every program takes the row's amax (blocks of
+    XBLOCK channels; one block when XBLOCK >= K) and packs each group's words as it goes, with _quantize_words_kernel's
+    scale and rounding (the same bits), so batch one is one launch instead of two."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     if COUNT:
@@ -316,15 +319,20 @@ def _w4a8_gemv_kernel(
     s_begin = pid_k * per_split
     s_end = tl.minimum(s_begin + per_split, steps)
     rows = w_ptr + offs_n[:, None].to(tl.int64) * words
+    if FUSED:
+        scale, safe = _row_scale(xw_ptr, K, XBLOCK)
     acc = tl.zeros((BN,), dtype=tl.float32)
     for st in range(s_begin, s_end):
         for j in tl.static_range(BK // G):
             g = st * (BK // G) + j
             offs_w = g * (G // 8) + tl.arange(0, G // 8)
             mask_w = offs_w < words
-            xe = tl.load(xw_ptr + offs_w, mask=mask_w, other=0)
-            xo = tl.load(xw_ptr + words + offs_w, mask=mask_w, other=0)
             w = tl.load(rows + offs_w[None, :], mask=mask_n[:, None] & mask_w[None, :], other=0)
+            if FUSED:  # the group's words from the float row (L1/L2: every program of this K stretch reads it)
+                xe, xo = _pack_words(xw_ptr, g * G + tl.arange(0, G), K, safe, G // 8)
+            else:
+                xe = tl.load(xw_ptr + offs_w, mask=mask_w, other=0)
+                xo = tl.load(xw_ptr + words + offs_w, mask=mask_w, other=0)
             lo = (w << 4) & -252645136  # 0xF0F0F0F0: bytes 16 * w[8j + 2b]
             hi = w & -252645136  # bytes 16 * w[8j + 2b + 1]
             zero = tl.zeros(w.shape, tl.int32)
@@ -333,7 +341,8 @@ def _w4a8_gemv_kernel(
             live = tl.full((1,), g, tl.int32) < groups  # (1,): see _w4a8_gemm_kernel
             s = tl.load(s_ptr + g * N + offs_n, mask=mask_n & live, other=0.0).to(tl.float32)
             acc += tl.sum(d, axis=1).to(tl.float32) * (s * 0.0625)  # |16 * group sum| < 2^24: exact in fp32
-    scale = tl.load(sx_ptr)
+    if not FUSED:
+        scale = tl.load(sx_ptr)
     if SPLIT_K == 1:
         _gemv_epilogue(acc, offs_n, mask_n, scale, bias_ptr, out_ptr, HAS_BIAS)
     else:

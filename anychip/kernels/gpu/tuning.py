@@ -23,6 +23,7 @@ import re
 import sys
 import tempfile
 import time
+from collections.abc import Collection
 from dataclasses import asdict
 from pathlib import Path
 
@@ -103,13 +104,14 @@ def lookup(bucket: str | int, n: int, k: int, g: int, device: torch.device,
 
 
 def tune_linear(weight: torch.Tensor, scales: torch.Tensor, n: int, k: int, g: int, mode: str,
-                tuning_dir: Path | None, precompile_threads: int = 0, retune: bool = False,
+                tuning_dir: Path | None, precompile_threads: int = 0, retune: bool | Collection[str] = False,
                 times: dict[str, dict[str, float]] | None = None) -> None:
     """Make every bucket's config known for this linear before it serves (called at load, by the route's
     prepare): from the caches, else (mode "load") timed here on the layer's weights and written to the disk
     cache; mode "off" leaves unknown buckets on their default config. precompile_threads > 0: then compile the
     configs' kernels on that many background threads (precompile.py). retune: time every bucket even where a
-    table knows it (the table maker). times: filled with each timed bucket's {config: ms}."""
+    table knows it (the table maker), or only the buckets named ("gemv", "decode", "mid", "512", ...).
+    times: filled with each timed bucket's {config: ms}."""
     if mode not in TUNING_MODES:
         raise ValueError(f"GPU tuning mode {mode!r} is not one of {TUNING_MODES}")
     device = weight.device
@@ -119,7 +121,8 @@ def tune_linear(weight: torch.Tensor, scales: torch.Tensor, n: int, k: int, g: i
     for bucket, m in BUCKETS:
         if launch.config_for(m, n, k, g, device) is not None:
             continue
-        cfg = None if retune else lookup(bucket, n, k, g, device, tuning_dir)
+        again = retune if isinstance(retune, bool) else str(bucket) in retune
+        cfg = None if again else lookup(bucket, n, k, g, device, tuning_dir)
         if cfg is None and mode == "load":
             timed: dict[str, float] = {}
             cfg = _time_candidates(m, weight, scales, n, k, g, timed)
@@ -185,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--times", type=Path, help="also write every candidate's time per shape and bucket (JSON)")
     parser.add_argument("--retune", action="store_true", help="time every shape, also those the tables know "
                         "(their entries are replaced)")
+    parser.add_argument("--bucket", action="append", choices=[str(b) for b, _ in BUCKETS],
+                        help="with --retune: re-time only this M bucket (repeatable); the others come from the tables")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     triples: list[tuple[int, int, int]] = []
@@ -201,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         gen = torch.Generator(device=device).manual_seed(n * 31 + k)
         weight = torch.randint(-128, 128, (n, k // 2), dtype=torch.int8, device=device, generator=gen)
         scales = torch.rand((k // g, n), dtype=torch.float32, device=device, generator=gen) / 50 + 1e-3
-        tune_linear(weight, scales, n, k, g, "load", args.out, retune=args.retune, times=times)
+        retune = set(args.bucket) if args.retune and args.bucket else args.retune
+        tune_linear(weight, scales, n, k, g, "load", args.out, retune=retune, times=times)
         print(f"N={n} K={k} G={g}: " + ", ".join(
             f"{b}={launch.config_for(m, n, k, g, device)}" for b, m in BUCKETS), flush=True)
     print(f"tuned {len(set(triples))} shapes in {time.perf_counter() - t0:.0f} s -> {args.out}")
