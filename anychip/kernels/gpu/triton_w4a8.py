@@ -296,7 +296,8 @@ def _w4a8_gemv_kernel(
 ):
     """out (1, N) = the W4A8 linear of one token, on the CUDA cores: the weights as int32 words of eight nibbles,
     each word's low and high nibbles widened in place to bytes holding 16 * w (two integer ops a word), then one
-    dp4a each against four INT8 activations; the words of a group summed exactly in INT32, rescaled in fp32.
+    dp4a each against four INT8 activations; the words of a group summed exactly in INT32, rescaled in fp32. A step
+    (BK channels) is one (BN, BK/8) block of words, and the next step's block is loaded while this one computes.
     xw (2, K/8) int32: the token's INT8 activations as _quantize_words_kernel packs them, sx (1,) its scale.
     w (N, K/8) int32: layout.py's bytes read as little-endian words; words = K / 8, an argument of its own so that
     Triton sees its divisibility (16-byte row starts: vector loads). SPLIT_K > 1: part (SPLIT_K, N) fp32 scratch
@@ -319,28 +320,32 @@ def _w4a8_gemv_kernel(
     s_begin = pid_k * per_split
     s_end = tl.minimum(s_begin + per_split, steps)
     rows = w_ptr + offs_n[:, None].to(tl.int64) * words
+    W: tl.constexpr = BK // 8  # weight words a step
+    NG: tl.constexpr = BK // G  # groups a step
+    # the first step's weights are requested before the activations' amax: their HBM latency overlaps it
+    w = _gemv_step_words(rows, s_begin, s_end, words, mask_n, W)
     if FUSED:
         scale, safe = _row_scale(xw_ptr, K, XBLOCK)
     acc = tl.zeros((BN,), dtype=tl.float32)
     for st in range(s_begin, s_end):
-        for j in tl.static_range(BK // G):
-            g = st * (BK // G) + j
-            offs_w = g * (G // 8) + tl.arange(0, G // 8)
-            mask_w = offs_w < words
-            w = tl.load(rows + offs_w[None, :], mask=mask_n[:, None] & mask_w[None, :], other=0)
-            if FUSED:  # the group's words from the float row (L1/L2: every program of this K stretch reads it)
-                xe, xo = _pack_words(xw_ptr, g * G + tl.arange(0, G), K, safe, G // 8)
-            else:
-                xe = tl.load(xw_ptr + offs_w, mask=mask_w, other=0)
-                xo = tl.load(xw_ptr + words + offs_w, mask=mask_w, other=0)
-            lo = (w << 4) & -252645136  # 0xF0F0F0F0: bytes 16 * w[8j + 2b]
-            hi = w & -252645136  # bytes 16 * w[8j + 2b + 1]
-            zero = tl.zeros(w.shape, tl.int32)
-            d = _dp4a(lo, tl.broadcast_to(xe[None, :], w.shape),
-                      _dp4a(hi, tl.broadcast_to(xo[None, :], w.shape), zero, ASM), ASM)
-            live = tl.full((1,), g, tl.int32) < groups  # (1,): see _w4a8_gemm_kernel
-            s = tl.load(s_ptr + g * N + offs_n, mask=mask_n & live, other=0.0).to(tl.float32)
-            acc += tl.sum(d, axis=1).to(tl.float32) * (s * 0.0625)  # |16 * group sum| < 2^24: exact in fp32
+        w_next = _gemv_step_words(rows, st + 1, s_end, words, mask_n, W)  # in flight while this step computes
+        offs_w = st * W + tl.arange(0, W)
+        if FUSED:  # the step's words from the float row (L1/L2: every program of this K stretch reads it)
+            xe, xo = _pack_words(xw_ptr, st * BK + tl.arange(0, BK), K, safe, W)
+        else:
+            xe = tl.load(xw_ptr + offs_w, mask=offs_w < words, other=0)
+            xo = tl.load(xw_ptr + words + offs_w, mask=offs_w < words, other=0)
+        lo = (w << 4) & -252645136  # 0xF0F0F0F0: bytes 16 * w[8j + 2b]
+        hi = w & -252645136  # bytes 16 * w[8j + 2b + 1]
+        zero = tl.zeros(w.shape, tl.int32)
+        d = _dp4a(lo, tl.broadcast_to(xe[None, :], w.shape),
+                  _dp4a(hi, tl.broadcast_to(xo[None, :], w.shape), zero, ASM), ASM)  # (BN, W): 16 * a word's sum
+        dg = tl.sum(tl.reshape(d, (BN, NG, G // 8)), axis=2)  # (BN, NG): 16 * the group sums, exact in INT32
+        offs_g = st * NG + tl.arange(0, NG)
+        s = tl.load(s_ptr + offs_g[None, :] * N + offs_n[:, None], mask=mask_n[:, None] & (offs_g < groups)[None, :],
+                    other=0.0).to(tl.float32)
+        acc += tl.sum(dg.to(tl.float32) * (s * 0.0625), axis=1)  # |16 * group sum| < 2^24: exact in fp32
+        w = w_next
     if not FUSED:
         scale = tl.load(sx_ptr)
     if SPLIT_K == 1:
@@ -349,6 +354,14 @@ def _w4a8_gemv_kernel(
         total, last = _split_k_sum(acc, part_ptr, lock_ptr + pid_n, pid_k * N, N, offs_n, mask_n, SPLIT_K)
         if last:
             _gemv_epilogue(total, offs_n, mask_n, scale, bias_ptr, out_ptr, HAS_BIAS)
+
+
+@triton.jit
+def _gemv_step_words(rows, st, s_end, words, mask_n, W: tl.constexpr):
+    """(BN, W) int32: the weight words of main-loop step `st`, zeros (no memory traffic) once st >= s_end."""
+    offs_w = st * W + tl.arange(0, W)
+    live = tl.full((1,), st, tl.int32) < s_end  # (1,): see _w4a8_gemm_kernel
+    return tl.load(rows + offs_w[None, :], mask=mask_n[:, None] & (offs_w < words)[None, :] & live[None, :], other=0)
 
 
 @triton.jit
