@@ -206,6 +206,23 @@ def test_a_failed_report_is_retried_and_the_report_thread_lives_on(tmp_path, mon
     assert json.loads(path.read_text())["layers"] == {}
 
 
+def test_the_report_is_not_rewritten_while_the_engine_steps(tmp_path):
+    """Each write is milliseconds of Python holding the GIL: while model steps keep coming, a pending report waits
+    for the engine to go idle, or for BUSY_FLUSH_SECONDS after the last write."""
+    from anychip.kernels.policy import KernelPolicy
+    from anychip.vllm_plugin import recorder as recorder_mod
+
+    recorder = recorder_mod.Recorder(None, KernelPolicy())
+    recorder.path = tmp_path / "coverage.json"  # no report thread: the test decides when to write
+    recorder.flush()
+    recorder.on_step("decode", 1)
+    stepped = recorder._last_step
+    assert not recorder.write_due(stepped + 0.01)
+    assert recorder.write_due(stepped + 2 * recorder_mod.IDLE_SECONDS)  # idle
+    recorder._last_step = recorder._last_write + recorder_mod.BUSY_FLUSH_SECONDS  # still stepping, 10 s on
+    assert recorder.write_due(recorder._last_step + 0.01)
+
+
 def test_a_report_that_keeps_failing_is_logged_once_per_error(tmp_path, caplog):
     from anychip.kernels.policy import KernelPolicy
     from anychip.vllm_plugin import recorder as recorder_mod

@@ -1,5 +1,6 @@
 """The process-wide coverage recorder: layers register their route when prepared; the kernels count calls per
-phase; a daemon thread writes coverage.json atomically while the engine runs.
+phase; a daemon thread writes coverage.json atomically while the engine runs: within a second of the engine going
+idle, and at most every BUSY_FLUSH_SECONDS while it keeps stepping (a write is milliseconds of Python).
 
 Layers whose kernels count themselves get a row of an int64 table [calls, tokens] per phase slot, which the kernel
 bumps at the slot the step hook (compat.install_step_hook) writes before every model-runner step; the table is read
@@ -14,6 +15,7 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
+import time
 import weakref
 from collections import Counter
 from pathlib import Path
@@ -28,7 +30,13 @@ from anychip.kernels.policy import KernelPolicy
 from anychip.vllm_plugin import compat
 
 logger = logging.getLogger("anychip")
-FLUSH_SECONDS = 0.5
+FLUSH_SECONDS = 0.5  # how often the report thread looks for news
+#: No model step for this long: the engine is idle, and a pending report is written at the next look.
+IDLE_SECONDS = 0.1
+#: While the engine keeps stepping, the report is rewritten at most this often. A write takes about 6 ms of Python
+#: (building the document, JSON, the file), holding the GIL the engine thread needs: at every look (twice a second)
+#: that was 1% of a batch-one CPU decode (docs/kernels-cpu.md).
+BUSY_FLUSH_SECONDS = 10.0
 KERNEL_TABLE_ROWS = 256  # first size of the C++ routes' table (layer ids); doubled when a model has more
 
 
@@ -56,6 +64,7 @@ class Recorder:
         # a report never pairs a snapshot of the layers with counters of layers the snapshot does not hold
         self._lock = threading.RLock()
         self._write_error: str | None = None  # the last failed write's error, logged once
+        self._last_step = self._last_write = float("-inf")  # time.monotonic() of the last model step, write
         hooks.install(self.on_call)
         if path is not None:
             thread = threading.Thread(target=self._flush_loop, name="anychip-coverage", daemon=True)
@@ -178,6 +187,7 @@ class Recorder:
         if self.coverage.attention_backend is None and runner is not None:
             self.coverage.attention_backend = compat.attention_backend_name(runner)
         self._device_dirty = True
+        self._last_step = time.monotonic()
 
     def document(self) -> dict[str, Any]:
         with self._lock:
@@ -202,8 +212,14 @@ class Recorder:
         doc["phases"] = {p: {"forward_passes": c["forward_passes"], "tokens": c["tokens"]}
                          for p, c in self._steps.items()}
 
+    def write_due(self, now: float) -> bool:
+        """Whether a pending report goes out at time.monotonic() `now`: the engine is idle, or has been stepping
+        for BUSY_FLUSH_SECONDS since the last write."""
+        return now - self._last_step >= IDLE_SECONDS or now - self._last_write >= BUSY_FLUSH_SECONDS
+
     def flush(self) -> None:
         if self.path is not None:
+            self._last_write = time.monotonic()
             try:
                 write_atomic(self.path, self.document())
             except Exception as exc:  # never take the engine (or the report thread) down for a report
@@ -216,7 +232,7 @@ class Recorder:
 
     def _flush_loop(self) -> None:
         while not self._stop.wait(FLUSH_SECONDS):
-            if self.coverage.dirty or self._device_dirty:
+            if (self.coverage.dirty or self._device_dirty) and self.write_due(time.monotonic()):
                 self.flush()
 
 
