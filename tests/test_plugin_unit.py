@@ -308,3 +308,18 @@ def test_row_parallel_shards_quantize_with_the_whole_token_scale():
         xq, sx = got[rank]
         assert torch.equal(sx, sx_ref)
         assert torch.equal(xq, xq_ref[:, rank * 128:(rank + 1) * 128])
+
+
+def test_the_plugin_asks_for_the_amx_tile_state_where_the_cpu_has_amx():
+    """vLLM CPU's AMX attention needs the tile state granted (arch_prctl) before its first forward; registering
+    the plugin asks for it on a CPU with amx_tile and nowhere else (test_coverage_report's engine with BF16
+    linears stopped with SIGILL on such a CPU without it)."""
+    import anychip.vllm_plugin as plugin
+    from anychip.kernels import machine
+
+    machine.request_amx_tiles.cache_clear()
+    plugin._registered = False
+    plugin.register()
+    amx = machine.is_x86() and "amx_tile" in machine.cpu_flags()
+    assert machine.request_amx_tiles.cache_info().currsize == 1  # register() asked
+    assert machine.request_amx_tiles() is amx

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import platform
+import sys
 from pathlib import Path
 
 
@@ -37,6 +38,24 @@ def lacks_x86_flags(flags: tuple[str, ...]) -> str | None:
         return "not an x86 CPU"
     missing = [f for f in flags if f not in cpu_flags()]
     return f"this CPU lacks {', '.join(missing)}" if missing else None
+
+
+@functools.cache
+def request_amx_tiles() -> bool:
+    """Ask Linux, once a process, for the AMX tile state where the CPU has AMX (arch_prctl ARCH_REQ_XCOMP_PERM,
+    through torch's own call); True when granted. vLLM CPU 0.32's attention runs AMX tile instructions on such CPUs
+    without asking, unless something else in the process (oneDNN's own AMX GEMMs) asked first: a model whose
+    linears are anychip's then dies with SIGILL in its first attention (seen on an Intel Xeon with amx_tile)."""
+    if not is_x86() or "amx_tile" not in cpu_flags():
+        return False
+    import torch
+
+    init = getattr(getattr(torch._C, "_cpu", None), "_init_amx", None)
+    granted = bool(init()) if init is not None else False
+    if not granted:
+        print("anychip: this CPU has AMX, but Linux did not grant its tile state to this process: vLLM's AMX "
+              "attention may stop with SIGILL", file=sys.stderr)
+    return granted
 
 
 def describe() -> dict[str, object]:

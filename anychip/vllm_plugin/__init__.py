@@ -14,6 +14,8 @@ def register() -> None:
     global _registered
     if _registered:
         return
+    from anychip.kernels.machine import request_amx_tiles
     from anychip.vllm_plugin.config import AnychipW4A8Config  # noqa: F401  (registers on import)
 
+    request_amx_tiles()  # before any attention runs: see there
     _registered = True

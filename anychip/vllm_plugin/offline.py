@@ -8,9 +8,14 @@ from typing import Any
 import vllm
 from vllm import LLM, SamplingParams
 
+from anychip.kernels.machine import request_amx_tiles
+
 
 def make_llm(**kwargs: Any) -> LLM:
-    """vllm.LLM(**kwargs); the anychip plugin joins through vLLM's entry point unless VLLM_PLUGINS leaves it out."""
+    """vllm.LLM(**kwargs); the anychip plugin joins through vLLM's entry point unless VLLM_PLUGINS leaves it out.
+    The AMX tile state is requested here too, so that stock vLLM peers (without the plugin) run as they would in
+    a process where oneDNN asked for it, instead of stopping with SIGILL (machine.request_amx_tiles)."""
+    request_amx_tiles()
     return LLM(**kwargs)
 
 

@@ -1,8 +1,8 @@
 """Launchers for the Triton W4A8 kernels: tile configs and split-K.
 
-Four regimes by tokens M: gemv (M = 1: a GEMV on the CUDA cores, dp4a on the weight words, after one small
-kernel quantizes the token into the activation words it needs; the tensor-core decode tiles compete with it in
-tuning), decode (M <= 16: memory-bound; 16-row tiles and split-K to put several programs on every multiprocessor),
+Four regimes by tokens M: gemv (M = 1: a GEMV on the CUDA cores, dp4a on the weight words, that quantizes the
+token into the activation words it needs inside its own programs, or after one small kernel did; the tensor-core
+decode tiles compete with it in tuning), decode (M <= 16: memory-bound; 16-row tiles and split-K to put several programs on every multiprocessor),
 mid (M <= 64) and prefill (compute-bound; 64-128 row tiles on Hopper's wgmma). Each regime has a few candidate
 configs, the first being the default. Which one serves a shape (regime, or M's octave for prefill; N, K, G) is
 decided at load by tuning.py (a shipped table, a disk cache, or timing the candidates once) and remembered here for
