@@ -24,8 +24,8 @@ from anychip.kernels.routes import NoKernelRoute
 
 ISAS = [r.id for r in routes.available("cpu")]  # route ids, best first
 
-# (M, K, N, G, bias, dtype): every M in {1,3,7,64,512}, K in {576,1536,2048,6144}, N in {1,17,100,576,1536},
-# G in {32,64,128}, with and without bias, bf16 and fp32.
+# (M, K, N, G, bias, dtype): every M in {1,3,7,64,512} (and 31, 47: tails past full tiles), K in
+# {576,1536,2048,6144}, N in {1,17,100,576,1536}, G in {32,64,128}, with and without bias, bf16 and fp32.
 CASES = [
     (1, 576, 1, 32, False, torch.bfloat16),
     (8, 576, 192, 64, True, torch.bfloat16),  # the most tokens a fused call (quantized on every thread) takes
@@ -42,8 +42,11 @@ CASES = [
     (512, 2048, 1, 128, False, torch.float32),
     (64, 576, 1536, 64, True, torch.bfloat16),
     (512, 1536, 576, 64, True, torch.float32),
+    (47, 2048, 1536, 128, True, torch.bfloat16),  # tokens past the last full tile of every path, odd block count
+    (31, 576, 17, 32, False, torch.float32),
 ]
-DOT_CASES = [(1, 6144, 1, 128), (3, 576, 17, 32), (7, 2048, 100, 64), (64, 1536, 33, 128), (512, 576, 17, 64)]
+DOT_CASES = [(1, 6144, 1, 128), (3, 576, 17, 32), (7, 2048, 100, 64), (64, 1536, 33, 128), (512, 576, 17, 64),
+             (47, 2048, 100, 128)]
 
 
 def _weights(n: int, k: int, g: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
