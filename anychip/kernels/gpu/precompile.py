@@ -6,10 +6,10 @@ model's engine start on an H200, against 2 s of graph capture for BF16. Once a s
 (tuning.tune_linear, at load), `submit` queues the compiles of every M bucket's config, in each form Triton
 specializes the token count into (M = 1, a multiple of 16, neither), on a thread pool, so that they overlap the
 rest of loading and torch.compile (Triton's compiler passes and ptxas run outside the GIL); the batch-one bucket's
-GEMV config (and the activation packing, when it is not fused) compiles in the one form it is launched in. A launch that comes
-before its compile has finished compiles the kernel itself, as it always did; a failed precompile is logged and
-changes nothing else. Activations are assumed BF16 (the models vLLM serves here); other dtypes compile at first
-launch.
+GEMV config (and the activation packing, when it is not fused) compiles in the one form it is launched in. A launch
+that comes before its compile has finished compiles the kernel itself, as it always did; a failed precompile is
+logged and changes nothing else. Activations are assumed BF16 (the models vLLM serves here); other dtypes compile
+at first launch.
 
 How many threads: KernelPolicy.gpu_precompile (the plugin's from ANYCHIP_GPU_PRECOMPILE: default min(8, CPUs);
 0 turns precompiling off).

@@ -329,10 +329,10 @@ def _w4a8_gemv_kernel(
     acc = tl.zeros((BN,), dtype=tl.float32)
     for st in range(s_begin, s_end):
         w_next = _gemv_step_words(rows, st + 1, s_end, words, mask_n, W)  # in flight while this step computes
-        offs_w = st * W + tl.arange(0, W)
         if FUSED:  # the step's words from the float row (L1/L2: every program of this K stretch reads it)
             xe, xo = _pack_words(xw_ptr, st * BK + tl.arange(0, BK), K, safe, W)
         else:
+            offs_w = st * W + tl.arange(0, W)
             xe = tl.load(xw_ptr + offs_w, mask=offs_w < words, other=0)
             xo = tl.load(xw_ptr + words + offs_w, mask=offs_w < words, other=0)
         lo = (w << 4) & -252645136  # 0xF0F0F0F0: bytes 16 * w[8j + 2b]
