@@ -3,11 +3,11 @@
 Four regimes by tokens M: gemv (M = 1: a GEMV on the CUDA cores, dp4a on the weight words, that quantizes the
 token into the activation words it needs inside its own programs, or after one small kernel did; the tensor-core
 decode tiles compete with it in tuning), decode (M <= 16: memory-bound; 16-row tiles and split-K to put several
-programs on every multiprocessor), mid (M <= 64) and prefill (compute-bound; 64-128 row tiles on Hopper's wgmma). Each regime has a few candidate
-configs, the first being the default. Which one serves a shape (regime, or M's octave for prefill; N, K, G) is
-decided at load by tuning.py (a shipped table, a disk cache, or timing the candidates once) and remembered here for
-the process (`remember`, `tuned()`, `clear_tuning()`); a call never times anything: a shape nobody tuned runs its
-regime's default config.
+programs on every multiprocessor), mid (M <= 64) and prefill (compute-bound; 64-128 row tiles on Hopper's
+wgmma). Each regime has a few candidate configs, the first being the default. Which one serves a shape (regime,
+or M's octave for prefill; N, K, G) is decided at load by tuning.py (a shipped table, a disk cache, or timing the
+candidates once) and remembered here for the process (`remember`, `tuned()`, `clear_tuning()`); a call never
+times anything: a shape nobody tuned runs its regime's default config.
 """
 
 from __future__ import annotations
