@@ -279,6 +279,7 @@ def test_engine_start_breakdown_from_the_log(tmp_path):
 
 def test_stock_systems_leave_the_plugin_out(monkeypatch):
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     stock = latency.system_env(latency.System("vllm-bf16", "vllm", "BF16"), 2, None)
     assert "anychip" not in stock["VLLM_PLUGINS"].split(",")
     assert stock["OMP_NUM_THREADS"] == "2" and stock["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
@@ -287,6 +288,13 @@ def test_stock_systems_leave_the_plugin_out(monkeypatch):
     monkeypatch.setenv("VLLM_PLUGINS", "other")
     assert latency.system_env(latency.System("anychip-w4a8", "vllm", "W4A8", plugin=True), 2, None)[
         "VLLM_PLUGINS"] == "other,anychip"
+
+
+def test_a_users_engine_settings_win(monkeypatch):
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    for system in (latency.System("vllm-bf16", "vllm", "BF16"),
+                   latency.System("anychip-w4a8", "vllm", "W4A8", plugin=True)):
+        assert latency.system_env(system, 2, None)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
 
 
 # ---- reports ----

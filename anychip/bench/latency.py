@@ -231,7 +231,7 @@ def system_env(system: System, threads: int, coverage: Path | None) -> dict[str,
     """The environment a system's process gets on top of the user's (recorded in its row)."""
     env = {"OMP_NUM_THREADS": str(threads)}
     if system.engine == "vllm":
-        env.update(envs.VLLM_STARTUP)
+        env.update({name: os.environ.get(name, value) for name, value in envs.VLLM_STARTUP.items()})  # user's wins
         if system.plugin:
             user = os.environ.get("VLLM_PLUGINS")
             if user is not None and "anychip" not in user.split(","):

@@ -8,11 +8,13 @@ INT8; SimulatedW4A8Linear) and, where smoothing changed them, its RMSNorm weight
     a8                            BF16 weights, INT8 activations only
     default                       the recipe `anychip prepare` uses (PrepareRecipe + gptq.DEFAULT_GPTQ)
     rtn-gG[-amax|-clip|-mse]      round to nearest, scales by scales.py (default amax)
-    gptq-gG[-sN][-dX][-rN][-amax|-clip|-mse][-ao][-ts][-sm|-smn][-gen]
+    gptq-gG[-sN][-dX][-rN][-amax|-clip|-mse][-ao][-ts][-sm|-smn][-gen|-xNAME]
                                   GPTQ: N calibration sequences of 512 tokens (default 128), damp X, calibration
                                   windows drawn with seed N (default 0; to see run-to-run spread), scale search,
                                   act-order (static groups), true-sequential, smoothing at all four points (-sm)
                                   or at the two RMSNorms only (-smn), calibration text sampled from the model (-gen)
+                                  or read from the file `--text NAME=PATH` names (-xNAME; default: the shipped
+                                  text)
     any of these + -wonly         activations left in float (INT4 weights alone)
 
 Unnamed options take GPTQConfig's field defaults (the smoothing search on 2048 tokens; `default` uses
@@ -33,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from anychip.checkpoint.gptq import DEFAULT_GPTQ, GPTQConfig, run_gptq
+from anychip.checkpoint.gptq import DEFAULT_GPTQ, GENERATED, GPTQConfig, run_gptq
 from anychip.checkpoint.prepare import DEFAULT_RECIPE
 from anychip.checkpoint.rtn import quantize_with_scales
 from anychip.checkpoint.scales import SCALE_SEARCHES, search_scales
@@ -51,41 +53,49 @@ def linears(model) -> list[str]:
     return [f"model.layers.{i}.{lin}" for i in range(model.config.num_hidden_layers) for lin in DECODER_LINEARS]
 
 
-def parse_variant(name: str) -> tuple[str, int, GPTQConfig | str, bool, bool]:
-    """name -> (method, group size, GPTQConfig for gptq or the scale search for rtn, -gen, quantize activations)."""
+def parse_variant(name: str, texts: dict[str, Path] | None = None) -> tuple[str, int, GPTQConfig | str, str | None,
+                                                                           bool]:
+    """name -> (method, group size, GPTQConfig for gptq or the scale search for rtn, the calibration (None: the
+    shipped text, "generated", or a file of `texts`), quantize activations)."""
+    texts = texts or {}
     if name == "default":
         config = replace(DEFAULT_GPTQ, samples=DEFAULT_RECIPE.gptq_samples)
-        return DEFAULT_RECIPE.method, DEFAULT_RECIPE.group_size or 32, config, False, True
+        return DEFAULT_RECIPE.method, DEFAULT_RECIPE.group_size or 32, config, None, True
     method, group, *flags = name.split("-")
     if method not in ("rtn", "gptq") or not group.startswith("g") or not group[1:].isdigit():
         raise SystemExit(f"variant {name!r}: use bf16, a8, default, rtn-gG[...] or gptq-gG[...] (see --help)")
     act = "wonly" not in flags
-    gen = "gen" in flags
+    calibration = GENERATED if "gen" in flags else None
+    for f in flags:
+        if f[0] == "x" and f[1:] in texts:
+            calibration = str(texts[f[1:]])
     search = next((f for f in flags if f in SCALE_SEARCHES), "amax" if method == "rtn" else None)
     known = {"wonly", "gen", "ao", "ts", "sm", "smn", *SCALE_SEARCHES}
     for f in flags:
-        if f not in known and not (f[0] in "sdr" and f[1:].replace(".", "").isdigit()):
-            raise SystemExit(f"variant {name!r}: unknown option -{f}")
+        if f not in known and not (f[0] in "sdr" and f[1:].replace(".", "").isdigit()) and not (
+                f[0] == "x" and f[1:] in texts):
+            raise SystemExit(f"variant {name!r}: unknown option -{f} (-xNAME needs --text NAME=PATH)")
     if method == "rtn":
-        return method, int(group[1:]), search, False, act
+        return method, int(group[1:]), search, None, act
     samples = next((int(f[1:]) for f in flags if f[0] == "s" and f[1:].isdigit()), 128)
     damp = next((float(f[1:]) for f in flags if f[0] == "d" and f[1:].replace(".", "").isdigit()), 0.01)
     seed = next((int(f[1:]) for f in flags if f[0] == "r" and f[1:].isdigit()), 0)
     smooth = POINT_NAMES if "sm" in flags else NORM_POINTS if "smn" in flags else ()
     config = replace(GPTQConfig(), samples=samples, damp=damp, seed=seed, scale_search=search or "clip",
                      act_order="ao" in flags, true_sequential="ts" in flags, smooth=smooth)
-    return method, int(group[1:]), config, gen, act
+    return method, int(group[1:]), config, calibration, act
 
 
-def quantize_variant(name: str, bf16: Path, model, device: str) -> tuple[dict, dict, bool, dict]:
+def quantize_variant(name: str, bf16: Path, model, device: str, texts: dict[str, Path] | None = None
+                     ) -> tuple[dict, dict, bool, dict]:
     """({prefix: (wq, scales) or None}, {BF16 tensor: replacement}, quantize activations, recipe record)."""
     if name == "a8":
         return {p: None for p in linears(model)}, {}, True, {}
-    method, group, how, gen, act = parse_variant(name)
+    method, group, how, calibration, act = parse_variant(name, texts)
     if method == "gptq":
-        res = run_gptq(bf16, W4A8Scheme(group_size=group), calibration="generated" if gen else None, config=how,
-                       device=device)
-        return res.weights, res.dense, act, {"gptq": how.recipe(), "smoothing": res.smoothing}
+        res = run_gptq(bf16, W4A8Scheme(group_size=group), calibration=calibration, config=how, device=device)
+        return res.weights, res.dense, act, {"gptq": how.recipe(), "smoothing": res.smoothing,
+                                             "calibration": calibration or "shipped"}
     out = {}
     for prefix in linears(model):
         w = model.get_submodule(prefix).weight.data.float()
@@ -116,7 +126,15 @@ def main() -> int:
     p.add_argument("--limit", type=int, help="first N items of each task (a subset: say so when reporting)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--text", action="append", default=[], metavar="NAME=PATH",
+                   help="a calibration text the variants' -xNAME option reads (repeatable)")
     args = p.parse_args()
+    texts = {}
+    for spec in args.text:
+        key, _, path = spec.partition("=")
+        if not key or not Path(path).is_file():
+            raise SystemExit(f"--text {spec!r}: use NAME=PATH of an existing file")
+        texts[key] = Path(path)
 
     names = args.tasks.split(",") if args.tasks else None
     data_dir = resolve_data_dir(args.data) if names is None or any(n != "perplexity" for n in names) else None
@@ -141,7 +159,7 @@ def main() -> int:
         model = model.to(args.device).eval()
         recipe: dict = {}
         if name != "bf16":
-            weights, dense, act, recipe = quantize_variant(name, args.bf16, model, args.device)
+            weights, dense, act, recipe = quantize_variant(name, args.bf16, model, args.device, texts)
             with torch.no_grad():
                 for tensor, value in dense.items():
                     model.get_parameter(tensor).copy_(value)
