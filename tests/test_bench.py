@@ -555,3 +555,21 @@ def test_decode_bytes_and_the_bandwidth_bound_target(tmp_path, tied: bool) -> No
     row["bandwidth"] = latency.bandwidth_bound(row, 40.0, 10**9)
     assert not latency.target_checks([row], "cpu")[0]["met"]
     assert latency.target_checks([row], "cuda") == []  # a GPU report has no such target
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="Linux: VmHWM")
+def test_a_runners_peak_memory_is_its_own(tmp_path):
+    """A runner started by a process that grew larger reports its own peak, not the parent's (ru_maxrss, which
+    Linux carries across fork and exec, did)."""
+    import subprocess
+    import sys
+
+    script = ("import subprocess, sys\n"
+              "block = bytearray(1024 * 2**20)\n"
+              "for i in range(0, len(block), 4096): block[i] = 1\n"
+              "out = subprocess.run([sys.executable, '-c', 'from anychip.bench.runners import peak_rss_mib; "
+              "print(peak_rss_mib())'], capture_output=True, text=True, check=True).stdout\n"
+              "print(out.strip())\n")
+    child = float(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                                 cwd=Path(__file__).parent.parent).stdout.split()[-1])
+    assert 0 < child < 700, child  # the child imports anychip.bench.runners (about 0.2 GiB); its parent held 1 GiB

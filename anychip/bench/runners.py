@@ -255,8 +255,22 @@ def run(spec: RunSpec) -> dict[str, Any]:
     settings["seed"] = spec.seed
     settings["python"] = platform.python_version()
     settings["device"] = spec.device
-    peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB; the whole process
-    return {"ok": True, "engine_start_s": start_s, "settings": settings, "peak_rss_mib": peak_rss_mib, **result}
+    return {"ok": True, "engine_start_s": start_s, "settings": settings, "peak_rss_mib": peak_rss_mib(), **result}
+
+
+def peak_rss_mib(status: Path = Path("/proc/self/status")) -> float:
+    """This process's peak resident memory, MiB: Linux's VmHWM, which belongs to the process's own address space.
+    getrusage's ru_maxrss is not that: Linux carries it across fork and exec, so a runner started by a bench
+    process that had grown larger reported the bench process's peak. Elsewhere ru_maxrss (KiB on Linux, bytes on
+    macOS) is what there is."""
+    try:
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return maxrss / 2**20 if sys.platform == "darwin" else maxrss / 1024
 
 
 def main(argv: list[str]) -> int:
