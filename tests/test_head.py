@@ -107,3 +107,18 @@ def test_head_op_has_a_meta_kernel():
     x = torch.empty(3, 8, dtype=torch.bfloat16, device="meta")
     w = torch.empty(50, 8, dtype=torch.bfloat16, device="meta")
     assert torch.ops.anychip.head_bf16(x, w, None, 0).shape == (3, 50)
+
+
+def test_head_int8_quantization_is_the_same_in_row_blocks():
+    torch.manual_seed(0)
+    w = (torch.randn(37, 64) * torch.rand(37, 1) * 4).to(torch.bfloat16)
+    w[5] = 0  # an all-zero row: scale 0, INT8 zeros
+    whole_q, whole_s = quantize_head_int8_ref(w, rows=1 << 20)
+    for rows in (1, 8, 36):
+        q, s = quantize_head_int8_ref(w, rows=rows)
+        assert torch.equal(q, whole_q) and torch.equal(s, whole_s)
+    wf = w.float()
+    expect_s = wf.abs().amax(dim=1) / 127
+    assert torch.equal(whole_s, expect_s) and whole_s[5] == 0 and not whole_q[5].any()
+    safe = torch.where(expect_s > 0, expect_s, torch.ones_like(expect_s))
+    assert torch.equal(whole_q, torch.round(wf / safe[:, None]).clamp(-127, 127).to(torch.int8))
