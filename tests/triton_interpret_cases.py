@@ -144,6 +144,22 @@ def test_gemv_fused_is_the_two_launch_gemv(n: int, k: int, g: int, warps: int) -
     assert any(c.fused for c in launch.candidates(1, n, k, g) if isinstance(c, launch.GemvConfig))
 
 
+@pytest.mark.parametrize("split", [1, 3])
+def test_gemv_two_steps_ahead_is_the_same(split: int) -> None:
+    """ahead=2 (two steps of weights in flight) over many main-loop steps, a split whose stretch is not a multiple
+    of the steps in flight, and a partial last step: the same bits as ahead=1."""
+    n, k, g = 24, 64 * 13, 64
+    w, sw = _layout(*weights(n, k, g, seed=9))
+    x = activations(1, k, torch.bfloat16, seed=10)
+    one = launch.GemvConfig(16, 128, split_k=split, fused=True)
+    two = replace(one, ahead=2)
+    assert launch.gemv_launch(two, n, k, g, *[None] * 10)[2]["AHEAD"] == 2
+    assert torch.equal(launch.w4a8_linear(x, w, sw, None, n, k, g, config=two),
+                       launch.w4a8_linear(x, w, sw, None, n, k, g, config=one))
+    with pytest.raises(ValueError, match="ahead"):
+        launch.GemvConfig(16, 128, ahead=3)
+
+
 def _decode_counter() -> hooks.DeviceCounter:
     """A layer's coverage counter with the decode slot current."""
     return hooks.DeviceCounter(torch.zeros((len(hooks.SLOTS), 2), dtype=torch.int64),

@@ -57,13 +57,15 @@ class GemmConfig:
 class GemvConfig:
     """One tiling of the batch-one GEMV (_w4a8_gemv_kernel): block_n output channels a program, block_k input
     channels a main-loop step (a multiple of G), split_k programs along K (summed by the last, as GemmConfig's).
-    fused: the GEMV quantizes the token itself (one launch); else quantize_words runs first (two launches)."""
+    fused: the GEMV quantizes the token itself (one launch); else quantize_words runs first (two launches).
+    ahead: main-loop steps of weights requested beyond the one computing (1, or 2 for long programs)."""
 
     block_n: int
     block_k: int
     split_k: int = 1
     num_warps: int = 4
     fused: bool = False
+    ahead: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k"):
@@ -72,6 +74,8 @@ class GemvConfig:
                 raise ValueError(f"GemvConfig.{name}={value}: a power of two >= 8")
         if not 1 <= self.split_k <= MAX_SPLIT_K:
             raise ValueError(f"GemvConfig.split_k={self.split_k}: 1..{MAX_SPLIT_K}")
+        if self.ahead not in (1, 2):
+            raise ValueError(f"GemvConfig.ahead={self.ahead}: 1 or 2")
 
 
 Config = GemmConfig | GemvConfig
@@ -84,11 +88,13 @@ def gemv_fits(kk: int, g: int) -> str | None:
     return None
 
 
-# (block_n, block_k, num_warps, programs per multiprocessor that split-K aims for); the first is the default.
-# Short programs, many in flight: a program's loads are its K steps' words, so split-K keeps HBM busy; the narrow
-# 1024-channel steps load a small matrix's whole K stretch at once, with no split to sum.
+# (block_n, block_k, num_warps, programs per multiprocessor that split-K aims for[, steps ahead]); the first is the
+# default. Short programs, many in flight: a program's loads are its K steps' words, so split-K keeps HBM busy; the
+# narrow 1024-channel steps load a small matrix's whole K stretch at once, with no split to sum. The last three:
+# fewer, longer programs (one a multiprocessor or two), each quantizing the token for more rows, with two steps of
+# weights in flight (docs/gpu-notes.md, session 8).
 _GEMV = ((64, 512, 4, 4), (128, 256, 4, 4), (32, 512, 2, 8), (64, 256, 4, 8), (128, 512, 8, 2), (256, 256, 8, 2),
-         (16, 1024, 4, 8), (32, 1024, 4, 8))
+         (16, 1024, 4, 8), (32, 1024, 4, 8), (64, 256, 4, 1, 2), (128, 256, 8, 1, 2), (32, 512, 4, 2, 2))
 
 # (block_m, block_n, block_k, swap, num_warps, num_stages, programs per multiprocessor that split-K aims for
 # [, "p": pipe]); the first of each regime is its default. Decode aims at several programs per
@@ -131,9 +137,10 @@ def candidates(m: int, n: int, k: int, g: int, sms: int = 132) -> list[Config]:
     out: list[Config] = []
     if regime(m) == "gemv" and gemv_fits(k, g) is None:
         # fused (one launch): it beat the two-launch GEMV on all 14 shapes of the H200 table, by 1.04-1.41x
-        for bn, bk, warps, per_sm in _GEMV:
+        for bn, bk, warps, per_sm, *ahead in _GEMV:
             bk = max(bk, g)
-            out.append(GemvConfig(bn, bk, split_for(1, n, k, g, 16, bn, bk, per_sm, sms), warps, fused=True))
+            out.append(GemvConfig(bn, bk, split_for(1, n, k, g, 16, bn, bk, per_sm, sms), warps, fused=True,
+                                  ahead=ahead[0] if ahead else 1))
     table = {"gemv": _DECODE, "decode": _DECODE, "mid": _MID, "prefill": _PREFILL}[regime(m)]
     for bm, bn, bk, swap, warps, stages, per_sm, *flags in table:
         bk = max(bk, g)
@@ -292,6 +299,8 @@ def gemv_launch(cfg: GemvConfig, n, kk, g, xw, sx, weight32, scales, bias, out, 
                    COUNT=cell is not None, ASM=_compiled(weight32), num_warps=cfg.num_warps)
     if cfg.fused:  # the amax pass: the whole row in one block up to 1024 channels a warp (32 fp32 a thread)
         options.update(FUSED=True, XBLOCK=min(triton.next_power_of_2(max(kk, 8)), 1024 * cfg.num_warps))
+    if cfg.ahead != 1:
+        options["AHEAD"] = cfg.ahead
     return grid, args, options
 
 

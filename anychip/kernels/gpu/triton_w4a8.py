@@ -293,6 +293,7 @@ def _w4a8_gemv_kernel(
     N, K, words,
     G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     COUNT: tl.constexpr, ASM: tl.constexpr, FUSED: tl.constexpr = False, XBLOCK: tl.constexpr = 0,
+    AHEAD: tl.constexpr = 1,
 ):
     """out (1, N) = the W4A8 linear of one token, on the CUDA cores: the weights as int32 words of eight nibbles,
     each word's low and high nibbles widened in place to bytes holding 16 * w (two integer ops a word), then one
@@ -304,7 +305,9 @@ def _w4a8_gemv_kernel(
     and lock (>= N/BN) int32 zeros, as in _w4a8_gemm_kernel.
     FUSED: xw is the token's (1, K) float row itself and sx is unused: every program takes the row's amax (blocks of
     XBLOCK channels; one block when XBLOCK >= K) and packs each group's words as it goes, with _quantize_words_kernel's
-    scale and rounding (the same bits), so batch one is one launch instead of two."""
+    scale and rounding (the same bits), so batch one is one launch instead of two.
+    AHEAD (1 or 2): main-loop steps whose weight words are in flight beyond the one being computed; 2 suits
+    programs that walk many steps (fewer, longer programs)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     if COUNT:
@@ -324,11 +327,17 @@ def _w4a8_gemv_kernel(
     NG: tl.constexpr = BK // G  # groups a step
     # the first step's weights are requested before the activations' amax: their HBM latency overlaps it
     w = _gemv_step_words(rows, s_begin, s_end, words, mask_n, W)
+    if AHEAD == 2:
+        w_after = _gemv_step_words(rows, s_begin + 1, s_end, words, mask_n, W)
     if FUSED:
         scale, safe = _row_scale(xw_ptr, K, XBLOCK)
     acc = tl.zeros((BN,), dtype=tl.float32)
     for st in range(s_begin, s_end):
-        w_next = _gemv_step_words(rows, st + 1, s_end, words, mask_n, W)  # in flight while this step computes
+        if AHEAD == 2:  # two steps in flight while this one computes
+            w_next = w_after
+            w_after = _gemv_step_words(rows, st + 2, s_end, words, mask_n, W)
+        else:
+            w_next = _gemv_step_words(rows, st + 1, s_end, words, mask_n, W)  # in flight while this step computes
         if FUSED:  # the step's words from the float row (L1/L2: every program of this K stretch reads it)
             xe, xo = _pack_words(xw_ptr, st * BK + tl.arange(0, BK), K, safe, W)
         else:
