@@ -573,3 +573,10 @@ def test_a_runners_peak_memory_is_its_own(tmp_path):
     child = float(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
                                  cwd=Path(__file__).parent.parent).stdout.split()[-1])
     assert 0 < child < 700, child  # the child imports anychip.bench.runners (about 0.2 GiB); its parent held 1 GiB
+
+
+def test_a_runner_killed_by_a_signal_is_named():
+    assert latency.exit_reason(3, "vllm") == "exited with 3"
+    assert latency.exit_reason(-11, "vllm") == "was killed by SIGSEGV"
+    assert "AMX" in latency.exit_reason(-11, "llama.cpp") and "SIGSEGV" in latency.exit_reason(-11, "llama.cpp")
+    assert latency.exit_reason(-9, "llama.cpp") == "was killed by SIGKILL"

@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -244,6 +245,22 @@ def system_env(system: System, threads: int, coverage: Path | None) -> dict[str,
     return env
 
 
+def exit_reason(returncode: int, engine: str) -> str:
+    """How a runner ended, in words: "exited with 3", or "was killed by SIGSEGV" (a negative return code), with
+    what is known to cause a crash of that engine."""
+    if returncode >= 0:
+        return f"exited with {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    why = f"was killed by {name}"
+    if engine == "llama.cpp" and name in ("SIGSEGV", "SIGILL"):
+        why += (" (llama-cpp-python's AMX path crashed so on an AMX CPU: build it with AMX off, "
+                "docs/benchmarks.md)")
+    return why
+
+
 def _run_child(spec: RunSpec, workdir: Path, timeout_s: float) -> dict[str, Any]:
     tag = f"{spec.system}{'-eager' if spec.eager else ''}"
     spec_path, out_path, log_path = (workdir / f"{tag}.{ext}" for ext in ("spec.json", "out.json", "log"))
@@ -257,7 +274,7 @@ def _run_child(spec: RunSpec, workdir: Path, timeout_s: float) -> dict[str, Any]
             return {"ok": False, "timed_out": True, "error": f"timed out after {timeout_s:.0f} s (log: {log_path})"}
     if not out_path.exists():
         errors = [ln for ln in log_path.read_text().splitlines() if "Error" in ln and "WARNING" not in ln]
-        return {"ok": False, "error": f"runner exited with {proc.returncode} without a result"
+        return {"ok": False, "error": f"runner {exit_reason(proc.returncode, spec.engine)} without a result"
                 + (f": {errors[-1].strip()}" if errors else "") + f" (log: {log_path})"}
     result = json.loads(out_path.read_text())
     if not result.get("ok"):
