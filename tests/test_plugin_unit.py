@@ -223,6 +223,27 @@ def test_the_report_is_not_rewritten_while_the_engine_steps(tmp_path):
     assert recorder.write_due(recorder._last_step + 0.01)
 
 
+def test_the_heap_is_trimmed_once_when_serving_starts(monkeypatch):
+    """CPU engines (the C++ routes' counter table exists): the freed start-up heap goes back to the OS at the
+    first step that serves a request, not during warm-up, and only once; GPU-only engines leave it."""
+    from anychip.kernels import hooks, machine
+    from anychip.kernels.policy import KernelPolicy
+    from anychip.vllm_plugin import recorder as recorder_mod
+
+    calls = []
+    monkeypatch.setattr(machine, "trim_heap", lambda: calls.append(1) or 0)
+    gpu_only = recorder_mod.Recorder(None, KernelPolicy())
+    gpu_only.on_step("prefill", 3)
+    assert calls == []
+    recorder = recorder_mod.Recorder(None, KernelPolicy())
+    monkeypatch.setattr(recorder, "_kernel_counts", hooks.KernelCounts.zeros(4))
+    recorder.on_step("warmup", 8)
+    assert calls == []
+    for phase in ("prefill", "decode", "decode"):
+        recorder.on_step(phase, 1)
+    assert calls == [1]
+
+
 def test_a_report_that_keeps_failing_is_logged_once_per_error(tmp_path, caplog):
     from anychip.kernels.policy import KernelPolicy
     from anychip.vllm_plugin import recorder as recorder_mod
@@ -323,3 +344,34 @@ def test_the_plugin_asks_for_the_amx_tile_state_where_the_cpu_has_amx():
     amx = machine.is_x86() and "amx_tile" in machine.cpu_flags()
     assert machine.request_amx_tiles.cache_info().currsize == 1  # register() asked
     assert machine.request_amx_tiles() is amx
+
+
+def test_trim_heap_returns_freed_memory_where_glibc_is():
+    """63 MiB of 64 KiB blocks freed between blocks still in use stay mapped by glibc; trim_heap hands them back."""
+    import ctypes
+    import sys
+
+    from anychip.kernels import machine
+
+    if not sys.platform.startswith("linux"):
+        assert machine.trim_heap() is None
+        return
+    try:
+        libc = ctypes.CDLL(None)
+        libc.malloc_trim
+    except AttributeError:
+        pytest.skip("no glibc malloc_trim (musl?)")
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    machine.trim_heap()
+    blocks = [libc.malloc(64 * 1024) for _ in range(1024)]  # below glibc's mmap threshold: from the heap
+    for b in blocks:
+        ctypes.memset(b, 1, 64 * 1024)
+    kept = blocks[63::64]  # every 64th stays in use (the last included): the freed ones are never the heap's top,
+    for i, b in enumerate(blocks):  # so free() keeps them mapped
+        if i % 64 != 63:
+            libc.free(b)
+    returned = machine.trim_heap()
+    for b in kept:
+        libc.free(b)
+    assert returned is not None and returned > 32 * 2**20, returned  # 63 MiB were freed

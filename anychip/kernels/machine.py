@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import os
 import platform
 import sys
 from pathlib import Path
@@ -56,6 +58,31 @@ def request_amx_tiles() -> bool:
         print("anychip: this CPU has AMX, but Linux did not grant its tile state to this process: vLLM's AMX "
               "attention may stop with SIGILL", file=sys.stderr)
     return granted
+
+
+def resident_bytes(statm: Path = Path("/proc/self/statm")) -> int | None:
+    """This process's resident memory in bytes (Linux), else None."""
+    try:
+        return int(statm.read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def trim_heap() -> int | None:
+    """Hand the C heap's freed memory back to the OS (glibc's malloc_trim(0)); the resident bytes that returned,
+    or None without glibc. Loading churns through large temporaries (checkpoint tensors converted to the kernels'
+    layout, then freed); glibc keeps much of that freed memory mapped: 320 MiB of a llama-1b-shape CPU engine's
+    2.6 GiB (docs/kernels-cpu.md, "Resident memory")."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # musl and other C libraries have no malloc_trim
+        return None
+    before = resident_bytes()
+    trim(0)
+    after = resident_bytes()
+    return max(0, before - after) if before is not None and after is not None else 0
 
 
 def describe() -> dict[str, object]:

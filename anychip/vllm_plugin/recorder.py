@@ -25,7 +25,7 @@ import torch
 
 from anychip import envs
 from anychip.coverage import Coverage, LayerRoute, platform_summary, rank_path, write_atomic, write_rank_index
-from anychip.kernels import hooks, routes
+from anychip.kernels import hooks, machine, routes
 from anychip.kernels.policy import KernelPolicy
 from anychip.vllm_plugin import compat
 
@@ -65,6 +65,7 @@ class Recorder:
         self._lock = threading.RLock()
         self._write_error: str | None = None  # the last failed write's error, logged once
         self._last_step = self._last_write = float("-inf")  # time.monotonic() of the last model step, write
+        self._heap_trimmed = False
         hooks.install(self.on_call)
         if path is not None:
             thread = threading.Thread(target=self._flush_loop, name="anychip-coverage", daemon=True)
@@ -186,8 +187,20 @@ class Recorder:
             self._kernel_counts.slot.fill_(hooks.SLOTS.index(phase))
         if self.coverage.attention_backend is None and runner is not None:
             self.coverage.attention_backend = compat.attention_backend_name(runner)
+        if not self._heap_trimmed and phase != "warmup" and self._kernel_counts is not None:
+            self._trim_after_start()
         self._device_dirty = True
         self._last_step = time.monotonic()
+
+    def _trim_after_start(self) -> None:
+        """Once, at the first step that serves a request (loading, compiling and warm-up are over): the freed heap
+        those left behind goes back to the OS (CPU engines, the C++ routes' processes)."""
+        self._heap_trimmed = True
+        t0 = time.perf_counter()
+        returned = machine.trim_heap()
+        if returned is not None:
+            logger.info("anychip: returned %.0f MiB of freed start-up heap to the OS (%.1f ms)", returned / 2**20,
+                        1e3 * (time.perf_counter() - t0))
 
     def document(self) -> dict[str, Any]:
         with self._lock:
