@@ -71,7 +71,7 @@ def resident_bytes(statm: Path = Path("/proc/self/statm")) -> int | None:
 def trim_heap() -> int | None:
     """Hand the C heap's freed memory back to the OS (glibc's malloc_trim(0)); the resident bytes that returned,
     or None without glibc. Loading churns through large temporaries (checkpoint tensors converted to the kernels'
-    layout, then freed); glibc keeps much of that freed memory mapped: 320 MiB of a llama-1b-shape CPU engine's
+    layout, then freed); glibc keeps much of that freed memory mapped: 320-430 MiB of a llama-1b-shape CPU engine's
     2.6 GiB (docs/kernels-cpu.md, "Resident memory")."""
     if not sys.platform.startswith("linux"):
         return None
