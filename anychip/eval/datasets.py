@@ -182,4 +182,3 @@ def prose_calibration_text() -> str:
         raise EvalDataError(f"no BoolQ passages at {root / PROSE_SOURCE} ({INSTALL_HINT})")
     random.Random(0).shuffle(passages)
     return "\n\n".join(passages)
-

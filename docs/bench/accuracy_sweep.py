@@ -65,15 +65,12 @@ def parse_variant(name: str, texts: dict[str, Path] | None = None) -> tuple[str,
     if method not in ("rtn", "gptq") or not group.startswith("g") or not group[1:].isdigit():
         raise SystemExit(f"variant {name!r}: use bf16, a8, default, rtn-gG[...] or gptq-gG[...] (see --help)")
     act = "wonly" not in flags
-    calibration = GENERATED if "gen" in flags else None
-    for f in flags:
-        if f[0] == "x" and f[1:] in texts:
-            calibration = str(texts[f[1:]])
+    named = {f"x{key}": str(path) for key, path in texts.items()}  # -xNAME: the file --text NAME=PATH names
+    calibration = next((named[f] for f in reversed(flags) if f in named), GENERATED if "gen" in flags else None)
     search = next((f for f in flags if f in SCALE_SEARCHES), "amax" if method == "rtn" else None)
-    known = {"wonly", "gen", "ao", "ts", "sm", "smn", *SCALE_SEARCHES}
+    known = {"wonly", "gen", "ao", "ts", "sm", "smn", *SCALE_SEARCHES, *named}
     for f in flags:
-        if f not in known and not (f[0] in "sdr" and f[1:].replace(".", "").isdigit()) and not (
-                f[0] == "x" and f[1:] in texts):
+        if f not in known and not (f[0] in "sdr" and f[1:].replace(".", "").isdigit()):
             raise SystemExit(f"variant {name!r}: unknown option -{f} (-xNAME needs --text NAME=PATH)")
     if method == "rtn":
         return method, int(group[1:]), search, None, act
