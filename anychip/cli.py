@@ -128,6 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--systems", type=_csv, help="only these systems (names as in the JSON)")
     b.add_argument("--json", help="write JSON here (Markdown and PNG beside it)")
     b.add_argument("--eager", action="store_true", help="vLLM enforce_eager (faster start; default: compiled)")
+    b.add_argument("--compile-cache", default="cold", choices=["cold", "shared"],
+                   help="cold (default): every vLLM engine starts with empty Inductor, Triton and vLLM compile "
+                        "caches of its own, so engine start times compare; shared: the user's caches, warm from "
+                        "earlier runs (a variable the user set is always kept)")
     b.add_argument("--budget-s", type=float, default=300.0,
                    help="seconds per system for warm-up + repetitions; slower systems get fewer reps, then "
                         "smaller pp/tg (recorded in the row)")

@@ -16,6 +16,10 @@ from anychip.kernels.policy import KernelPolicy
 #: What anychip sets for the vLLM engines it starts (bench, eval, tests; a user's own value wins): the engine core
 #: in-process, so a decode step pays no inter-process round trip (twice the decode speed on a 2-core CPU).
 VLLM_STARTUP: dict[str, str] = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+#: The compile caches a vLLM engine reads and fills at start (Inductor's, Triton's, vLLM's own compile cache under
+#: its cache root): `anychip bench latency` gives every system empty ones of its own, so that no engine starts on
+#: kernels an earlier system or run compiled. A variable the user set is left alone (then caches are shared).
+COMPILE_CACHES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "VLLM_CACHE_ROOT")
 #: vLLM's compilation config for the CPU engines anychip starts (serve, bench; a user's own flag wins): one Inductor
 #: graph for the whole forward instead of one piece between every two attention calls. Splitting only serves
 #: piecewise CUDA graphs, which a CPU has none of; each piece costs a Python call through vLLM's piecewise backend

@@ -3,6 +3,7 @@ the streaming client against a scripted server, and (slow) one short real run of
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import threading
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from anychip import envs
 from anychip.bench import latency, metrics, peers, serve
 from anychip.bench.metrics import MeanSd, RepTiming, RequestRecord
 from anychip.checkpoint.model_dir import ModelDir
@@ -295,6 +297,33 @@ def test_a_users_engine_settings_win(monkeypatch):
     for system in (latency.System("vllm-bf16", "vllm", "BF16"),
                    latency.System("anychip-w4a8", "vllm", "W4A8", plugin=True)):
         assert latency.system_env(system, 2, None)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+
+
+
+def test_each_engine_compiles_into_empty_caches_of_its_own(monkeypatch, tmp_path):
+    """--compile-cache cold (the default): every vLLM system gets its own compile-cache folders, so that no engine
+    starts on kernels another system compiled; a cache variable the user set is kept; llama.cpp gets none."""
+    for name in envs.COMPILE_CACHES:
+        monkeypatch.delenv(name, raising=False)
+    args = argparse.Namespace(compile_cache="cold")
+    systems = [latency.System("anychip-w4a8", "vllm", "W4A8", plugin=True),
+               latency.System("vllm-bf16", "vllm", "BF16")]
+    envs_of = [latency.system_env(s, 2, None, latency._cold_caches(args, tmp_path, s)) for s in systems]
+    for env in envs_of:
+        assert set(envs.COMPILE_CACHES) <= set(env)
+        assert all(env[n].startswith(str(tmp_path)) for n in envs.COMPILE_CACHES)
+    assert not set(envs_of[0][n] for n in envs.COMPILE_CACHES) & set(envs_of[1][n] for n in envs.COMPILE_CACHES)
+    (tmp_path / "vllm-bf16.caches" / "left-over").mkdir(parents=True)
+    assert not (latency._cold_caches(args, tmp_path, systems[1]) / "left-over").exists()  # a retry starts empty too
+    llama = latency.System("llama.cpp-q4_0", "llama.cpp", "Q4_0")
+    llama_env = latency.system_env(llama, 2, None, latency._cold_caches(args, tmp_path, llama))
+    assert not set(envs.COMPILE_CACHES) & set(llama_env)
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/mine")
+    kept = latency.system_env(systems[0], 2, None, latency._cold_caches(args, tmp_path, systems[0]))
+    assert "TRITON_CACHE_DIR" not in kept and "TORCHINDUCTOR_CACHE_DIR" in kept  # the user's own variable wins
+    shared = argparse.Namespace(compile_cache="shared")
+    assert latency._cold_caches(shared, tmp_path, systems[0]) is None
+    assert "TORCHINDUCTOR_CACHE_DIR" not in latency.system_env(systems[0], 2, None, None)
 
 
 # ---- reports ----

@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -228,11 +229,14 @@ def plugins_without_anychip() -> str:
     return ",".join(sorted(names - {"anychip"}))
 
 
-def system_env(system: System, threads: int, coverage: Path | None) -> dict[str, str]:
-    """The environment a system's process gets on top of the user's (recorded in its row)."""
+def system_env(system: System, threads: int, coverage: Path | None, caches: Path | None = None) -> dict[str, str]:
+    """The environment a system's process gets on top of the user's (recorded in its row). caches: a folder for
+    the engine's own empty compile caches (envs.COMPILE_CACHES; a start with nothing compiled), None: shared."""
     env = {"OMP_NUM_THREADS": str(threads)}
     if system.engine == "vllm":
         env.update({name: os.environ.get(name, value) for name, value in envs.VLLM_STARTUP.items()})  # user's wins
+        if caches is not None:
+            env.update({name: str(caches / name.lower()) for name in envs.COMPILE_CACHES if name not in os.environ})
         if system.plugin:
             user = os.environ.get("VLLM_PLUGINS")
             if user is not None and "anychip" not in user.split(","):
@@ -294,6 +298,15 @@ def _coverage_summary(path: Path) -> dict[str, Any] | None:
     return {"linears": len(layers), "routes": routes, "file": str(path)}
 
 
+def _cold_caches(args: argparse.Namespace, workdir: Path, system: System) -> Path | None:
+    """The folder of this system's empty compile caches (--compile-cache cold, the default), else None."""
+    if getattr(args, "compile_cache", "cold") != "cold":
+        return None
+    folder = workdir / f"{system.name}.caches"
+    shutil.rmtree(folder, ignore_errors=True)  # the eager retry starts as cold as the compiled attempt
+    return folder
+
+
 def run_system(system: System, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """Measure one system (retrying eager when compiled mode fails) and return its row."""
     row: dict[str, Any] = {"system": system.name, "engine": system.engine, "weights": system.weights,
@@ -309,7 +322,8 @@ def run_system(system: System, args: argparse.Namespace, workdir: Path) -> dict[
     spec = RunSpec(system=system.name, engine=system.engine, model=str(model), pp=args.pp, tg=args.tg,
                    reps=args.reps, threads=args.threads, eager=args.eager, budget_s=args.budget_s,
                    device=args.device, batch=args.batch if system.engine == "vllm" else 0,
-                   env=system_env(system, args.threads, coverage), notes=system.notes)
+                   env=system_env(system, args.threads, coverage, _cold_caches(args, workdir, system)),
+                   notes=system.notes)
     result = _run_child(spec, workdir, timeout_s=args.budget_s + 900)
     if not result.get("ok") and not result.get("timed_out") and system.engine == "vllm" and not args.eager:
         compiled_error = result.get("error")
@@ -475,6 +489,11 @@ def render_markdown(doc: dict[str, Any]) -> str:
         notes.append(f"- vLLM settings: executor {settings['executor']}, dtype {settings['dtype']}, torch threads "
                      f"{settings['torch_threads']}, max_num_batched_tokens {settings['max_num_batched_tokens']}, "
                      f"prefix caching off, versions {settings['versions']}")
+    cold = [r["system"] for r in doc["rows"] if r["status"] == "ok" and r["engine"] == "vllm"
+            and all(name in (r["settings"].get("env") or {}) for name in envs.COMPILE_CACHES)]
+    if cold:
+        notes.append(f"- engine start: {', '.join(cold)} started with empty compile caches of their own "
+                     f"({', '.join(envs.COMPILE_CACHES)}; --compile-cache cold)")
     notes += source_notes(doc["machine"], doc["rows"], "system")
     if notes:
         lines += ["", "## Notes", ""] + notes
