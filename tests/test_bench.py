@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -183,7 +184,7 @@ def test_plan_systems_reports_every_peer(tiny_llama, tmp_path):
     assert rows[0].plugin and rows[1].plugin and not any(r.plugin for r in rows[2:])
     assert rows[1].env == {"ANYCHIP_HEAD": "int8"}  # the same model served with --head int8
     gguf = rows[-1]
-    assert gguf.skipped and ("different model" in gguf.skipped or "not installed" in gguf.skipped)
+    assert gguf.skipped and any(why in gguf.skipped for why in ("different model", "not installed", "not import"))
     synthetic = dict(ModelDir.open(w4a8).config)
     synthetic["quantization_config"] = dict(synthetic["quantization_config"],
                                             anychip={"source": "synthetic", "method": "random"})
@@ -373,6 +374,49 @@ def test_latency_report_targets_and_files(tmp_path):
     with pytest.raises(Exception, match="threads=2"):
         latency.merge_into(tmp_path / "lat.json", dict(again, threads=1))
 
+
+
+def test_a_crash_mid_run_keeps_the_rows_measured_before_it(tiny_llama, tmp_path, monkeypatch):
+    """The report is rewritten after every system, so a later crash loses no measured row; a peer whose
+    checkpoint cannot be built (its own tooling raising anything) is a failed row, not the end of the bench."""
+    from anychip.checkpoint.quantize import quantize_checkpoint
+    from anychip.checkpoint.scheme import W4A8Scheme
+
+    w4a8 = quantize_checkpoint(tiny_llama(), tmp_path / "w4a8", W4A8Scheme(group_size=32))
+    broken = latency.System("vllm-w8a8", "vllm", "W8A8", build=lambda: (_ for _ in ()).throw(OSError("disk full")))
+    row = latency.run_system(broken, argparse.Namespace(pp=8, tg=4, reps=1, wait_idle=0), tmp_path)
+    assert row["status"] == "failed" and "OSError: disk full" in row["error"]
+
+    systems = [latency.System("vllm-bf16", "vllm", "BF16"), latency.System("vllm-w8a8", "vllm", "W8A8")]
+    monkeypatch.setattr(latency, "plan_systems", lambda md, peers, device: systems)
+
+    def run_system(system, args, workdir):
+        if system.name == "vllm-w8a8":
+            raise KeyboardInterrupt  # the user stops the bench, or anything else ends it, after the first system
+        return _latency_row(system.name, 1000, 60)
+
+    monkeypatch.setattr(latency, "run_system", run_system)
+    out = tmp_path / "lat.json"
+    assert main(["bench", "latency", str(w4a8), "--peers", "--device", "cpu", "--json", str(out)]) == 130
+    assert [r["system"] for r in json.loads(out.read_text())["rows"]] == ["vllm-bf16"]
+    assert "vllm-bf16" in out.with_suffix(".md").read_text()
+
+
+def test_a_llama_cpp_that_does_not_import_is_an_unavailable_peer(tmp_path, monkeypatch):
+    """llama-cpp-python installed without its dependencies (`--no-deps`: no diskcache) is found by find_spec but
+    fails to import: the peer is unavailable with that reason, where it used to crash the whole bench."""
+    fake = tmp_path / "llama_cpp"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("import diskcache_that_is_not_installed\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "llama_cpp", raising=False)
+    peers._llama_cpp_import_error.cache_clear()
+    try:
+        with pytest.raises(peers.PeerUnavailable, match="does not import.*diskcache_that_is_not_installed"):
+            peers.llama_cpp_available()
+    finally:
+        peers._llama_cpp_import_error.cache_clear()
+        monkeypatch.delitem(sys.modules, "llama_cpp", raising=False)
 
 # ---- the streaming client against a scripted server ----
 

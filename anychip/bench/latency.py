@@ -317,6 +317,8 @@ def run_system(system: System, args: argparse.Namespace, workdir: Path) -> dict[
         model = system.build()
     except AnychipError as exc:
         return dict(row, status="failed", error=f"could not build its checkpoint: {exc}")
+    except Exception as exc:  # a peer's own tooling failing (a converter, a library) fails its row, not the bench
+        return dict(row, status="failed", error=f"could not build its checkpoint: {type(exc).__name__}: {exc}")
     waited = wait_for_idle(args.wait_idle) if args.wait_idle else None
     coverage = workdir / f"{system.name}.coverage.json" if system.plugin else None
     spec = RunSpec(system=system.name, engine=system.engine, model=str(model), pp=args.pp, tg=args.tg,
@@ -525,12 +527,19 @@ def plot(doc: dict[str, Any], png: Path) -> None:
 _STATS = ("pp_tps", "tg_tps", "total_tps", "t_pp_s", "t_tg_s", "batch_tps")
 
 
-def merge_into(path: Path, doc: dict[str, Any]) -> dict[str, Any]:
-    """--append: keep the rows of an existing report for the systems not measured now (same model, threads and
-    requested sizes, else an error), in SYSTEMS order."""
+def _read_report(path: Path) -> dict[str, Any] | None:
     try:
-        old = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except FileNotFoundError:
+        return None
+
+
+def merge_into(path: Path, doc: dict[str, Any], old: dict[str, Any] | None = None) -> dict[str, Any]:
+    """--append: keep the rows of an existing report for the systems not measured now (same model, threads and
+    requested sizes, else an error), in SYSTEMS order. old: the report as it was before this run wrote to path
+    (read from path when not given)."""
+    old = old if old is not None else _read_report(path)
+    if old is None:
         return doc
     same = {k: (old.get(k), doc[k]) for k in ("model", "threads", "requested") if old.get(k) != doc[k]}
     if same:
@@ -576,7 +585,23 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="anychip-bench-latency-"))
     print(f"anychip bench latency: {len(systems)} system(s), pp{args.pp} tg{args.tg} x{args.reps}, "
           f"{args.threads} threads; logs in {workdir}")
-    rows = []
+    command = command_line(getattr(args, "argv", None))
+    if args.device == "cuda":
+        where["gpu"] = _gpu_name()
+    earlier = _read_report(Path(args.json)) if args.json and args.append else None  # before this run writes it
+
+    def _report(rows: list[dict[str, Any]]) -> dict[str, Any]:
+        doc = {"benchmark": "latency", "created": now(), "machine": where, "model": str(model),
+               "threads": args.threads, "device": args.device,
+               "requested": {"pp": args.pp, "tg": args.tg, "reps": args.reps}, "rows": list(rows)}
+        if earlier is not None:
+            doc = merge_into(Path(args.json), doc, earlier)
+        doc["commands"] = list(dict.fromkeys(r["command"] for r in doc["rows"] if r.get("command")))
+        doc["targets"] = target_checks(doc["rows"], args.device)
+        return doc
+
+    _report([])  # --append onto an incompatible report fails now, not after measuring
+    rows: list[dict[str, Any]] = []
     for system in systems:
         t0 = time.perf_counter()
         print(f"  {system.name:<16} ", end="", flush=True)
@@ -593,18 +618,10 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
                   f"   ({time.perf_counter() - t0:.0f} s)" + ("   [reduced]" if row["reduced"] else ""))
         else:
             print(f"{row['status']}: {row.get('reason') or row.get('error')}")
-    command = command_line(getattr(args, "argv", None))
-    for row in rows:
         row.update(command=command, measured_at=now(), source=where.get("source"))
-    if args.device == "cuda":
-        where["gpu"] = _gpu_name()
-    doc = {"benchmark": "latency", "created": now(), "machine": where, "model": str(model), "threads": args.threads,
-           "device": args.device,
-           "requested": {"pp": args.pp, "tg": args.tg, "reps": args.reps}, "rows": rows}
-    if args.json and args.append:
-        doc = merge_into(Path(args.json), doc)
-    doc["commands"] = list(dict.fromkeys(r["command"] for r in doc["rows"] if r.get("command")))
-    doc["targets"] = target_checks(doc["rows"], args.device)
+        if args.json and system is not systems[-1]:  # the report so far: a later failure loses no row
+            write_outputs(Path(args.json), (partial := _report(rows)), render_markdown(partial), plot)
+    doc = _report(rows)
     for t in doc["targets"]:
         bound = "<=" if t.get("at_most") else ""
         print(f"  {t['metric']:>6} vs {t['peer']:<16} {t['ratio']:.2f}x (target {bound}{t['target']:.2f}x) "

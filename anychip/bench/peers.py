@@ -19,6 +19,7 @@ rebuilt when the source changes. Writing goes through the checkpoint room's stre
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -212,3 +213,17 @@ def llama_cpp_available() -> None:
     if importlib.util.find_spec("llama_cpp") is None:
         raise PeerUnavailable("llama-cpp-python is not installed: pip install 'anychip[peers]' (compiles llama.cpp,"
                               " about 8 minutes)")
+    if (why := _llama_cpp_import_error()) is not None:
+        raise PeerUnavailable(f"llama-cpp-python is installed but does not import ({why}): reinstall it with its "
+                              "dependencies, pip install 'anychip[peers]'")
+
+
+@functools.cache
+def _llama_cpp_import_error() -> str | None:
+    """None when `import llama_cpp` works, else the error (a package installed without its dependencies, say
+    `--no-deps` without diskcache, or a library built for another CPU)."""
+    try:
+        import llama_cpp  # noqa: F401
+    except Exception as exc:  # any import failure makes the peer unavailable, never the whole bench
+        return f"{type(exc).__name__}: {exc}"
+    return None
