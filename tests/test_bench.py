@@ -300,7 +300,6 @@ def test_a_users_engine_settings_win(monkeypatch):
         assert latency.system_env(system, 2, None)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
 
 
-
 def test_each_engine_compiles_into_empty_caches_of_its_own(monkeypatch, tmp_path):
     """--compile-cache cold (the default): every vLLM system gets its own compile-cache folders, so that no engine
     starts on kernels another system compiled; a cache variable the user set is kept; llama.cpp gets none."""
@@ -375,7 +374,6 @@ def test_latency_report_targets_and_files(tmp_path):
         latency.merge_into(tmp_path / "lat.json", dict(again, threads=1))
 
 
-
 def test_a_crash_mid_run_keeps_the_rows_measured_before_it(tiny_llama, tmp_path, monkeypatch):
     """The report is rewritten after every system, so a later crash loses no measured row; a peer whose
     checkpoint cannot be built (its own tooling raising anything) is a failed row, not the end of the bench."""
@@ -417,6 +415,7 @@ def test_a_llama_cpp_that_does_not_import_is_an_unavailable_peer(tmp_path, monke
     finally:
         peers._llama_cpp_import_error.cache_clear()
         monkeypatch.delitem(sys.modules, "llama_cpp", raising=False)
+
 
 # ---- the streaming client against a scripted server ----
 
