@@ -54,6 +54,9 @@ ANYCHIP_ALLOW_UNTESTED_VLLM = "ANYCHIP_ALLOW_UNTESTED_VLLM"
 ANYCHIP_EVALDATA = "ANYCHIP_EVALDATA"
 #: The key `anychip serve` requires on /v1 routes when --api-key is not given (passed to vLLM as VLLM_API_KEY).
 ANYCHIP_API_KEY = "ANYCHIP_API_KEY"
+#: "0" keeps vLLM's RMSNorm kernels apart from the W4A8 linears after them (vllm_plugin/fusion.py; default: fused
+#: where the route computes the norm itself).
+ANYCHIP_FUSE_NORM = "ANYCHIP_FUSE_NORM"
 
 
 def _flag(name: str, default: bool) -> bool:
@@ -97,6 +100,10 @@ def forced_isa() -> str | None:
 
 def allow_untested_vllm() -> bool:
     return _flag(ANYCHIP_ALLOW_UNTESTED_VLLM, False)
+
+
+def fuse_norm() -> bool:
+    return _flag(ANYCHIP_FUSE_NORM, True)
 
 
 def precompile_threads() -> int:

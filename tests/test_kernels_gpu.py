@@ -21,7 +21,8 @@ from anychip.formats import pack_int4  # noqa: E402
 from anychip.kernels import hooks, ops  # noqa: E402
 from anychip.kernels.gpu import launch, unavailable_reason  # noqa: E402
 from anychip.kernels.prepare import prepare_w4a8, w4a8_linear  # noqa: E402
-from anychip.kernels.reference import group_dot_ref, quantize_activations_ref, w4a8_linear_ref  # noqa: E402
+from anychip.kernels.reference import (group_dot_ref, quantize_activations_ref, rms_norm_ref,  # noqa: E402
+                                      w4a8_linear_ref)
 from anychip.kernels.routes import NoKernelRoute  # noqa: E402
 from kernels_gpu_cases import activations, assert_close, config_id, weights  # noqa: E402
 
@@ -174,6 +175,39 @@ def test_fused_gemv_is_the_two_launch_gemv(n: int, k: int, g: int) -> None:
     assert not launch._locks(DEV).any()
 
 
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("m", [1, 3, 64, 512])
+def test_norm_inside_the_kernels(m: int, residual: bool) -> None:
+    """anychip::w4a8_linear_norm (the plugin's fused RMSNorm + linear) at the llama-2b qkv shape: on rows of small
+    integers (the mean of squares exact in any order) the bits of vLLM's norm followed by the linear, the new
+    residual exact; on random rows within 1% (the compiled rsqrt and sum order may move a bf16 ulp)."""
+    n, k, g = 4096, 2048, 128
+    q, s = weights(n, k, g, seed=m)
+    p = prepare_w4a8(q.to(DEV), s.to(DEV).bfloat16(), g, packed=False)
+    gen = torch.Generator().manual_seed(m)
+    nw = (torch.rand(k, generator=gen) + 0.5).bfloat16().to(DEV)
+    for integers in (True, False):
+        if integers:
+            x, r = (torch.randint(-8, 9, (m, k), generator=gen).bfloat16().to(DEV) for _ in range(2))
+        else:
+            x, r = activations(m, k, torch.bfloat16, seed=m).to(DEV), activations(m, k, torch.bfloat16, seed=2).to(DEV)
+        r = r if residual else None
+        y, rout = OPS.w4a8_linear_norm(x, r, nw, 1e-5, p.weight, p.scales, None, n, k, g, p.route.id, None)
+        normed, r_ref = rms_norm_ref(x, nw, 1e-5, r)
+        want = OPS.w4a8_linear(normed, p.weight, p.scales, None, n, k, g, p.route.id, None)
+        assert torch.equal(rout, r_ref) if residual else rout.numel() == 0
+        if integers:
+            assert torch.equal(y, want)
+        else:
+            assert ((y.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
+    counter = hooks.DeviceCounter(torch.zeros((len(hooks.SLOTS), 2), dtype=torch.int64, device=DEV),
+                                  torch.zeros(1, dtype=torch.int32, device=DEV))
+    with hooks.observing(lambda layer, tokens: counter):  # the fused op counts its layer's call on the device
+        OPS.w4a8_linear_norm(x, r, nw, 1e-5, p.weight, p.scales, None, n, k, g, p.route.id, ops.layer_tensor(0))
+    torch.cuda.synchronize()
+    assert counter.cell[0].tolist() == [1, m]
+
+
 @pytest.mark.parametrize("m,k,n,g,has_bias,dtype", _linear_cases())
 def test_linear_op_matches_reference(m: int, k: int, n: int, g: int, has_bias: bool, dtype: torch.dtype) -> None:
     q, s = weights(n, k, g, seed=m * 13 + n)
@@ -317,7 +351,6 @@ def test_device_counter_counts_every_graph_replay() -> None:
     w4a8_linear(x, p)  # no observer: no count
     torch.cuda.synchronize()
     assert counter.cell.tolist() == [[1, 5], [1, 5], [3, 15]]
-
 
 
 def test_tuning_at_load_is_cached_on_disk_and_calls_never_time(tmp_path, monkeypatch) -> None:

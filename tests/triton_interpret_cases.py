@@ -17,7 +17,8 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 from anychip.kernels import hooks  # noqa: E402
 from anychip.kernels.gpu import launch, triton_w4a8  # noqa: E402
 from anychip.kernels.gpu.layout import pack_nibbles  # noqa: E402
-from anychip.kernels.reference import group_dot_ref, quantize_activations_ref, w4a8_linear_ref  # noqa: E402
+from anychip.kernels.reference import (group_dot_ref, quantize_activations_ref, rms_norm_ref,  # noqa: E402
+                                      w4a8_linear_ref)
 from kernels_gpu_cases import activations, assert_close, config_id, weights  # noqa: E402
 
 
@@ -158,6 +159,57 @@ def test_gemv_two_steps_ahead_is_the_same(split: int) -> None:
                        launch.w4a8_linear(x, w, sw, None, n, k, g, config=one))
     with pytest.raises(ValueError, match="ahead"):
         launch.GemvConfig(16, 128, ahead=3)
+
+
+def _integer_rows(m: int, k: int, seed: int) -> torch.Tensor:
+    """bf16 rows of small integers: with K a power of two the norm's mean of squares is exact in any order."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(-8, 9, (m, k), generator=gen).bfloat16()
+
+
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("m,k,warps", [(1, 512, 4), (1, 4096, 2), (3, 512, 4), (2, 8192, 4)])
+def test_norm_inside_the_kernels_is_the_norm_then_the_linear(m: int, k: int, warps: int, residual: bool) -> None:
+    """w4a8_linear_norm (vLLM's rms_norm / fused_add_rms_norm computed inside the fused GEMV at one token, by the
+    norm-and-quantize kernel before the GEMM otherwise) gives the bits of the reference norm followed by the
+    unfused linear, and the new residual exactly; one pass or several over the row (K 4096 with 2 warps: 2048 a
+    block; K 8192: two of the rows kernel's 4096)."""
+    n, g = 40, 128
+    w, sw = _layout(*weights(n, k, g, seed=k + m))
+    x = _integer_rows(m, k, seed=k)
+    r = _integer_rows(m, k, seed=k + 1) if residual else None
+    nw = (torch.rand(k, generator=torch.Generator().manual_seed(m)) + 0.5).bfloat16()
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(n)).bfloat16()
+    y_ref, r_ref = rms_norm_ref(x, nw, 1e-6, r)
+    rq, rs = quantize_activations_ref(y_ref)
+    configs = [launch.GemvConfig(16, 256, split_k=3, num_warps=warps, fused=True)] if m == 1 else []
+    configs += [launch.serving_config(m, n, k, g, x.device)]
+    for cfg in configs:
+        rout = None if r is None else torch.empty_like(x)
+        norm = launch.Norm(nw, 1e-6, r, rout)
+        got = launch.w4a8_linear_norm(x, norm, w, sw, bias, n, k, g, config=cfg)
+        want = launch.w4a8_linear_q(rq, rs, w, sw, bias, n, k, g, torch.bfloat16,
+                                    config=replace(cfg, fused=False) if isinstance(cfg, launch.GemvConfig) else cfg)
+        assert torch.equal(got, want), cfg
+        if r is not None:
+            assert torch.equal(rout, r_ref)
+    xq, sx = launch.norm_quantize(x, launch.Norm(nw, 1e-6, r, None if r is None else torch.empty_like(x)))
+    assert torch.equal(xq, rq) and torch.equal(sx, rs)
+
+
+def test_norm_inside_the_kernels_on_real_valued_rows() -> None:
+    """Random bf16 rows, K not a power of two: the output within the bf16 tolerance of the reference chain."""
+    n, k, g = 33, 576, 64
+    q, s = weights(n, k, g, seed=3)
+    w, sw = _layout(q, s)
+    nw = (torch.rand(k, generator=torch.Generator().manual_seed(4)) + 0.5).bfloat16()
+    for m in (1, 4):
+        x, r = activations(m, k, torch.bfloat16, seed=5), activations(m, k, torch.bfloat16, seed=6)
+        y_ref, r_ref = rms_norm_ref(x, nw, 1e-5, r)
+        rout = torch.empty_like(x)
+        got = launch.w4a8_linear_norm(x, launch.Norm(nw, 1e-5, r, rout), w, sw, None, n, k, g)
+        assert torch.equal(rout, r_ref)
+        assert_close(got, w4a8_linear_ref(*quantize_activations_ref(y_ref), q, s, out_dtype=torch.float64))
 
 
 def _decode_counter() -> hooks.DeviceCounter:

@@ -53,6 +53,20 @@ def notify(layer_id: int, tokens: int) -> None:
     _pending.counter = counter
 
 
+_fused_norm: set[int] = set()  # layer ids whose calls came with the RMSNorm ahead computed in their kernels
+
+
+def note_fused_norm(layer_id: int) -> None:
+    """The linear `layer_id` was called through anychip::w4a8_linear_norm on a route that computes the norm (once
+    is enough: a flag, so Python running only at CUDA-graph capture still sets it)."""
+    if layer_id >= 0:
+        _fused_norm.add(layer_id)
+
+
+def fused_norm_layers() -> frozenset[int]:
+    return frozenset(_fused_norm)
+
+
 def take_device_counter(device: torch.device) -> DeviceCounter | None:
     """The counter the observer handed out for the call in progress (once), if it lives on `device`."""
     counter = getattr(_pending, "counter", None)

@@ -6,6 +6,12 @@ torch.compile traces them as opaque calls.
                          str route, Tensor? layer_id) -> Tensor
     anychip::w4a8_linear_q(Tensor xq, Tensor sx, Tensor weight, Tensor scales, Tensor? bias, int n, int k,
                            int group_size, str route, Tensor? layer_id, ScalarType out_dtype) -> Tensor
+    anychip::w4a8_linear_norm(Tensor x, Tensor? residual, Tensor norm_weight, float eps, Tensor weight,
+                              Tensor scales, Tensor? bias, int n, int k, int group_size, str route,
+                              Tensor? layer_id) -> (Tensor y, Tensor residual_out)
+        the linear of vLLM's RMSNorm of x (fused_add_rms_norm when a residual is given: residual_out = x + residual,
+        else an empty tensor), the norm inside the kernels on routes that fuse it (the plugin's graph pass,
+        vllm_plugin/fusion.py, puts it where vLLM's graph has a norm feeding one W4A8 linear)
     anychip::w4a8_group_dots(Tensor xq, Tensor weight, Tensor scales, int n, int k, int group_size, str route)
                              -> Tensor   (debug: the exact (M, N, K/G) int32 group sums)
 
@@ -26,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from anychip.kernels import cpu_ext, hooks, routes
+from anychip.kernels import cpu_ext, hooks, reference, routes
 from anychip.kernels.routes.base import NoKernelRoute, Route
 
 _SCHEMAS = {
@@ -35,6 +41,8 @@ _SCHEMAS = {
     "str route, Tensor? layer_id) -> Tensor",
     "w4a8_linear_q": "(Tensor xq, Tensor sx, Tensor weight, Tensor scales, Tensor? bias, int n, int k, "
     "int group_size, str route, Tensor? layer_id, ScalarType out_dtype) -> Tensor",
+    "w4a8_linear_norm": "(Tensor x, Tensor? residual, Tensor norm_weight, float eps, Tensor weight, Tensor scales, "
+    "Tensor? bias, int n, int k, int group_size, str route, Tensor? layer_id) -> (Tensor, Tensor)",
     "w4a8_group_dots": "(Tensor xq, Tensor weight, Tensor scales, int n, int k, int group_size, str route) -> Tensor",
 }
 ROUTED = ("w4a8_linear", "w4a8_linear_q", "w4a8_group_dots")  # the ops that take a route id (and have a twin)
@@ -79,6 +87,22 @@ def _w4a8_linear_q(xq, sx, weight, scales, bias, n, k, group_size, route, layer_
     return _route(route, xq.device).linear_q(xq, sx, weight, scales, bias, n, k, group_size, out_dtype)
 
 
+def _w4a8_linear_norm(x, residual, norm_weight, eps, weight, scales, bias, n, k, group_size, route, layer_id):
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    r2 = None if residual is None else residual.reshape(-1, k).contiguous()
+    target = _route(route, x.device)
+    if target.fuses_norm:
+        rout = None if r2 is None else torch.empty_like(x2)
+        hooks.notify(_layer_index(layer_id), x2.shape[0])
+        hooks.note_fused_norm(_layer_index(layer_id))
+        y = target.linear_norm(x2, norm_weight, eps, r2, rout, weight, scales, bias, n, k, group_size)
+    else:  # the norm as vLLM defines it, then the linear through its own op (which counts the call)
+        normed, rout = reference.rms_norm_ref(x2, norm_weight, eps, r2)
+        y = torch.ops.anychip.w4a8_linear.default(normed, weight, scales, bias, n, k, group_size, route, layer_id)
+    return y.view(*lead, n), x.new_empty((0,)) if rout is None else rout.view(x.shape)
+
+
 def _w4a8_group_dots(xq, weight, scales, n, k, group_size, route):
     return _route(route, xq.device).group_dots(xq, weight, scales, n, k, group_size)
 
@@ -103,6 +127,7 @@ for _name, _impl in (("w4a8_linear", _w4a8_linear), ("w4a8_linear_q", _w4a8_line
     _LIB.impl(_name, _impl, "CompositeExplicitAutograd")
     _LIB.impl(_name + TWIN, _impl, "CompositeExplicitAutograd")
 _LIB.impl("quantize_act", _quantize_act, "CompositeExplicitAutograd")
+_LIB.impl("w4a8_linear_norm", _w4a8_linear_norm, "CompositeExplicitAutograd")
 
 
 def _quantize_act_fake(x):
@@ -118,11 +143,16 @@ def _w4a8_linear_q_fake(xq, sx, weight, scales, bias, n, k, group_size, route, l
     return xq.new_empty((xq.shape[0], n), dtype=out_dtype)
 
 
+def _w4a8_linear_norm_fake(x, residual, norm_weight, eps, weight, scales, bias, n, k, group_size, route, layer_id):
+    return x.new_empty((*x.shape[:-1], n)), x.new_empty((0,) if residual is None else x.shape)
+
+
 def _w4a8_group_dots_fake(xq, weight, scales, n, k, group_size, route):
     return xq.new_empty((xq.shape[0], n, k // group_size), dtype=torch.int32)
 
 
 torch.library.register_fake("anychip::quantize_act", _quantize_act_fake, lib=_LIB)
+torch.library.register_fake("anychip::w4a8_linear_norm", _w4a8_linear_norm_fake, lib=_LIB)
 for _name, _fake in (("w4a8_linear", _w4a8_linear_fake), ("w4a8_linear_q", _w4a8_linear_q_fake),
                      ("w4a8_group_dots", _w4a8_group_dots_fake)):
     torch.library.register_fake(f"anychip::{_name}", _fake, lib=_LIB)

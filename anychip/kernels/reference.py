@@ -28,6 +28,19 @@ def quantize_activations_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return xq, sx
 
 
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """vLLM's RMSNorm as its IR ops (`rms_norm`, `fused_add_rms_norm`) define it: h = x (+ residual) in fp32,
+    y = ((h * rsqrt(mean(h^2) + eps)) as weight's dtype) * weight, in x's dtype; returns (y, h in x's dtype when
+    a residual was given, else None)."""
+    h = x.float()
+    if residual is not None:
+        h = h + residual.float()
+    y = h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + eps)
+    y = (y.to(weight.dtype) * weight).to(x.dtype)
+    return y, None if residual is None else h.to(x.dtype)
+
+
 def group_dot_ref(xq: torch.Tensor, wq: torch.Tensor, group_size: int) -> torch.Tensor:
     """The exact integer part: (M, K) int8 x (N, K) int8 -> (M, N, K // G) int32 per-group dot products."""
     m, k = xq.shape

@@ -15,7 +15,9 @@ def register() -> None:
     if _registered:
         return
     from anychip.kernels.machine import request_amx_tiles
+    from anychip.vllm_plugin import fusion
     from anychip.vllm_plugin.config import AnychipW4A8Config  # noqa: F401  (registers on import)
 
     request_amx_tiles()  # before any attention runs: see there
+    fusion.install()  # the norm -> W4A8 linear pass, in vLLM's compile passes
     _registered = True

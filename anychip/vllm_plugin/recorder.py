@@ -205,6 +205,9 @@ class Recorder:
     def document(self) -> dict[str, Any]:
         with self._lock:
             self.coverage.head_route = self.head_route()
+            for layer_id in hooks.fused_norm_layers():
+                if layer_id < len(self.coverage.layers):
+                    self.coverage.layers[layer_id].norm_fused = True
             doc = self.coverage.snapshot()
             if self._tables or self._kernel_counts is not None:
                 self._device_dirty = False

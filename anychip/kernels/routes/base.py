@@ -102,6 +102,9 @@ class Route(ABC):
     #: Whether the ops' compiled kernels count this route's calls in the kernels' coverage table
     #: (hooks.install_kernel_counts) instead of calling hooks.notify from Python.
     counts_in_kernel: ClassVar[bool] = False
+    #: Whether the route computes an RMSNorm ahead of the linear inside its own kernels (`linear_norm`); the
+    #: plugin's graph pass fuses vLLM's norm into the linear only for such routes.
+    fuses_norm: ClassVar[bool] = False
 
     @property
     def isa(self) -> str:
@@ -136,6 +139,13 @@ class Route(ABC):
     def linear_q(self, xq: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
                  bias: torch.Tensor | None, n: int, k: int, group_size: int, out_dtype: torch.dtype) -> torch.Tensor:
         """xq (M, K) int8, sx (M, 1) fp32 -> (M, N) out_dtype."""
+
+    def linear_norm(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
+                    residual_out: torch.Tensor | None, weight: torch.Tensor, scales: torch.Tensor,
+                    bias: torch.Tensor | None, n: int, k: int, group_size: int) -> torch.Tensor:
+        """linear(rms_norm(x)) with the norm inside the kernels (routes with fuses_norm): x (M, K); residual given:
+        fused_add_rms_norm, x + residual written to residual_out (M, K)."""
+        raise NotImplementedError(f"route {self.id} does not fuse the RMSNorm into its kernels")
 
     @abstractmethod
     def group_dots(self, xq: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, n: int, k: int,

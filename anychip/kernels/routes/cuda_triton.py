@@ -29,6 +29,7 @@ class CudaTriton(Route):
     summary = "Triton INT8 tensor-core dots, INT4 unpacked in registers, split-K for decode; dp4a GEMV at batch one"
     #: The GEMM launch bumps the coverage counter itself (hooks.DeviceCounter): counts survive CUDA-graph replay.
     counts_on_device = True
+    fuses_norm = True
 
     def unavailable(self) -> str | None:
         if not torch.cuda.is_available():
@@ -57,6 +58,12 @@ class CudaTriton(Route):
     def linear_q(self, xq, sx, weight, scales, bias, n, k, group_size, out_dtype):
         counter = hooks.take_device_counter(xq.device)
         return _launch().w4a8_linear_q(xq, sx, weight, scales, bias, n, k, group_size, out_dtype, counter=counter)
+
+    def linear_norm(self, x, norm_weight, eps, residual, residual_out, weight, scales, bias, n, k, group_size):
+        launch = _launch()
+        counter = hooks.take_device_counter(x.device)
+        norm = launch.Norm(norm_weight, eps, residual, residual_out)
+        return launch.w4a8_linear_norm(x, norm, weight, scales, bias, n, k, group_size, counter=counter)
 
     def group_dots(self, xq, weight, scales, n, k, group_size):
         return _launch().group_dots(xq, weight, n, k, group_size)

@@ -1,0 +1,104 @@
+"""The plugin's norm fusion pass (vllm_plugin/fusion.py) on graphs traced from vLLM's own IR norm ops, on the CPU:
+which pairs it rewrites, which it leaves, and that the rewritten graph computes the same outputs. The kernels
+behind the fused op are tested in triton_interpret_cases.py (interpreted) and test_kernels_gpu.py (CUDA)."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+
+fusion = pytest.importorskip("anychip.vllm_plugin.fusion")
+pytest.importorskip("vllm.ir.ops", reason="this vLLM has no IR norm ops")
+from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
+
+from anychip.kernels import ops, routes  # noqa: E402
+from anychip.kernels.prepare import prepare_w4a8  # noqa: E402
+
+K, N, G, EPS = 128, 48, 32, 1e-6
+
+
+def _linear_args(seed: int) -> tuple:
+    gen = torch.Generator().manual_seed(seed)
+    wq = torch.randint(-8, 8, (N, K), dtype=torch.int8, generator=gen)
+    scales = torch.rand(N, K // G, generator=gen) * 0.02 + 0.001
+    p = prepare_w4a8(wq, scales, G, packed=False, route=routes.REFERENCE.id)
+    return p.weight, p.scales, ops.layer_tensor(seed)
+
+
+def _inputs(m: int = 3) -> tuple[torch.Tensor, ...]:
+    """x, residual, norm weight, then the linear's weights (graph inputs, as in vLLM's graphs)."""
+    gen = torch.Generator().manual_seed(m)
+    x, r = (torch.randn(m, K, generator=gen).bfloat16() for _ in range(2))
+    return x, r, (torch.rand(K, generator=gen) + 0.5).bfloat16(), *_linear_args(7)
+
+
+def _layer(add: bool, extra_user: bool = False):
+    """A decoder-layer-like piece: norm -> W4A8 linear, the new residual returned."""
+    rms, add_rms = torch.ops.vllm_ir.rms_norm.default, torch.ops.vllm_ir.fused_add_rms_norm.default
+
+    def piece(x, r, nw, w, s, lid):
+        if add:
+            y, res = add_rms(x, r, nw, EPS, None)
+        else:
+            y, res = rms(x, nw, EPS, None), r
+        out = torch.ops.anychip.w4a8_linear.default(y, w, s, None, N, K, G, routes.REFERENCE.id, lid)
+        return (out, res, y.sum()) if extra_user else (out, res * 2)
+
+    return piece
+
+
+def _targets(gm: torch.fx.GraphModule) -> list[object]:
+    return [n.target for n in gm.graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
+
+
+@pytest.mark.parametrize("add", [True, False])
+def test_the_pair_becomes_one_op_with_the_same_outputs(add: bool) -> None:
+    inputs = _inputs()
+    gm = make_fx(_layer(add), tracing_mode="fake")(*inputs)
+    want = gm(*inputs)
+    assert fusion.fuse_norms(gm.graph, fuses=lambda route: True) == 1
+    gm.recompile()
+    targets = _targets(gm)
+    assert fusion.NORM_LINEAR in targets and fusion.LINEAR not in targets
+    assert not any("rms_norm" in str(t) for t in targets)
+    got = gm(*inputs)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    node = next(n for n in gm.graph.nodes if n.target is fusion.NORM_LINEAR)
+    assert node.meta["val"][0].shape == (3, N)
+
+
+def test_left_alone_where_it_cannot_fuse() -> None:
+    inputs = _inputs()
+    for piece, fuses in ((_layer(True), lambda route: False),  # the route computes no norm
+                         (_layer(True, extra_user=True), lambda route: True),  # the norm's output used twice
+                         (_layer(False, extra_user=True), lambda route: True)):
+        gm = make_fx(piece, tracing_mode="fake")(*inputs)
+        before = _targets(gm)
+        assert fusion.fuse_norms(gm.graph, fuses=fuses) == 0
+        assert _targets(gm) == before
+
+
+def test_only_routes_that_compute_the_norm_are_fused() -> None:
+    assert routes.get("cuda.triton").fuses_norm
+    assert [r for r in routes.route_ids() if routes.get(r).fuses_norm] == ["cuda.triton"]
+    assert fusion.route_fuses("cuda.triton") and not fusion.route_fuses(routes.REFERENCE.id)
+    assert not fusion.route_fuses("no.such.route")
+
+
+def test_the_op_off_the_fusing_routes_is_the_norm_then_the_linear() -> None:
+    """On a route that does not fuse (every CPU route), the fused op computes vLLM's norm, then calls the linear's
+    own op: the same numbers as the pair."""
+    x, r, nw, w, s, lid = _inputs(2)
+    y, res = torch.ops.anychip.w4a8_linear_norm.default(x, r, nw, EPS, w, s, None, N, K, G, routes.REFERENCE.id, lid)
+    normed, res_ref = torch.ops.vllm_ir.fused_add_rms_norm.default(x, r, nw, EPS, None)
+    assert torch.equal(res, res_ref)
+    assert torch.equal(y, torch.ops.anychip.w4a8_linear.default(normed, w, s, None, N, K, G, routes.REFERENCE.id,
+                                                                 lid))
+    y1, empty = torch.ops.anychip.w4a8_linear_norm.default(x, None, nw, EPS, w, s, None, N, K, G,
+                                                           routes.REFERENCE.id, lid)
+    assert empty.numel() == 0
+    assert torch.equal(y1, torch.ops.anychip.w4a8_linear.default(torch.ops.vllm_ir.rms_norm.default(x, nw, EPS, None),
+                                                                  w, s, None, N, K, G, routes.REFERENCE.id, lid))
