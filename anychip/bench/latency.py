@@ -295,7 +295,8 @@ def _coverage_summary(path: Path) -> dict[str, Any] | None:
     routes: dict[str, int] = {}
     for layer in layers.values():
         routes[layer.get("route", "?")] = routes.get(layer.get("route", "?"), 0) + 1
-    return {"linears": len(layers), "routes": routes, "file": str(path)}
+    fused = sum(1 for layer in layers.values() if layer.get("norm_fused"))
+    return {"linears": len(layers), "routes": routes, "norm_fused": fused, "file": str(path)}
 
 
 def _cold_caches(args: argparse.Namespace, workdir: Path, system: System) -> Path | None:
@@ -477,7 +478,9 @@ def render_markdown(doc: dict[str, Any]) -> str:
             cov = r.get("coverage")
             if cov:
                 routes = ", ".join(f"{k}: {v}" for k, v in cov["routes"].items())
-                notes.append(f"- {r['system']}: coverage: {cov['linears']} quantized linears ({routes})")
+                fused = (f"; the RMSNorm ahead computed inside the kernels of {cov['norm_fused']}"
+                         if cov.get("norm_fused") else "")
+                notes.append(f"- {r['system']}: coverage: {cov['linears']} quantized linears ({routes}){fused}")
     loads = [f"{r['system']} {r['loadavg'][0]:.1f}/{r['loadavg'][1]:.1f}"
              + (f", CPU share {r['cpu_share']:.2f}" if r.get("cpu_share") is not None else "")
              + (f", waited {r['waited_for_idle_s']:.0f} s for idle" if r.get("waited_for_idle_s") else "")
