@@ -43,7 +43,7 @@ class LayerRoute:
     ignored: bool = False  # unquantized because the checkpoint's `ignore` names it
     calls: Counter = field(default_factory=Counter)  # phase -> calls
     tokens: Counter = field(default_factory=Counter)  # phase -> tokens
-    norm_fused: bool = False  # served with the RMSNorm before it computed inside its kernels (vllm_plugin/fusion.py)
+    fused: tuple[str, ...] = ()  # what vLLM computes ahead of it that ran inside its kernels (vllm_plugin/fusion.py)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -61,7 +61,7 @@ class LayerRoute:
             "ignored": self.ignored,
             "calls": dict(self.calls),
             "tokens": dict(self.tokens),
-            "norm_fused": self.norm_fused,
+            "fused": list(self.fused),
         }
 
 

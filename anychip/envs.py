@@ -54,8 +54,8 @@ ANYCHIP_ALLOW_UNTESTED_VLLM = "ANYCHIP_ALLOW_UNTESTED_VLLM"
 ANYCHIP_EVALDATA = "ANYCHIP_EVALDATA"
 #: The key `anychip serve` requires on /v1 routes when --api-key is not given (passed to vLLM as VLLM_API_KEY).
 ANYCHIP_API_KEY = "ANYCHIP_API_KEY"
-#: "0" keeps vLLM's RMSNorm kernels apart from the W4A8 linears after them (vllm_plugin/fusion.py; default: fused
-#: where the route computes the norm itself).
+#: "0" keeps vLLM's RMSNorm and SiluAndMul kernels apart from the W4A8 linears after them (vllm_plugin/fusion.py;
+#: default: fused where the route computes them itself).
 ANYCHIP_FUSE_NORM = "ANYCHIP_FUSE_NORM"
 
 

@@ -102,3 +102,86 @@ def test_the_op_off_the_fusing_routes_is_the_norm_then_the_linear() -> None:
     assert empty.numel() == 0
     assert torch.equal(y1, torch.ops.anychip.w4a8_linear.default(torch.ops.vllm_ir.rms_norm.default(x, nw, EPS, None),
                                                                   w, s, None, N, K, G, routes.REFERENCE.id, lid))
+
+
+def _silu_piece():
+    def piece(y, w, s, lid):
+        d = y.shape[-1] // 2
+        x = torch.nn.functional.silu(y[..., :d]) * y[..., d:]
+        return torch.ops.anychip.w4a8_linear.default(x, w, s, None, N, K, G, routes.REFERENCE.id, lid)
+
+    return piece
+
+
+def _silu_inputs(m: int = 3) -> tuple[torch.Tensor, ...]:
+    return (torch.randn(m, 2 * K, generator=torch.Generator().manual_seed(m)).bfloat16(), *_linear_args(5))
+
+
+@pytest.mark.parametrize("decomposed", [False, True])
+def test_silu_and_mul_becomes_one_op(decomposed: bool) -> None:
+    """SiluAndMul as its native forward traces (aten.silu, or decomposed as Inductor's post-grad graphs have it:
+    a / (1 + exp(-a)) with dtype conversions) feeding a W4A8 linear becomes w4a8_linear_silu_mul on the row of 2K;
+    the dead slices and silu go; the outputs are the same."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    inputs = _silu_inputs()
+    table = select_decomp_table() if decomposed else None
+    gm = make_fx(_silu_piece(), tracing_mode="fake", decomposition_table=table)(*inputs)
+    want = gm(*inputs)
+    assert fusion.fuse_silu_mul(gm.graph, fuses=lambda route: True) == 1
+    gm.recompile()
+    targets = _targets(gm)
+    assert targets == [fusion.SILU_LINEAR], targets
+    assert torch.equal(gm(*inputs), want)
+
+
+def test_silu_and_mul_left_alone() -> None:
+    inputs = _silu_inputs()
+
+    def swapped(y, w, s, lid):  # silu of the upper half: not SiluAndMul
+        d = y.shape[-1] // 2
+        x = torch.nn.functional.silu(y[..., d:]) * y[..., :d]
+        return torch.ops.anychip.w4a8_linear.default(x, w, s, None, N, K, G, routes.REFERENCE.id, lid)
+
+    for piece, fuses in ((_silu_piece(), lambda route: False), (swapped, lambda route: True)):
+        gm = make_fx(piece, tracing_mode="fake")(*inputs)
+        before = _targets(gm)
+        assert fusion.fuse_silu_mul(gm.graph, fuses=fuses) == 0
+        assert _targets(gm) == before
+
+
+def test_passes_find_their_pairs_in_inductor_post_grad_graphs() -> None:
+    """Through torch.compile: the passes run where vLLM runs them (Inductor's post-grad custom pass) and find the
+    norm and SiluAndMul pairs of a small MLP block as this torch's decompositions leave them."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    found: list[tuple[int, int]] = []
+
+    class Passes(CustomGraphPass):
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            found.append((fusion.fuse_norms(graph, fuses=lambda r: True),
+                          fusion.fuse_silu_mul(graph, fuses=lambda r: True)))
+
+        def uuid(self) -> str:
+            return "anychip-test-fusion"
+
+    x, r, nw, w, s, lid = _inputs()
+    w2, s2, lid2 = _linear_args(9)  # gate/up: N = 2K
+    wq = torch.randint(-8, 8, (2 * K, K), dtype=torch.int8, generator=torch.Generator().manual_seed(9))
+    up = prepare_w4a8(wq, torch.rand(2 * K, K // G) * 0.02 + 0.001, G, packed=False, route=routes.REFERENCE.id)
+
+    def block(x, r, nw, wu, su, wd, sd):
+        h, res = torch.ops.vllm_ir.fused_add_rms_norm.default(x, r, nw, EPS, None)
+        y = torch.ops.anychip.w4a8_linear.default(h, wu, su, None, 2 * K, K, G, routes.REFERENCE.id, lid)
+        a = torch.nn.functional.silu(y[..., :K]) * y[..., K:]
+        return torch.ops.anychip.w4a8_linear.default(a, wd, sd, None, N, K, G, routes.REFERENCE.id, lid2), res
+
+    args = (x, r, nw, up.weight, up.scales, w2, s2)
+    want = block(*args)
+    torch._dynamo.reset()
+    with inductor_config.patch(post_grad_custom_post_pass=Passes(), fx_graph_cache=False):
+        got = torch.compile(block, fullgraph=True)(*args)
+    assert found == [(1, 1)]
+    assert torch.equal(got[1], want[1])
+    assert (got[0].float() - want[0].float()).abs().max().item() <= 2**-6 * want[0].float().abs().max().item()

@@ -18,7 +18,7 @@ from anychip.kernels import hooks  # noqa: E402
 from anychip.kernels.gpu import launch, triton_w4a8  # noqa: E402
 from anychip.kernels.gpu.layout import pack_nibbles  # noqa: E402
 from anychip.kernels.reference import (group_dot_ref, quantize_activations_ref, rms_norm_ref,  # noqa: E402
-                                      w4a8_linear_ref)
+                                      silu_and_mul_ref, w4a8_linear_ref)
 from kernels_gpu_cases import activations, assert_close, config_id, weights  # noqa: E402
 
 
@@ -170,7 +170,7 @@ def _integer_rows(m: int, k: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("m,k,warps", [(1, 512, 4), (1, 4096, 2), (3, 512, 4), (2, 8192, 4)])
 def test_norm_inside_the_kernels_is_the_norm_then_the_linear(m: int, k: int, warps: int, residual: bool) -> None:
-    """w4a8_linear_norm (vLLM's rms_norm / fused_add_rms_norm computed inside the fused GEMV at one token, by the
+    """w4a8_linear_pre with a Norm (vLLM's rms_norm / fused_add_rms_norm computed inside the fused GEMV at one token, by the
     norm-and-quantize kernel before the GEMM otherwise) gives the bits of the reference norm followed by the
     unfused linear, and the new residual exactly; one pass or several over the row (K 4096 with 2 warps: 2048 a
     block; K 8192: two of the rows kernel's 4096)."""
@@ -187,13 +187,13 @@ def test_norm_inside_the_kernels_is_the_norm_then_the_linear(m: int, k: int, war
     for cfg in configs:
         rout = None if r is None else torch.empty_like(x)
         norm = launch.Norm(nw, 1e-6, r, rout)
-        got = launch.w4a8_linear_norm(x, norm, w, sw, bias, n, k, g, config=cfg)
+        got = launch.w4a8_linear_pre(x, norm, w, sw, bias, n, k, g, config=cfg)
         want = launch.w4a8_linear_q(rq, rs, w, sw, bias, n, k, g, torch.bfloat16,
                                     config=replace(cfg, fused=False) if isinstance(cfg, launch.GemvConfig) else cfg)
         assert torch.equal(got, want), cfg
         if r is not None:
             assert torch.equal(rout, r_ref)
-    xq, sx = launch.norm_quantize(x, launch.Norm(nw, 1e-6, r, None if r is None else torch.empty_like(x)))
+    xq, sx = launch.pre_quantize(x, launch.Norm(nw, 1e-6, r, None if r is None else torch.empty_like(x)), k)
     assert torch.equal(xq, rq) and torch.equal(sx, rs)
 
 
@@ -207,9 +207,34 @@ def test_norm_inside_the_kernels_on_real_valued_rows() -> None:
         x, r = activations(m, k, torch.bfloat16, seed=5), activations(m, k, torch.bfloat16, seed=6)
         y_ref, r_ref = rms_norm_ref(x, nw, 1e-5, r)
         rout = torch.empty_like(x)
-        got = launch.w4a8_linear_norm(x, launch.Norm(nw, 1e-5, r, rout), w, sw, None, n, k, g)
+        got = launch.w4a8_linear_pre(x, launch.Norm(nw, 1e-5, r, rout), w, sw, None, n, k, g)
         assert torch.equal(rout, r_ref)
         assert_close(got, w4a8_linear_ref(*quantize_activations_ref(y_ref), q, s, out_dtype=torch.float64))
+
+
+@pytest.mark.parametrize("k,warps", [(512, 4), (4160, 2)])  # 4160: the row in several blocks of 2048 / 4096
+def test_silu_and_mul_inside_the_kernels(k: int, warps: int) -> None:
+    """w4a8_linear_pre with SiluMul (vLLM's SiluAndMul of a row of 2K): the fused GEMV, the rows kernel before the
+    GEMM and the GEMV after them quantize the same INT8 values (the same bits out), within tolerance of the
+    reference SiluAndMul followed by the linear."""
+    n, g = 40, 64
+    q, s = weights(n, k, g, seed=k)
+    w, sw = _layout(q, s)
+    y2 = activations(3, 2 * k, torch.bfloat16, seed=k + 1)
+    ref = silu_and_mul_ref(y2)
+    xq, sx = launch.pre_quantize(y2, launch.SiluMul(), k)
+    assert xq.shape == (3, k)
+    rq, rs = quantize_activations_ref(ref)
+    assert (xq.int() - rq.int()).abs().max().item() <= 1 and torch.allclose(sx, rs, rtol=2**-7)
+    fused = launch.GemvConfig(16, 256, split_k=3, num_warps=warps, fused=True)
+    one = launch.w4a8_linear_pre(y2[:1], launch.SiluMul(), w, sw, None, n, k, g, config=fused)
+    two = launch.w4a8_linear_q(xq[:1], sx[:1], w, sw, None, n, k, g, torch.bfloat16, config=replace(fused, fused=False))
+    assert torch.equal(one, two)
+    rows = launch.w4a8_linear_pre(y2, launch.SiluMul(), w, sw, None, n, k, g)
+    assert torch.equal(rows, launch.w4a8_linear_q(xq, sx, w, sw, None, n, k, g, torch.bfloat16))
+    assert_close(rows, w4a8_linear_ref(rq, rs, q, s, out_dtype=torch.float64))
+    with pytest.raises(ValueError, match="SiluMul"):
+        launch.w4a8_linear_pre(y2[:, :k], launch.SiluMul(), w, sw, None, n, k, g)
 
 
 def _decode_counter() -> hooks.DeviceCounter:

@@ -295,8 +295,11 @@ def _coverage_summary(path: Path) -> dict[str, Any] | None:
     routes: dict[str, int] = {}
     for layer in layers.values():
         routes[layer.get("route", "?")] = routes.get(layer.get("route", "?"), 0) + 1
-    fused = sum(1 for layer in layers.values() if layer.get("norm_fused"))
-    return {"linears": len(layers), "routes": routes, "norm_fused": fused, "file": str(path)}
+    fused: dict[str, int] = {}
+    for layer in layers.values():
+        for what in layer.get("fused") or ():
+            fused[what] = fused.get(what, 0) + 1
+    return {"linears": len(layers), "routes": routes, "fused": fused, "file": str(path)}
 
 
 def _cold_caches(args: argparse.Namespace, workdir: Path, system: System) -> Path | None:
@@ -478,8 +481,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
             cov = r.get("coverage")
             if cov:
                 routes = ", ".join(f"{k}: {v}" for k, v in cov["routes"].items())
-                fused = (f"; the RMSNorm ahead computed inside the kernels of {cov['norm_fused']}"
-                         if cov.get("norm_fused") else "")
+                fused = "".join(f"; {what} computed inside the kernels of {count}"
+                                for what, count in (cov.get("fused") or {}).items())
                 notes.append(f"- {r['system']}: coverage: {cov['linears']} quantized linears ({routes}){fused}")
     loads = [f"{r['system']} {r['loadavg'][0]:.1f}/{r['loadavg'][1]:.1f}"
              + (f", CPU share {r['cpu_share']:.2f}" if r.get("cpu_share") is not None else "")

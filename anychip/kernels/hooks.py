@@ -53,18 +53,19 @@ def notify(layer_id: int, tokens: int) -> None:
     _pending.counter = counter
 
 
-_fused_norm: set[int] = set()  # layer ids whose calls came with the RMSNorm ahead computed in their kernels
+_fused: dict[int, set[str]] = {}  # layer id -> what ran inside its kernels ahead of it ("rms_norm", "silu_and_mul")
 
 
-def note_fused_norm(layer_id: int) -> None:
-    """The linear `layer_id` was called through anychip::w4a8_linear_norm on a route that computes the norm (once
-    is enough: a flag, so Python running only at CUDA-graph capture still sets it)."""
+def note_fused(layer_id: int, what: str) -> None:
+    """The linear `layer_id` was called with `what` (vLLM's computation ahead of it) inside its kernels: through
+    anychip::w4a8_linear_norm or w4a8_linear_silu_mul on a route that computes it. A flag, not a count: Python
+    running only at CUDA-graph capture still sets it."""
     if layer_id >= 0:
-        _fused_norm.add(layer_id)
+        _fused.setdefault(layer_id, set()).add(what)
 
 
-def fused_norm_layers() -> frozenset[int]:
-    return frozenset(_fused_norm)
+def fused_layers() -> dict[int, frozenset[str]]:
+    return {layer: frozenset(what) for layer, what in list(_fused.items())}
 
 
 def take_device_counter(device: torch.device) -> DeviceCounter | None:

@@ -12,6 +12,9 @@ torch.compile traces them as opaque calls.
         the linear of vLLM's RMSNorm of x (fused_add_rms_norm when a residual is given: residual_out = x + residual,
         else an empty tensor), the norm inside the kernels on routes that fuse it (the plugin's graph pass,
         vllm_plugin/fusion.py, puts it where vLLM's graph has a norm feeding one W4A8 linear)
+    anychip::w4a8_linear_silu_mul(Tensor x, Tensor weight, Tensor scales, Tensor? bias, int n, int k, int group_size,
+                                  str route, Tensor? layer_id) -> Tensor
+        the linear of vLLM's SiluAndMul of x (M, 2K), inside the kernels on routes that fuse it
     anychip::w4a8_group_dots(Tensor xq, Tensor weight, Tensor scales, int n, int k, int group_size, str route)
                              -> Tensor   (debug: the exact (M, N, K/G) int32 group sums)
 
@@ -43,6 +46,8 @@ _SCHEMAS = {
     "int group_size, str route, Tensor? layer_id, ScalarType out_dtype) -> Tensor",
     "w4a8_linear_norm": "(Tensor x, Tensor? residual, Tensor norm_weight, float eps, Tensor weight, Tensor scales, "
     "Tensor? bias, int n, int k, int group_size, str route, Tensor? layer_id) -> (Tensor, Tensor)",
+    "w4a8_linear_silu_mul": "(Tensor x, Tensor weight, Tensor scales, Tensor? bias, int n, int k, int group_size, "
+    "str route, Tensor? layer_id) -> Tensor",
     "w4a8_group_dots": "(Tensor xq, Tensor weight, Tensor scales, int n, int k, int group_size, str route) -> Tensor",
 }
 ROUTED = ("w4a8_linear", "w4a8_linear_q", "w4a8_group_dots")  # the ops that take a route id (and have a twin)
@@ -95,12 +100,26 @@ def _w4a8_linear_norm(x, residual, norm_weight, eps, weight, scales, bias, n, k,
     if target.fuses_norm:
         rout = None if r2 is None else torch.empty_like(x2)
         hooks.notify(_layer_index(layer_id), x2.shape[0])
-        hooks.note_fused_norm(_layer_index(layer_id))
+        hooks.note_fused(_layer_index(layer_id), "rms_norm")
         y = target.linear_norm(x2, norm_weight, eps, r2, rout, weight, scales, bias, n, k, group_size)
     else:  # the norm as vLLM defines it, then the linear through its own op (which counts the call)
         normed, rout = reference.rms_norm_ref(x2, norm_weight, eps, r2)
         y = torch.ops.anychip.w4a8_linear.default(normed, weight, scales, bias, n, k, group_size, route, layer_id)
     return y.view(*lead, n), x.new_empty((0,)) if rout is None else rout.view(x.shape)
+
+
+def _w4a8_linear_silu_mul(x, weight, scales, bias, n, k, group_size, route, layer_id):
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, 2 * k)
+    target = _route(route, x.device)
+    if target.fuses_silu_mul:
+        hooks.notify(_layer_index(layer_id), x2.shape[0])
+        hooks.note_fused(_layer_index(layer_id), "silu_and_mul")
+        y = target.linear_silu_mul(x2, weight, scales, bias, n, k, group_size)
+    else:  # SiluAndMul as vLLM's native forward computes it, then the linear through its own op
+        y = torch.ops.anychip.w4a8_linear.default(reference.silu_and_mul_ref(x2), weight, scales, bias, n, k,
+                                                  group_size, route, layer_id)
+    return y.view(*lead, n)
 
 
 def _w4a8_group_dots(xq, weight, scales, n, k, group_size, route):
@@ -128,6 +147,7 @@ for _name, _impl in (("w4a8_linear", _w4a8_linear), ("w4a8_linear_q", _w4a8_line
     _LIB.impl(_name + TWIN, _impl, "CompositeExplicitAutograd")
 _LIB.impl("quantize_act", _quantize_act, "CompositeExplicitAutograd")
 _LIB.impl("w4a8_linear_norm", _w4a8_linear_norm, "CompositeExplicitAutograd")
+_LIB.impl("w4a8_linear_silu_mul", _w4a8_linear_silu_mul, "CompositeExplicitAutograd")
 
 
 def _quantize_act_fake(x):
@@ -147,12 +167,17 @@ def _w4a8_linear_norm_fake(x, residual, norm_weight, eps, weight, scales, bias, 
     return x.new_empty((*x.shape[:-1], n)), x.new_empty((0,) if residual is None else x.shape)
 
 
+def _w4a8_linear_silu_mul_fake(x, weight, scales, bias, n, k, group_size, route, layer_id):
+    return x.new_empty((*x.shape[:-1], n))
+
+
 def _w4a8_group_dots_fake(xq, weight, scales, n, k, group_size, route):
     return xq.new_empty((xq.shape[0], n, k // group_size), dtype=torch.int32)
 
 
 torch.library.register_fake("anychip::quantize_act", _quantize_act_fake, lib=_LIB)
 torch.library.register_fake("anychip::w4a8_linear_norm", _w4a8_linear_norm_fake, lib=_LIB)
+torch.library.register_fake("anychip::w4a8_linear_silu_mul", _w4a8_linear_silu_mul_fake, lib=_LIB)
 for _name, _fake in (("w4a8_linear", _w4a8_linear_fake), ("w4a8_linear_q", _w4a8_linear_q_fake),
                      ("w4a8_group_dots", _w4a8_group_dots_fake)):
     torch.library.register_fake(f"anychip::{_name}", _fake, lib=_LIB)

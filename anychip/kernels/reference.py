@@ -41,6 +41,13 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
     return y, None if residual is None else h.to(x.dtype)
 
 
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """vLLM's SiluAndMul as its native forward computes it: silu(x[..., :d]) * x[..., d:], d = x.shape[-1] // 2,
+    silu in fp32 rounded to x's dtype, the product rounded again."""
+    d = x.shape[-1] // 2
+    return torch.nn.functional.silu(x[..., :d].float()).to(x.dtype) * x[..., d:]
+
+
 def group_dot_ref(xq: torch.Tensor, wq: torch.Tensor, group_size: int) -> torch.Tensor:
     """The exact integer part: (M, K) int8 x (N, K) int8 -> (M, N, K // G) int32 per-group dot products."""
     m, k = xq.shape

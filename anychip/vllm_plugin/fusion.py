@@ -1,17 +1,21 @@
-"""A graph pass that moves vLLM's RMSNorm into the W4A8 linear that consumes it.
+"""A graph pass that moves what vLLM computes ahead of a W4A8 linear into the linear's own kernels.
 
 In vLLM's compiled graph a decoder layer's input norm and post-attention norm (`vllm_ir.rms_norm`,
 `vllm_ir.fused_add_rms_norm`, before vLLM lowers its IR ops) each feed one W4A8 linear (the merged qkv or gate/up
-projection), whose kernels quantize the norm's output per token. Where a route computes the norm inside its own
-kernels (Route.fuses_norm: the CUDA Triton route, which at one token does norm, quantization and GEMV in a single
-launch), this pass replaces the pair by `anychip::w4a8_linear_norm`: same inputs, same outputs (the linear's and,
-for fused_add_rms_norm, the new residual), one launch fewer per norm. Numerics: the norm as vLLM's IR op defines
-it (ops.py, reference.rms_norm_ref), then the checkpoint's W4A8 linear; nothing about the quantization changes.
+projection), and SiluAndMul (traced from its native forward: two slices of the gate/up output, silu, a product)
+feeds the down projection; the linear's kernels then quantize that output per token. Where a route computes these
+inside its own kernels (Route.fuses_norm, Route.fuses_silu_mul: the CUDA Triton route, which at one token does
+them, the quantization and the GEMV in a single launch), the pass replaces the pair by `anychip::w4a8_linear_norm`
+(same outputs: the linear's and, for fused_add_rms_norm, the new residual) or `anychip::w4a8_linear_silu_mul`: one
+launch fewer per pair. Numerics: the norm as vLLM's IR op defines it (reference.rms_norm_ref) and SiluAndMul as its
+native forward computes it (reference.silu_and_mul_ref), then the checkpoint's W4A8 linear; nothing about the
+quantization changes.
 
-A pair is left alone unless the norm's output has no other user, its weight has the input's dtype and shape (K,),
-it normalizes the whole row (no variance_size) and the linear's route fuses norms; the pass changes nothing in a
-graph without such pairs (CPUs, other models). ANYCHIP_FUSE_NORM=0 turns it off. The plugin installs it into
-vLLM's post-grad pass manager (`install`), where it runs with vLLM's own fusion passes, before the IR lowering.
+A pair is left alone unless the producer's output has no other user, its dtypes and shapes are the linear's input
+(a norm's weight (K,), no variance_size; SiluAndMul's halves [0, K) and [K, 2K) of one row) and the linear's route
+fuses it; the pass changes nothing in a graph without such pairs (CPUs, other models). ANYCHIP_FUSE_NORM=0 turns
+it off. The plugin installs it into vLLM's post-grad pass manager (`install`), where it runs after vLLM's own
+fusion passes and before the IR lowering.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ log = logging.getLogger(__name__)
 
 LINEAR = torch.ops.anychip.w4a8_linear.default
 NORM_LINEAR = torch.ops.anychip.w4a8_linear_norm.default
+SILU_LINEAR = torch.ops.anychip.w4a8_linear_silu_mul.default
 _LINEAR_ARGS = [a.name for a in LINEAR._schema.arguments]
 
 
@@ -97,6 +102,127 @@ def _pair(linear: fx.Node, targets: tuple[Any, Any], fuses: Callable[[str], bool
         if any(u.target is not operator.getitem or u.args[1] not in (0, 1) for u in norm.users):
             return None
     return _Pair(linear, norm, out, args, add)
+
+
+# --- SiluAndMul ahead of a linear (the down projection) -------------------------------------------------------
+
+_aten = torch.ops.aten
+_CONVERT = (torch.ops.prims.convert_element_type.default, _aten._to_copy.default)
+_INT64_MAX = 2**63 - 1
+
+
+def _through_converts(node: Any) -> Any:
+    while isinstance(node, fx.Node) and node.target in _CONVERT:
+        node = node.args[0]
+    return node
+
+
+def _call(node: Any, *targets: Any) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def _silu_input(node: Any) -> Any:
+    """a when node computes silu(a) (up to dtype conversions) in one of the forms a traced SiluAndMul takes after
+    decomposition: silu(a), a * sigmoid(a), a / (1 + exp(-a)); else None."""
+    node = _through_converts(node)
+    if _call(node, _aten.silu.default):
+        return node.args[0]
+    if _call(node, _aten.mul.Tensor) and len(node.args) == 2:
+        for a, b in (node.args, node.args[::-1]):
+            if _call(b, _aten.sigmoid.default) and b.args[0] is a:
+                return a
+    if _call(node, _aten.div.Tensor) and len(node.args) == 2:
+        a, den = node.args
+        if _call(den, _aten.add.Tensor) and den.args[1] == 1 and _call(den.args[0], _aten.exp.default):
+            neg = den.args[0].args[0]
+            if _call(neg, _aten.neg.default) and neg.args[0] is a:
+                return a
+    return None
+
+
+def _last_dim_slice(node: Any) -> tuple[fx.Node, int, int] | None:
+    """(source, start, end) of a slice along the last dimension, else None."""
+    if not _call(node, _aten.slice.Tensor):
+        return None
+    args = list(node.args) + [None] * (5 - len(node.args))
+    src, dim, start, end = args[0], args[1] if args[1] is not None else 0, args[2] or 0, args[3]
+    val = _val(src)
+    if val is None or not isinstance(start, int) or not isinstance(end, int) or dim not in (-1, val.dim() - 1):
+        return None
+    return src, start, end
+
+
+def _silu_mul_source(x: Any, k: int) -> tuple[fx.Node, list[fx.Node]] | None:
+    """(y, the nodes between y and x) when x = silu(y[..., :k]) * y[..., k:2k] (y's last dimension 2k), else None."""
+    if not _call(x, _aten.mul.Tensor) or len(x.args) != 2:
+        return None
+    for act, up in (x.args, x.args[::-1]):
+        a = _silu_input(act)
+        gate = _last_dim_slice(_through_converts(a))
+        upper = _last_dim_slice(_through_converts(up))
+        if gate is None or upper is None or gate[0] is not upper[0]:
+            continue
+        y = gate[0]
+        width = _val(y).shape[-1]
+        if width != 2 * k or gate[1:] != (0, k) or upper[1] != k or upper[2] < 2 * k:
+            continue
+        return y, _ancestors(x, stop=y)
+    return None
+
+
+def _ancestors(node: fx.Node, stop: fx.Node) -> list[fx.Node]:
+    """node and the calls it depends on down to (not including) stop."""
+    seen: list[fx.Node] = []
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if n is stop or n in seen or not isinstance(n, fx.Node) or n.op != "call_function":
+            continue
+        seen.append(n)
+        todo.extend(a for a in n.all_input_nodes)
+    return seen
+
+
+def route_fuses_silu(route_id: str) -> bool:
+    try:
+        return routes.get(route_id).fuses_silu_mul
+    except Exception:
+        return False
+
+
+def fuse_silu_mul(graph: fx.Graph, fuses: Callable[[str], bool] = route_fuses_silu) -> int:
+    """Replace every W4A8 linear fed by SiluAndMul (its one user) by anychip::w4a8_linear_silu_mul on the gate/up
+    output itself, where the linear's route computes SiluAndMul; returns how many."""
+    done = 0
+    for linear in [n for n in graph.nodes if n.op == "call_function" and n.target is LINEAR]:
+        lin = dict(zip(_LINEAR_ARGS, linear.args)) | dict(linear.kwargs)
+        x, k = lin.get("x"), lin.get("k")
+        if not isinstance(x, fx.Node) or len(x.users) != 1 or not fuses(lin.get("route", "")):
+            continue
+        found = _silu_mul_source(x, k)
+        if found is None:
+            continue
+        y, chain = found
+        xv, yv = _val(x), _val(y)
+        if xv is None or yv is None or yv.dtype != xv.dtype:
+            continue
+        new_args = (y, *linear.args[1:])
+        with graph.inserting_before(linear):
+            fused = graph.call_function(SILU_LINEAR, new_args, dict(linear.kwargs))
+        vals = [_val(v) if isinstance(v, fx.Node) else v for v in new_args]
+        mode = torch._guards.detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+        with mode if mode is not None else _no_mode():
+            fused.meta["val"] = SILU_LINEAR(*vals, **dict(linear.kwargs))
+        linear.replace_all_uses_with(fused)
+        graph.erase_node(linear)
+        order = {node: i for i, node in enumerate(graph.nodes)}
+        for node in sorted(chain, key=order.__getitem__, reverse=True):  # users before what they use
+            if not node.users:
+                graph.erase_node(node)
+        done += 1
+    if done:
+        graph.lint()
+    return done
 
 
 def fuse_norms(graph: fx.Graph, fuses: Callable[[str], bool] = route_fuses) -> int:
@@ -178,9 +304,10 @@ def install() -> bool:
 
     class AnychipNormFusion(InductorPass):
         def __call__(self, graph: fx.Graph) -> None:
-            count = fuse_norms(graph)
-            if count:
-                log.info("anychip: RMSNorm moved into %d W4A8 linears of a compiled graph", count)
+            norms, silus = fuse_norms(graph), fuse_silu_mul(graph)
+            if norms or silus:
+                log.info("anychip: RMSNorm moved into %d and SiluAndMul into %d W4A8 linears of a compiled graph",
+                         norms, silus)
 
         def uuid(self) -> str:  # the rewrite's source, not only this wrapper's: a change recompiles
             return InductorPass.hash_source(inspect.getsource(inspect.getmodule(fuse_norms)))

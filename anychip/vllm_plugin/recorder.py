@@ -205,9 +205,9 @@ class Recorder:
     def document(self) -> dict[str, Any]:
         with self._lock:
             self.coverage.head_route = self.head_route()
-            for layer_id in hooks.fused_norm_layers():
+            for layer_id, what in hooks.fused_layers().items():
                 if layer_id < len(self.coverage.layers):
-                    self.coverage.layers[layer_id].norm_fused = True
+                    self.coverage.layers[layer_id].fused = tuple(sorted(what))
             doc = self.coverage.snapshot()
             if self._tables or self._kernel_counts is not None:
                 self._device_dirty = False

@@ -203,55 +203,60 @@ def w4a8_linear(
     return w4a8_linear_q(xq, sx, weight, scales, bias, n, kk, group_size, x.dtype, config, counter)
 
 
-def w4a8_linear_norm(
-    x: torch.Tensor, norm: Norm, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, n: int,
+def w4a8_linear_pre(
+    x: torch.Tensor, pre: Prologue, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, n: int,
     kk: int, group_size: int, config: Config | None = None, counter: DeviceCounter | None = None,
 ) -> torch.Tensor:
-    """The W4A8 linear of vLLM's RMSNorm of x (M, K) -> (M, N) in x's dtype, the norm computed inside the
-    kernels: at one token inside the fused GEMV (one launch for norm, quantization and GEMV), else by one kernel
-    that normalizes and quantizes each token for the GEMM. norm.residual_out (fused_add_rms_norm) receives the
-    new residual x + residual."""
+    """The W4A8 linear of what vLLM computes ahead of it (`pre`: its RMSNorm, or SiluAndMul) on x (M, K) or
+    (M, 2K) -> (M, N) in x's dtype, `pre` computed inside the kernels: at one token inside the fused GEMV (one launch
+    for it, the quantization and the GEMV), else by one kernel that computes and quantizes each token for the GEMM.
+    A fused_add_rms_norm's residual_out receives the new residual x + residual."""
     m = x.shape[0]
     x = x if x.stride(1) == 1 else x.contiguous()
-    _check_norm(x, norm, kk)
+    _check_pre(x, pre, kk)
     if config is None:
         config = serving_config(m, n, kk, group_size, x.device)
     if isinstance(config, GemvConfig) and config.fused:
         _check_gemv(config, m, kk, group_size)
-        _check(x, weight, scales, n, kk, group_size, activations=False)
+        _check(x[:, :kk], weight, scales, n, kk, group_size, activations=False)
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-        launch_gemv(config, x, None, weight, scales, bias, n, kk, group_size, out, counter, norm)
-        if n == 0:  # no GEMV program ran to write the residual
-            norm_quantize(x, norm)
+        launch_gemv(config, x, None, weight, scales, bias, n, kk, group_size, out, counter, pre)
+        if n == 0 and pre.kind == 2:  # no GEMV program ran to write the residual
+            pre_quantize(x, pre, kk)
         return out
-    xq, sx = norm_quantize(x, norm)
+    xq, sx = pre_quantize(x, pre, kk)
     return w4a8_linear_q(xq, sx, weight, scales, bias, n, kk, group_size, x.dtype, config, counter)
 
 
-def norm_quantize(x: torch.Tensor, norm: Norm) -> tuple[torch.Tensor, torch.Tensor]:
-    """(M, K) -> the INT8 activations (M, K) and scales (M, 1) of norm(x), writing norm.residual_out (NORM 2)."""
-    m, kk = x.shape
+def pre_quantize(x: torch.Tensor, pre: Prologue, kk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, pre.k_in(K)) -> the INT8 activations (M, K) and scales (M, 1) of pre(x), writing a fused_add_rms_norm's
+    residual_out."""
+    m = x.shape[0]
     xq = torch.empty((m, kk), dtype=torch.int8, device=x.device)
     sx = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m:
-        r, ro = norm.residual, norm.residual_out
-        k._norm_quantize_rows_kernel[(m,)](
-            x, r, norm.weight, ro, xq, sx, kk, float(norm.eps), x.stride(0), 0 if r is None else r.stride(0),
-            0 if ro is None else ro.stride(0), xq.stride(0), NORM=norm.kind, **quantize_options(kk))
+        r, nw, ro, eps = pre.inputs()
+        k._pre_quantize_rows_kernel[(m,)](
+            x, r, nw, ro, xq, sx, kk, eps, x.stride(0), 0 if r is None else r.stride(0),
+            0 if ro is None else ro.stride(0), xq.stride(0), PRE=pre.kind, **quantize_options(kk))
     return xq, sx
 
 
-def _check_norm(x: torch.Tensor, norm: Norm, kk: int) -> None:
-    if not x.dtype.is_floating_point or x.dim() != 2 or x.shape[1] != kk:
-        raise ValueError(f"the norm's input must be (M, K={kk}) floats, got {x.dtype} {tuple(x.shape)}")
-    if norm.weight.dtype != x.dtype or tuple(norm.weight.shape) != (kk,) or not norm.weight.is_contiguous():
-        raise ValueError(f"the norm's weight must be ({kk},) {x.dtype} contiguous, got {norm.weight.dtype} "
-                         f"{tuple(norm.weight.shape)}")
+def _check_pre(x: torch.Tensor, pre: Prologue, kk: int) -> None:
+    width = pre.k_in(kk)
+    if not x.dtype.is_floating_point or x.dim() != 2 or x.shape[1] != width:
+        raise ValueError(f"the input of {type(pre).__name__} must be (M, {width}) floats, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    if not isinstance(pre, Norm):
+        return
+    if pre.weight.dtype != x.dtype or tuple(pre.weight.shape) != (kk,) or not pre.weight.is_contiguous():
+        raise ValueError(f"the norm's weight must be ({kk},) {x.dtype} contiguous, got {pre.weight.dtype} "
+                         f"{tuple(pre.weight.shape)}")
     for name in ("residual", "residual_out"):
-        t = getattr(norm, name)
-        if (t is None) != (norm.residual is None) or t is not None and (
+        t = getattr(pre, name)
+        if (t is None) != (pre.residual is None) or t is not None and (
                 t.dtype != x.dtype or t.shape != x.shape or t.stride(1) != 1):
-            raise ValueError(f"norm.{name} must be {'absent' if norm.residual is None else 'like the input'}, "
+            raise ValueError(f"norm.{name} must be {'absent' if pre.residual is None else 'like the input'}, "
                              f"got {None if t is None else (t.dtype, tuple(t.shape), t.stride())}")
 
 
@@ -322,10 +327,27 @@ def _check_gemv(config: GemvConfig, m: int, kk: int, g: int) -> None:
 
 
 @dataclass(frozen=True)
-class Norm:
-    """vLLM's RMSNorm ahead of a linear, computed inside its kernels (w4a8_linear_norm): weight (K,) in the
-    input's dtype, eps; residual (M, K) for fused_add_rms_norm (None: rms_norm), whose sum with the input the
-    kernels write to residual_out."""
+class Prologue:
+    """What vLLM computes ahead of a linear, computed inside its kernels instead (w4a8_linear_pre; the kernels'
+    PRE): `Norm` or `SiluMul`."""
+
+    @property
+    def kind(self) -> int:
+        raise NotImplementedError
+
+    def inputs(self) -> tuple:
+        """The kernels' (residual, norm weight, residual_out, eps) arguments."""
+        return (None, None, None, 0.0)
+
+    def k_in(self, kk: int) -> int:
+        """Channels of the input row for a linear of K input channels."""
+        return kk
+
+
+@dataclass(frozen=True)
+class Norm(Prologue):
+    """vLLM's RMSNorm: weight (K,) in the input's dtype, eps; residual (M, K) for fused_add_rms_norm (None:
+    rms_norm), whose sum with the input the kernels write to residual_out."""
 
     weight: torch.Tensor
     eps: float
@@ -334,15 +356,29 @@ class Norm:
 
     @property
     def kind(self) -> int:
-        """The kernels' NORM: 1 rms_norm, 2 fused_add_rms_norm."""
         return 1 if self.residual is None else 2
+
+    def inputs(self) -> tuple:
+        return (self.residual, self.weight, self.residual_out, float(self.eps))
+
+
+@dataclass(frozen=True)
+class SiluMul(Prologue):
+    """vLLM's SiluAndMul: the input row is 2K wide, silu(first half) * second half feeds the linear."""
+
+    @property
+    def kind(self) -> int:
+        return 3
+
+    def k_in(self, kk: int) -> int:
+        return 2 * kk
 
 
 def launch_gemv(cfg: GemvConfig, xw, sx, weight, scales, bias, n, kk, g, out,
-                counter: DeviceCounter | None = None, norm: Norm | None = None):
+                counter: DeviceCounter | None = None, pre: Prologue | None = None):
     """Runs the GEMV with `cfg` into `out` (1, N): xw (1, 2, K/8) the token's activation words and sx its scale,
-    or (cfg.fused) xw the token's (1, K) float row and sx None; with `norm` (fused only), the row is the norm's
-    input."""
+    or (cfg.fused) xw the token's (1, K) float row and sx None; with `pre` (fused only), the row is the input of
+    what vLLM computes ahead of the linear."""
     parts = locks = None
     split = gemv_split(cfg, n)
     if split > 1:
@@ -351,7 +387,7 @@ def launch_gemv(cfg: GemvConfig, xw, sx, weight, scales, bias, n, kk, g, out,
     cell, slot = (counter.cell, counter.slot) if counter is not None else (None, None)
     sx = None if cfg.fused else sx.reshape(-1).float()
     grid, args, options = gemv_launch(cfg, n, kk, g, xw, sx, weight.view(torch.int32), scales, bias, out, parts,
-                                      locks, cell, slot, norm)
+                                      locks, cell, slot, pre)
     return k._w4a8_gemv_kernel[grid](*args, **options)
 
 
@@ -360,23 +396,22 @@ def gemv_split(cfg: GemvConfig, n: int) -> int:
 
 
 def gemv_launch(cfg: GemvConfig, n, kk, g, xw, sx, weight32, scales, bias, out, parts, locks, cell, slot,
-                norm: Norm | None = None) -> tuple[tuple[int, int], tuple, dict]:
+                pre: Prologue | None = None) -> tuple[tuple[int, int], tuple, dict]:
     """(grid, arguments, compile-time options) of one GEMV launch (the launch's and precompile.py's)."""
     split = gemv_split(cfg, n)
     grid = (triton.cdiv(n, cfg.block_n), split)
-    norm_args = (None, None, None, 0.0) if norm is None else (norm.residual, norm.weight, norm.residual_out,
-                                                              float(norm.eps))
-    args = (xw, sx, weight32, scales, bias, out, parts, locks, cell, slot, n, kk, kk // 8, *norm_args)
+    pre_args = Prologue().inputs() if pre is None else pre.inputs()
+    args = (xw, sx, weight32, scales, bias, out, parts, locks, cell, slot, n, kk, kk // 8, *pre_args)
     options = dict(G=g, BN=cfg.block_n, BK=cfg.block_k, SPLIT_K=split, HAS_BIAS=bias is not None,
                    COUNT=cell is not None, ASM=_compiled(weight32), num_warps=cfg.num_warps)
     if cfg.fused:  # the amax pass: the whole row in one block up to 1024 channels a warp (32 fp32 a thread)
         options.update(FUSED=True, XBLOCK=min(triton.next_power_of_2(max(kk, 8)), 1024 * cfg.num_warps))
     if cfg.ahead != 1:
         options["AHEAD"] = cfg.ahead
-    if norm is not None:
+    if pre is not None:
         if not cfg.fused:
-            raise ValueError(f"{cfg}: the norm runs inside the fused GEMV only")
-        options["NORM"] = norm.kind
+            raise ValueError(f"{cfg}: {type(pre).__name__} runs inside the fused GEMV only")
+        options["PRE"] = pre.kind
     return grid, args, options
 
 

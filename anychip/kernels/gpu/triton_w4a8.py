@@ -293,17 +293,24 @@ def _quantize_words_kernel(x_ptr, xw_ptr, s_ptr, K, words, stride_x, BLOCK: tl.c
 
 
 @triton.jit
-def _norm_values(x_row, r_row, nw_ptr, offs, K, rstd, NORM: tl.constexpr):
-    """fp32 values (in x's dtype) of vLLM's rms_norm (NORM 1) or fused_add_rms_norm (NORM 2) output at channels
-    offs, as its IR op defines them: h = x (+ r) in fp32, y = ((h * rstd) as the weight's dtype) * weight, in x's
-    dtype (the weight's dtype must be x's: the fusion pass checks)."""
+def _pre_values(x_row, r_row, nw_ptr, offs, K, rstd, PRE: tl.constexpr):
+    """fp32 values (in x's dtype) at channels offs of what vLLM computes ahead of a linear, as a W4A8 kernel
+    computes it inside (PRE): 1 rms_norm, 2 fused_add_rms_norm, as vLLM's IR ops define them: h = x (+ r) in fp32,
+    y = ((h * rstd) as the weight's dtype) * weight, in x's dtype (the weight's dtype must be x's: the fusion pass
+    checks); 3 SiluAndMul of a row of 2K: silu(x[k]) in fp32, rounded to x's dtype, times x[K + k], rounded."""
     mask = offs < K
-    h = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-    if NORM == 2:
-        h += tl.load(r_row + offs, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(nw_ptr + offs, mask=mask, other=0.0)
-    y = _rounded(h * rstd, w.dtype) * w.to(tl.float32)
-    return _rounded(y, x_row.dtype.element_ty)
+    if PRE == 3:
+        g = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_row + K + offs, mask=mask, other=0.0).to(tl.float32)
+        silu = tl.math.div_rn(g, 1.0 + tl.exp(-g))
+        return _rounded(_rounded(silu, x_row.dtype.element_ty) * u, x_row.dtype.element_ty)
+    else:
+        h = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        if PRE == 2:
+            h += tl.load(r_row + offs, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(nw_ptr + offs, mask=mask, other=0.0)
+        y = _rounded(h * rstd, w.dtype) * w.to(tl.float32)
+        return _rounded(y, x_row.dtype.element_ty)
 
 
 @triton.jit
@@ -319,48 +326,49 @@ def _rounded(v, dtype: tl.constexpr):
 
 
 @triton.jit
-def _norm_stats(x_row, r_row, rout_row, nw_ptr, K, eps, write, XBLOCK: tl.constexpr, NORM: tl.constexpr):
-    """(rstd, scale, safe) of one token's normalized row: rstd = rsqrt(mean(h^2) + eps) over fp32 h = x (+ r),
-    then the INT8 scale of the norm's output (_norm_values) as _row_scale takes it. NORM 2 and `write` (a runtime
-    predicate): also store the new residual h, rounded to x's dtype, at rout_row."""
-    sq = tl.zeros([XBLOCK], tl.float32)
-    for k0 in range(0, K, XBLOCK):
-        offs = k0 + tl.arange(0, XBLOCK)
-        h = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-        if NORM == 2:
-            h += tl.load(r_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-            if write:
-                tl.store(rout_row + offs, _rounded(h, rout_row.dtype.element_ty).to(rout_row.dtype.element_ty),
-                         mask=offs < K)
-        sq += h * h
-    mean = tl.math.div_rn(tl.sum(sq, axis=0), K.to(tl.float32))
-    rstd = tl.math.rsqrt(mean + eps)
+def _pre_stats(x_row, r_row, rout_row, nw_ptr, K, eps, write, XBLOCK: tl.constexpr, PRE: tl.constexpr):
+    """(rstd, scale, safe) of one token: for a norm (PRE 1, 2) rstd = rsqrt(mean(h^2) + eps) over fp32 h = x (+ r)
+    (PRE 2 and `write`, a runtime predicate: also the new residual h, rounded to x's dtype, stored at rout_row);
+    then the INT8 scale of _pre_values' output as _row_scale takes it."""
+    rstd = 1.0
+    if PRE != 3:
+        sq = tl.zeros([XBLOCK], tl.float32)
+        for k0 in range(0, K, XBLOCK):
+            offs = k0 + tl.arange(0, XBLOCK)
+            h = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+            if PRE == 2:
+                h += tl.load(r_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+                if write:
+                    tl.store(rout_row + offs, _rounded(h, rout_row.dtype.element_ty).to(rout_row.dtype.element_ty),
+                             mask=offs < K)
+            sq += h * h
+        mean = tl.math.div_rn(tl.sum(sq, axis=0), K.to(tl.float32))
+        rstd = tl.math.rsqrt(mean + eps)
     amax = tl.zeros([XBLOCK], tl.float32)
     for k0 in range(0, K, XBLOCK):
-        amax = tl.maximum(amax, tl.abs(_norm_values(x_row, r_row, nw_ptr, k0 + tl.arange(0, XBLOCK), K, rstd,
-                                                    NORM)))
+        amax = tl.maximum(amax, tl.abs(_pre_values(x_row, r_row, nw_ptr, k0 + tl.arange(0, XBLOCK), K, rstd, PRE)))
     scale, safe = _scale_of(tl.max(amax, axis=0))
     return rstd, scale, safe
 
 
 @triton.jit
-def _norm_quantize_rows_kernel(x_ptr, r_ptr, nw_ptr, rout_ptr, q_ptr, s_ptr, K, eps, stride_x, stride_r, stride_ro,
-                               stride_q, BLOCK: tl.constexpr, NORM: tl.constexpr):
-    """One program per token: vLLM's rms_norm (NORM 1) or fused_add_rms_norm (NORM 2, writing the new residual to
-    rout) of x, quantized per token as _quantize_rows_kernel quantizes a row: what a W4A8 linear after the norm
-    takes, in one pass over the activations instead of the norm's and the quantization's."""
+def _pre_quantize_rows_kernel(x_ptr, r_ptr, nw_ptr, rout_ptr, q_ptr, s_ptr, K, eps, stride_x, stride_r, stride_ro,
+                              stride_q, BLOCK: tl.constexpr, PRE: tl.constexpr):
+    """One program per token: what vLLM computes ahead of a linear (_pre_values: its RMSNorm, writing the new
+    residual to rout for PRE 2, or SiluAndMul), quantized per token as _quantize_rows_kernel quantizes a row: the
+    W4A8 linear's INT8 input in one pass over the activations instead of vLLM's kernel's and the quantization's."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
-    if NORM == 2:
+    if PRE == 2:
         r_row = r_ptr + row * stride_r
         rout_row = rout_ptr + row * stride_ro
     else:
         r_row = r_ptr
         rout_row = rout_ptr
-    rstd, scale, safe = _norm_stats(x_row, r_row, rout_row, nw_ptr, K, eps, row >= 0, BLOCK, NORM)
+    rstd, scale, safe = _pre_stats(x_row, r_row, rout_row, nw_ptr, K, eps, row >= 0, BLOCK, PRE)
     for k0 in range(0, K, BLOCK):
         offs = k0 + tl.arange(0, BLOCK)
-        v = _norm_values(x_row, r_row, nw_ptr, offs, K, rstd, NORM)
+        v = _pre_values(x_row, r_row, nw_ptr, offs, K, rstd, PRE)
         tl.store(q_ptr + row * stride_q + offs, _round_q(v, safe).to(tl.int8), mask=offs < K)
     tl.store(s_ptr + row, scale)
 
@@ -371,7 +379,7 @@ def _w4a8_gemv_kernel(
     N, K, words, r_ptr, nw_ptr, rout_ptr, eps,
     G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     COUNT: tl.constexpr, ASM: tl.constexpr, FUSED: tl.constexpr = False, XBLOCK: tl.constexpr = 0,
-    AHEAD: tl.constexpr = 1, NORM: tl.constexpr = 0,
+    AHEAD: tl.constexpr = 1, PRE: tl.constexpr = 0,
 ):
     """out (1, N) = the W4A8 linear of one token, on the CUDA cores: the weights as int32 words of eight nibbles,
     each word's low and high nibbles widened in place to bytes holding 16 * w (two integer ops a word), then one
@@ -386,9 +394,10 @@ def _w4a8_gemv_kernel(
     scale and rounding (the same bits), so batch one is one launch instead of two.
     AHEAD (1 or 2): main-loop steps whose weight words are in flight beyond the one being computed; 2 suits
     programs that walk many steps (fewer, longer programs).
-    NORM (FUSED only; 1: rms_norm, 2: fused_add_rms_norm): xw is the norm's input x, r the residual (NORM 2), nw the
-    norm's weight: every program computes the norm's output (_norm_values) as it packs, so the norm is no launch of
-    its own; program (0, 0) writes the new residual x + r to rout (NORM 2)."""
+    PRE (FUSED only; 1: rms_norm, 2: fused_add_rms_norm, 3: SiluAndMul): xw is the input of what vLLM computes ahead
+    of the linear: the norm's x, with r the residual (PRE 2) and nw the norm's weight, or SiluAndMul's row of 2K.
+    Every program computes it (_pre_values) as it packs, so it is no launch of its own; program (0, 0) writes the
+    new residual x + r to rout (PRE 2)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     if COUNT:
@@ -410,9 +419,9 @@ def _w4a8_gemv_kernel(
     w = _gemv_step_words(rows, s_begin, s_end, words, mask_n, W)
     if AHEAD == 2:
         w_after = _gemv_step_words(rows, s_begin + 1, s_end, words, mask_n, W)
-    if NORM:
-        rstd, scale, safe = _norm_stats(xw_ptr, r_ptr, rout_ptr, nw_ptr, K, eps, (pid_n == 0) & (pid_k == 0),
-                                        XBLOCK, NORM)
+    if PRE:
+        rstd, scale, safe = _pre_stats(xw_ptr, r_ptr, rout_ptr, nw_ptr, K, eps, (pid_n == 0) & (pid_k == 0),
+                                       XBLOCK, PRE)
     elif FUSED:
         scale, safe = _row_scale(xw_ptr, K, XBLOCK)
     acc = tl.zeros((BN,), dtype=tl.float32)
@@ -422,8 +431,8 @@ def _w4a8_gemv_kernel(
             w_after = _gemv_step_words(rows, st + 2, s_end, words, mask_n, W)
         else:
             w_next = _gemv_step_words(rows, st + 1, s_end, words, mask_n, W)  # in flight while this step computes
-        if NORM:  # the step's norm output, packed
-            xe, xo = _pack_values(_norm_values(xw_ptr, r_ptr, nw_ptr, st * BK + tl.arange(0, BK), K, rstd, NORM),
+        if PRE:  # the step's channels of the norm's or SiluAndMul's output, packed
+            xe, xo = _pack_values(_pre_values(xw_ptr, r_ptr, nw_ptr, st * BK + tl.arange(0, BK), K, rstd, PRE),
                                   safe, W)
         elif FUSED:  # the step's words from the float row (L1/L2: every program of this K stretch reads it)
             xe, xo = _pack_words(xw_ptr, st * BK + tl.arange(0, BK), K, safe, W)

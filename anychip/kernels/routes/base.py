@@ -105,6 +105,8 @@ class Route(ABC):
     #: Whether the route computes an RMSNorm ahead of the linear inside its own kernels (`linear_norm`); the
     #: plugin's graph pass fuses vLLM's norm into the linear only for such routes.
     fuses_norm: ClassVar[bool] = False
+    #: The same for vLLM's SiluAndMul ahead of the linear (`linear_silu_mul`).
+    fuses_silu_mul: ClassVar[bool] = False
 
     @property
     def isa(self) -> str:
@@ -146,6 +148,12 @@ class Route(ABC):
         """linear(rms_norm(x)) with the norm inside the kernels (routes with fuses_norm): x (M, K); residual given:
         fused_add_rms_norm, x + residual written to residual_out (M, K)."""
         raise NotImplementedError(f"route {self.id} does not fuse the RMSNorm into its kernels")
+
+    def linear_silu_mul(self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                        n: int, k: int, group_size: int) -> torch.Tensor:
+        """linear(silu(x[:, :K]) * x[:, K:]) with SiluAndMul inside the kernels (routes with fuses_silu_mul): x
+        (M, 2K)."""
+        raise NotImplementedError(f"route {self.id} does not fuse SiluAndMul into its kernels")
 
     @abstractmethod
     def group_dots(self, xq: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, n: int, k: int,

@@ -30,6 +30,7 @@ class CudaTriton(Route):
     #: The GEMM launch bumps the coverage counter itself (hooks.DeviceCounter): counts survive CUDA-graph replay.
     counts_on_device = True
     fuses_norm = True
+    fuses_silu_mul = True
 
     def unavailable(self) -> str | None:
         if not torch.cuda.is_available():
@@ -63,7 +64,12 @@ class CudaTriton(Route):
         launch = _launch()
         counter = hooks.take_device_counter(x.device)
         norm = launch.Norm(norm_weight, eps, residual, residual_out)
-        return launch.w4a8_linear_norm(x, norm, weight, scales, bias, n, k, group_size, counter=counter)
+        return launch.w4a8_linear_pre(x, norm, weight, scales, bias, n, k, group_size, counter=counter)
+
+    def linear_silu_mul(self, x, weight, scales, bias, n, k, group_size):
+        launch = _launch()
+        counter = hooks.take_device_counter(x.device)
+        return launch.w4a8_linear_pre(x, launch.SiluMul(), weight, scales, bias, n, k, group_size, counter=counter)
 
     def group_dots(self, xq, weight, scales, n, k, group_size):
         return _launch().group_dots(xq, weight, n, k, group_size)
