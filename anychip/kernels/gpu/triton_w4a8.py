@@ -330,7 +330,7 @@ def _pre_stats(x_row, r_row, rout_row, nw_ptr, K, eps, write, XBLOCK: tl.constex
     """(rstd, scale, safe) of one token: for a norm (PRE 1, 2) rstd = rsqrt(mean(h^2) + eps) over fp32 h = x (+ r)
     (PRE 2 and `write`, a runtime predicate: also the new residual h, rounded to x's dtype, stored at rout_row);
     then the INT8 scale of _pre_values' output as _row_scale takes it."""
-    rstd = 1.0
+    rstd = tl.full((), 1.0, tl.float32)  # unused by SiluAndMul (PRE 3)
     if PRE != 3:
         sq = tl.zeros([XBLOCK], tl.float32)
         for k0 in range(0, K, XBLOCK):
