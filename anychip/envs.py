@@ -54,9 +54,11 @@ ANYCHIP_ALLOW_UNTESTED_VLLM = "ANYCHIP_ALLOW_UNTESTED_VLLM"
 ANYCHIP_EVALDATA = "ANYCHIP_EVALDATA"
 #: The key `anychip serve` requires on /v1 routes when --api-key is not given (passed to vLLM as VLLM_API_KEY).
 ANYCHIP_API_KEY = "ANYCHIP_API_KEY"
-#: "0" keeps vLLM's RMSNorm and SiluAndMul kernels apart from the W4A8 linears after them (vllm_plugin/fusion.py;
-#: default: fused where the route computes them itself).
+#: "0" keeps vLLM's RMSNorm kernels apart from the W4A8 linears after them (vllm_plugin/fusion.py; default: fused
+#: where the route computes the norm itself).
 ANYCHIP_FUSE_NORM = "ANYCHIP_FUSE_NORM"
+#: "1" also moves SiluAndMul into the down projection's kernels (off by default: not shown faster on a GPU yet).
+ANYCHIP_FUSE_SILU = "ANYCHIP_FUSE_SILU"
 
 
 def _flag(name: str, default: bool) -> bool:
@@ -104,6 +106,10 @@ def allow_untested_vllm() -> bool:
 
 def fuse_norm() -> bool:
     return _flag(ANYCHIP_FUSE_NORM, True)
+
+
+def fuse_silu() -> bool:
+    return _flag(ANYCHIP_FUSE_SILU, False)
 
 
 def precompile_threads() -> int:

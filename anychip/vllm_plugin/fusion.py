@@ -14,7 +14,8 @@ quantization changes.
 A pair is left alone unless the producer's output has no other user, its dtypes and shapes are the linear's input
 (a norm's weight (K,), no variance_size; SiluAndMul's halves [0, K) and [K, 2K) of one row) and the linear's route
 fuses it; the pass changes nothing in a graph without such pairs (CPUs, other models). ANYCHIP_FUSE_NORM=0 turns
-it off. The plugin installs it into vLLM's post-grad pass manager (`install`), where it runs after vLLM's own
+it off; the SiluAndMul half runs only with ANYCHIP_FUSE_SILU=1 (one H200 run, docs/gpu-notes.md session 10, did not
+show it faster: each GEMV program recomputes silu over the whole row for the token's scale). The plugin installs it into vLLM's post-grad pass manager (`install`), where it runs after vLLM's own
 fusion passes and before the IR lowering.
 """
 
@@ -293,7 +294,8 @@ def install() -> bool:
     global _installed
     if _installed:
         return True
-    if not envs.fuse_norm():
+    norms, silus = envs.fuse_norm(), envs.fuse_silu()
+    if not norms and not silus:
         return False
     try:
         from vllm.compilation.passes.inductor_pass import InductorPass
@@ -304,13 +306,13 @@ def install() -> bool:
 
     class AnychipNormFusion(InductorPass):
         def __call__(self, graph: fx.Graph) -> None:
-            norms, silus = fuse_norms(graph), fuse_silu_mul(graph)
-            if norms or silus:
+            done = (fuse_norms(graph) if norms else 0), (fuse_silu_mul(graph) if silus else 0)
+            if any(done):
                 log.info("anychip: RMSNorm moved into %d and SiluAndMul into %d W4A8 linears of a compiled graph",
-                         norms, silus)
+                         *done)
 
-        def uuid(self) -> str:  # the rewrite's source, not only this wrapper's: a change recompiles
-            return InductorPass.hash_source(inspect.getsource(inspect.getmodule(fuse_norms)))
+        def uuid(self) -> str:  # the rewrite's source and settings, not only this wrapper's: a change recompiles
+            return InductorPass.hash_source(inspect.getsource(inspect.getmodule(fuse_norms)) + f"{norms}{silus}")
 
     original = PostGradPassManager.configure
 
