@@ -278,6 +278,13 @@ def test_engine_start_breakdown_from_the_log(tmp_path):
                                      "threads": 1, "requested": {"pp": 8, "tg": 4, "reps": 1}, "rows": [row],
                                      "targets": []})
     assert "anychip-w4a8: engine start 61.0 s, as its log states it: torch compile 9.4 s, graph capture 2.0 s" in notes
+    row.update(gpu_sm_clock_mhz=[[1980.0, 1755.0], [None, 1980.0]],
+               coverage={"linears": 4, "routes": {"cuda.triton": 4}, "fused": {"rms_norm": 2}})
+    notes = latency.render_markdown({"commands": [], "created": "now", "machine": {"cpu": "x", "cpus": 1},
+                                     "threads": 1, "requested": {"pp": 8, "tg": 4, "reps": 1}, "rows": [row],
+                                     "targets": []})
+    assert "prefill / decode): 1980/1755, ?/1980" in notes
+    assert "4 quantized linears (cuda.triton: 4); rms_norm computed inside the kernels of 2" in notes
 
 
 def test_stock_systems_leave_the_plugin_out(monkeypatch):
@@ -652,3 +659,28 @@ def test_a_runner_killed_by_a_signal_is_named():
     assert latency.exit_reason(-11, "vllm") == "was killed by SIGSEGV"
     assert "AMX" in latency.exit_reason(-11, "llama.cpp") and "SIGSEGV" in latency.exit_reason(-11, "llama.cpp")
     assert latency.exit_reason(-9, "llama.cpp") == "was killed by SIGKILL"
+
+
+def test_gpu_clock_sampler_keeps_readings_by_time_and_skips_non_numbers() -> None:
+    """The sampler behind `gpu_sm_clock_mhz`, with a stand-in for nvidia-smi's loop (none on this machine)."""
+    import sys
+    import time
+
+    from anychip.bench.gpu_clocks import ClockSampler
+
+    script = "import time\nfor v in ('[N/A]', 1980, 1980, 1410, 1980):\n    print(v, flush=True)\n    time.sleep(0.05)"
+    with ClockSampler([sys.executable, "-c", script]) as sampler:
+        t0 = time.monotonic()
+        deadline = t0 + 10
+        while len(sampler.samples) < 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert [mhz for _, mhz in sampler.samples] == [1980.0, 1980.0, 1410.0, 1980.0]
+    stamps = [t for t, _ in sampler.samples]
+    assert stamps == sorted(stamps)
+    assert sampler.median_between(stamps[0], stamps[-1]) == 1980.0
+    assert sampler.median_between(stamps[2], stamps[2]) == 1410.0
+    assert sampler.median_between(stamps[-1] + 1, stamps[-1] + 2) is None
+    assert ClockSampler.for_device("cpu") is None
+    with ClockSampler(["/no/such/nvidia-smi"]) as missing:  # a command that cannot start: no readings, no error
+        pass
+    assert missing.samples == []

@@ -358,6 +358,8 @@ def measured_row(result: dict[str, Any]) -> dict[str, Any]:
                t_tg_s=summary.t_tg_s, timings=result["timings"], engine_start_s=result["engine_start_s"],
                settings=result["settings"], loadavg=result.get("loadavg"), cpu_share=result.get("cpu_share"),
                peak_rss_mib=result.get("peak_rss_mib"))
+    if result.get("gpu_sm_clock_mhz"):
+        row["gpu_sm_clock_mhz"] = result["gpu_sm_clock_mhz"]
     if result.get("batch_timings"):
         n, tg = result["batch"], result["batch_tg"]
         row.update(batch=n, batch_pp=result["batch_pp"], batch_tg=tg, batch_timings=result["batch_timings"],
@@ -488,6 +490,11 @@ def render_markdown(doc: dict[str, Any]) -> str:
              + (f", CPU share {r['cpu_share']:.2f}" if r.get("cpu_share") is not None else "")
              + (f", waited {r['waited_for_idle_s']:.0f} s for idle" if r.get("waited_for_idle_s") else "")
              for r in doc["rows"] if r.get("loadavg")]
+    for r in doc["rows"]:
+        if r.get("gpu_sm_clock_mhz"):
+            per_rep = ", ".join("/".join("?" if v is None else f"{v:.0f}" for v in rep) for rep in r["gpu_sm_clock_mhz"])
+            notes.append(f"- {r['system']}: GPU SM clock (nvidia-smi, median MHz during each repetition's prefill / "
+                         f"decode): {per_rep}")
     if loads:
         notes.append("- contention: 1-minute load average before/after each system's repetitions, and the CPU share "
                      "its process got (CPU seconds / (wall seconds x threads); well below 1 means other work took the"

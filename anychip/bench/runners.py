@@ -10,6 +10,7 @@ It records raw seconds only; `anychip.bench.metrics` turns them into rates.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -24,6 +25,7 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 from anychip import envs
+from anychip.bench.gpu_clocks import ClockSampler
 from anychip.bench.metrics import plan_within_budget
 from anychip.checkpoint.model_dir import ModelDir
 
@@ -213,16 +215,25 @@ def measure(engine: Timed, spec: RunSpec, probe: tuple[int, int] = (32, 4)) -> d
     spent = time.perf_counter() - t_start
     plan = plan_within_budget(spec.pp, spec.tg, spec.reps, s_pp, s_tg, spec.budget_s - spent)
     engine.prefill(ids(plan.pp)), engine.decode(ids(1)[0], plan.tg)  # warm-up at the measured sizes
-    timings, cpu_s, reason = [], 0.0, plan.reason
-    for rep in range(plan.reps):
-        cpu0 = _process_cpu_s()
-        timings.append([engine.prefill(ids(plan.pp)), engine.decode(ids(1)[0], plan.tg)])
-        cpu_s += _process_cpu_s() - cpu0
-        if rep + 1 < plan.reps and time.perf_counter() - t_start > 1.5 * spec.budget_s:
-            # the machine got slower than the probe said (other work): stop rather than run for hours
-            reason = (f"{reason + '; ' if reason else ''}stopped after {rep + 1} of {plan.reps} repetitions: "
-                      f"1.5x the {spec.budget_s:.0f} s budget spent")
-            break
+    timings, cpu_s, reason, windows = [], 0.0, plan.reason, []
+    sampler = ClockSampler.for_device(spec.device)
+    with sampler if sampler is not None else contextlib.nullcontext():
+        for rep in range(plan.reps):
+            cpu0 = _process_cpu_s()
+            t0 = time.monotonic()
+            pp_s = engine.prefill(ids(plan.pp))
+            t1 = time.monotonic()
+            timings.append([pp_s, engine.decode(ids(1)[0], plan.tg)])
+            windows.append((t0, t1, time.monotonic()))
+            cpu_s += _process_cpu_s() - cpu0
+            if rep + 1 < plan.reps and time.perf_counter() - t_start > 1.5 * spec.budget_s:
+                # the machine got slower than the probe said (other work): stop rather than run for hours
+                reason = (f"{reason + '; ' if reason else ''}stopped after {rep + 1} of {plan.reps} repetitions: "
+                          f"1.5x the {spec.budget_s:.0f} s budget spent")
+                break
+    # the median SM clock (MHz) during each repetition's prefill and decode; None where no reading arrived
+    clocks = None if sampler is None else [[sampler.median_between(a, b), sampler.median_between(b, c)]
+                                           for a, b, c in windows]
     # CPU seconds this process got per wall second per thread: well below 1 means other work took the cores
     cpu_share = cpu_s / (sum(map(sum, timings)) * spec.threads)
     batched: dict[str, Any] = {}
@@ -235,7 +246,7 @@ def measure(engine: Timed, spec: RunSpec, probe: tuple[int, int] = (32, 4)) -> d
                    "batch_timings": [engine.batch(prompts(), spec.tg) for _ in range(spec.batch_reps)]}
     return {"pp": plan.pp, "tg": plan.tg, "reps": len(timings), "reduced": reason, "timings": timings, **batched,
             "probe_s_per_token": {"pp": s_pp, "tg": s_tg}, "loadavg": [load_before, os.getloadavg()[0]],
-            "cpu_share": cpu_share}
+            "cpu_share": cpu_share, "gpu_sm_clock_mhz": clocks}
 
 
 def _process_cpu_s() -> float:

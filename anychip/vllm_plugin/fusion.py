@@ -109,7 +109,6 @@ def _pair(linear: fx.Node, targets: tuple[Any, Any], fuses: Callable[[str], bool
 
 _aten = torch.ops.aten
 _CONVERT = (torch.ops.prims.convert_element_type.default, _aten._to_copy.default)
-_INT64_MAX = 2**63 - 1
 
 
 def _through_converts(node: Any) -> Any:
