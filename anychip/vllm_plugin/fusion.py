@@ -199,7 +199,11 @@ def fuse_silu_mul(graph: fx.Graph, fuses: Callable[[str], bool] = route_fuses_si
         x, k = lin.get("x"), lin.get("k")
         if not isinstance(x, fx.Node) or len(x.users) != 1 or not fuses(lin.get("route", "")):
             continue
-        found = _silu_mul_source(x, k)
+        try:
+            found = _silu_mul_source(x, k)
+        except Exception as exc:  # as in fuse_norms: an unknown shape of graph is left alone
+            log.debug("anychip: SiluAndMul fusion skipped a linear: %r", exc)
+            continue
         if found is None:
             continue
         y, chain = found
@@ -233,7 +237,11 @@ def fuse_norms(graph: fx.Graph, fuses: Callable[[str], bool] = route_fuses) -> i
     order = {node: i for i, node in enumerate(graph.nodes)}
     done = 0
     for linear in [n for n in graph.nodes if n.op == "call_function" and n.target is LINEAR]:
-        pair = _pair(linear, targets, fuses)
+        try:
+            pair = _pair(linear, targets, fuses)
+        except Exception as exc:  # a graph shape this matcher does not know: leave the pair as vLLM made it
+            log.debug("anychip: norm fusion skipped a linear: %r", exc)
+            continue
         if pair is not None and _rewrite(graph, pair, order):
             done += 1
     if done:
@@ -299,8 +307,11 @@ def install() -> bool:
     try:
         from vllm.compilation.passes.inductor_pass import InductorPass
         from vllm.compilation.passes.pass_manager import PostGradPassManager
-    except ImportError as exc:
-        log.info("anychip: no norm fusion in this vLLM (%s)", exc)
+    except Exception as exc:  # another vLLM layout (or a platform whose passes fail to import): serve unfused
+        log.info("anychip: no fusion pass in this vLLM (%s: %s)", type(exc).__name__, exc)
+        return False
+    if not callable(getattr(PostGradPassManager, "configure", None)) or not hasattr(PostGradPassManager(), "passes"):
+        log.info("anychip: no fusion pass in this vLLM (its PostGradPassManager has no configure / passes)")
         return False
 
     class AnychipNormFusion(InductorPass):
