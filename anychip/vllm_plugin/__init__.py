@@ -19,5 +19,5 @@ def register() -> None:
     from anychip.vllm_plugin.config import AnychipW4A8Config  # noqa: F401  (registers on import)
 
     request_amx_tiles()  # before any attention runs: see there
-    fusion.install()  # the norm -> W4A8 linear pass, in vLLM's compile passes
+    fusion.install()  # RMSNorm (SiluAndMul) -> W4A8 linear, among vLLM's compile passes
     _registered = True
