@@ -170,10 +170,10 @@ def _integer_rows(m: int, k: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("m,k,warps", [(1, 512, 4), (1, 4096, 2), (3, 512, 4), (2, 8192, 4)])
 def test_norm_inside_the_kernels_is_the_norm_then_the_linear(m: int, k: int, warps: int, residual: bool) -> None:
-    """w4a8_linear_pre with a Norm (vLLM's rms_norm / fused_add_rms_norm computed inside the fused GEMV at one token, by the
-    norm-and-quantize kernel before the GEMM otherwise) gives the bits of the reference norm followed by the
-    unfused linear, and the new residual exactly; one pass or several over the row (K 4096 with 2 warps: 2048 a
-    block; K 8192: two of the rows kernel's 4096)."""
+    """w4a8_linear_pre with a Norm (vLLM's rms_norm / fused_add_rms_norm computed inside the fused GEMV at one
+    token, by the norm-and-quantize kernel before the GEMM otherwise) gives the bits of the reference norm
+    followed by the unfused linear, and the new residual exactly; one pass or several over the row (K 4096 with
+    2 warps: 2048 a block; K 8192: two of the rows kernel's 4096)."""
     n, g = 40, 128
     w, sw = _layout(*weights(n, k, g, seed=k + m))
     x = _integer_rows(m, k, seed=k)

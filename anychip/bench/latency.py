@@ -492,7 +492,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
              for r in doc["rows"] if r.get("loadavg")]
     for r in doc["rows"]:
         if r.get("gpu_sm_clock_mhz"):
-            per_rep = ", ".join("/".join("?" if v is None else f"{v:.0f}" for v in rep) for rep in r["gpu_sm_clock_mhz"])
+            per_rep = ", ".join("/".join("?" if v is None else f"{v:.0f}" for v in rep)
+                                for rep in r["gpu_sm_clock_mhz"])
             notes.append(f"- {r['system']}: GPU SM clock (nvidia-smi, median MHz during each repetition's prefill / "
                          f"decode): {per_rep}")
     if loads:

@@ -15,8 +15,9 @@ A pair is left alone unless the producer's output has no other user, its dtypes 
 (a norm's weight (K,), no variance_size; SiluAndMul's halves [0, K) and [K, 2K) of one row) and the linear's route
 fuses it; the pass changes nothing in a graph without such pairs (CPUs, other models). ANYCHIP_FUSE_NORM=0 turns
 it off; the SiluAndMul half runs only with ANYCHIP_FUSE_SILU=1 (one H200 run, docs/gpu-notes.md session 10, did not
-show it faster: each GEMV program recomputes silu over the whole row for the token's scale). The plugin installs it into vLLM's post-grad pass manager (`install`), where it runs after vLLM's own
-fusion passes and before the IR lowering.
+show it faster: each GEMV program recomputes silu over the whole row for the token's scale). The plugin installs
+it into vLLM's post-grad pass manager (`install`), where it runs after vLLM's own fusion passes and before the IR
+lowering.
 """
 
 from __future__ import annotations
