@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from importlib.metadata import entry_points
@@ -292,14 +293,11 @@ def _coverage_summary(path: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     layers = doc.get("layers") or {}
-    routes: dict[str, int] = {}
+    routes, fused = Counter(), Counter()
     for layer in layers.values():
-        routes[layer.get("route", "?")] = routes.get(layer.get("route", "?"), 0) + 1
-    fused: dict[str, int] = {}
-    for layer in layers.values():
-        for what in layer.get("fused") or ():
-            fused[what] = fused.get(what, 0) + 1
-    return {"linears": len(layers), "routes": routes, "fused": fused, "file": str(path)}
+        routes[layer.get("route", "?")] += 1
+        fused.update(layer.get("fused") or ())
+    return {"linears": len(layers), "routes": dict(routes), "fused": dict(fused), "file": str(path)}
 
 
 def _cold_caches(args: argparse.Namespace, workdir: Path, system: System) -> Path | None:

@@ -22,6 +22,7 @@ lowering.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import operator
@@ -39,7 +40,6 @@ log = logging.getLogger(__name__)
 LINEAR = torch.ops.anychip.w4a8_linear.default
 NORM_LINEAR = torch.ops.anychip.w4a8_linear_norm.default
 SILU_LINEAR = torch.ops.anychip.w4a8_linear_silu_mul.default
-_LINEAR_ARGS = [a.name for a in LINEAR._schema.arguments]
 
 
 def _norm_ops() -> tuple[Any, Any] | None:
@@ -63,11 +63,27 @@ def _val(x: Any) -> Any:
     return x.meta.get("val") if isinstance(x, fx.Node) else None
 
 
-def route_fuses(route_id: str) -> bool:
+def _linears(graph: fx.Graph) -> list[fx.Node]:
+    return [n for n in graph.nodes if n.op == "call_function" and n.target is LINEAR]
+
+
+def _fake_call(op: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+    """op's output on the fake values of args' nodes (the `val` meta a new node of the graph needs)."""
+    vals = [_val(v) if isinstance(v, fx.Node) else v for v in args]
+    mode = torch._guards.detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    with mode if mode is not None else contextlib.nullcontext():
+        return op(*vals, **kwargs)
+
+
+def _route_has(route_id: str, capability: str) -> bool:
     try:
-        return routes.get(route_id).fuses_norm
+        return getattr(routes.get(route_id), capability)
     except Exception:  # an unknown id: not ours to fuse
         return False
+
+
+def route_fuses(route_id: str) -> bool:
+    return _route_has(route_id, "fuses_norm")
 
 
 class _Pair:
@@ -80,7 +96,7 @@ class _Pair:
 
 def _pair(linear: fx.Node, targets: tuple[Any, Any], fuses: Callable[[str], bool]) -> _Pair | None:
     rms, add_rms = targets
-    lin = dict(zip(_LINEAR_ARGS, linear.args)) | dict(linear.kwargs)
+    lin = _bound(linear)
     out = lin.get("x")
     if not isinstance(out, fx.Node) or len(out.users) != 1 or not fuses(lin.get("route", "")):
         return None
@@ -185,18 +201,15 @@ def _ancestors(node: fx.Node, stop: fx.Node) -> list[fx.Node]:
 
 
 def route_fuses_silu(route_id: str) -> bool:
-    try:
-        return routes.get(route_id).fuses_silu_mul
-    except Exception:
-        return False
+    return _route_has(route_id, "fuses_silu_mul")
 
 
 def fuse_silu_mul(graph: fx.Graph, fuses: Callable[[str], bool] = route_fuses_silu) -> int:
     """Replace every W4A8 linear fed by SiluAndMul (its one user) by anychip::w4a8_linear_silu_mul on the gate/up
     output itself, where the linear's route computes SiluAndMul; returns how many."""
     done = 0
-    for linear in [n for n in graph.nodes if n.op == "call_function" and n.target is LINEAR]:
-        lin = dict(zip(_LINEAR_ARGS, linear.args)) | dict(linear.kwargs)
+    for linear in _linears(graph):
+        lin = _bound(linear)
         x, k = lin.get("x"), lin.get("k")
         if not isinstance(x, fx.Node) or len(x.users) != 1 or not fuses(lin.get("route", "")):
             continue
@@ -214,10 +227,7 @@ def fuse_silu_mul(graph: fx.Graph, fuses: Callable[[str], bool] = route_fuses_si
         new_args = (y, *linear.args[1:])
         with graph.inserting_before(linear):
             fused = graph.call_function(SILU_LINEAR, new_args, dict(linear.kwargs))
-        vals = [_val(v) if isinstance(v, fx.Node) else v for v in new_args]
-        mode = torch._guards.detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
-        with mode if mode is not None else _no_mode():
-            fused.meta["val"] = SILU_LINEAR(*vals, **dict(linear.kwargs))
+        fused.meta["val"] = _fake_call(SILU_LINEAR, new_args, dict(linear.kwargs))
         linear.replace_all_uses_with(fused)
         graph.erase_node(linear)
         order = {node: i for i, node in enumerate(graph.nodes)}
@@ -237,7 +247,7 @@ def fuse_norms(graph: fx.Graph, fuses: Callable[[str], bool] = route_fuses) -> i
         return 0
     order = {node: i for i, node in enumerate(graph.nodes)}
     done = 0
-    for linear in [n for n in graph.nodes if n.op == "call_function" and n.target is LINEAR]:
+    for linear in _linears(graph):
         try:
             pair = _pair(linear, targets, fuses)
         except Exception as exc:  # a graph shape this matcher does not know: leave the pair as vLLM made it
@@ -267,10 +277,7 @@ def _rewrite(graph: fx.Graph, pair: _Pair, order: dict[fx.Node, int]) -> bool:
         y = graph.call_function(operator.getitem, (fused, 0))
     with graph.inserting_after(y):
         residual = graph.call_function(operator.getitem, (fused, 1)) if pair.add else None
-    vals = [_val(v) if isinstance(v, fx.Node) else v for v in new_args]
-    mode = torch._guards.detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
-    with mode if mode is not None else _no_mode():
-        out = NORM_LINEAR(*vals, **dict(linear.kwargs))
+    out = _fake_call(NORM_LINEAR, new_args, dict(linear.kwargs))
     fused.meta["val"], y.meta["val"] = out, out[0]
     linear.replace_all_uses_with(y)
     graph.erase_node(linear)
@@ -283,14 +290,6 @@ def _rewrite(graph: fx.Graph, pair: _Pair, order: dict[fx.Node, int]) -> bool:
     if pair.add:
         graph.erase_node(norm)
     return True
-
-
-class _no_mode:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 _installed = False

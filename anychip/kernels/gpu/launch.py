@@ -326,6 +326,9 @@ def _check_gemv(config: GemvConfig, m: int, kk: int, g: int) -> None:
         raise ValueError(f"{config}: block_k is not a multiple of G={g}")
 
 
+_NO_PROLOGUE = (None, None, None, 0.0)  # the kernels' (residual, norm weight, residual_out, eps) without a prologue
+
+
 @dataclass(frozen=True)
 class Prologue:
     """What vLLM computes ahead of a linear, computed inside its kernels instead (w4a8_linear_pre; the kernels'
@@ -337,7 +340,7 @@ class Prologue:
 
     def inputs(self) -> tuple:
         """The kernels' (residual, norm weight, residual_out, eps) arguments."""
-        return (None, None, None, 0.0)
+        return _NO_PROLOGUE
 
     def k_in(self, kk: int) -> int:
         """Channels of the input row for a linear of K input channels."""
@@ -400,7 +403,7 @@ def gemv_launch(cfg: GemvConfig, n, kk, g, xw, sx, weight32, scales, bias, out, 
     """(grid, arguments, compile-time options) of one GEMV launch (the launch's and precompile.py's)."""
     split = gemv_split(cfg, n)
     grid = (triton.cdiv(n, cfg.block_n), split)
-    pre_args = Prologue().inputs() if pre is None else pre.inputs()
+    pre_args = _NO_PROLOGUE if pre is None else pre.inputs()
     args = (xw, sx, weight32, scales, bias, out, parts, locks, cell, slot, n, kk, kk // 8, *pre_args)
     options = dict(G=g, BN=cfg.block_n, BK=cfg.block_k, SPLIT_K=split, HAS_BIAS=bias is not None,
                    COUNT=cell is not None, ASM=_compiled(weight32), num_warps=cfg.num_warps)
