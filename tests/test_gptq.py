@@ -192,6 +192,47 @@ def test_scale_searches_lower_their_own_error():
         search_scales(w, 32, "best")
 
 
+def test_refit_recovers_the_scales_of_weights_on_their_grid():
+    """Weights that are exactly s * q for codes q: from perturbed scales, the least-squares refit finds s (BF16
+    values, so exactly), whatever the Hessian's correlations; zero-code groups keep their scale."""
+    from anychip.checkpoint.gptq import refit_scales, row_errors
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(-8, 8, (20, 128), generator=g, dtype=torch.int8)
+    q[3, 32:64] = 0
+    s = (torch.rand(20, 4, generator=g) * 0.1 + 0.01).to(torch.bfloat16)
+    w = dequantize_weight_ref(q, s)
+    h = hessian(correlated_inputs(1024, 128, seed=2))
+    start = (s.float() * (1 + 0.2 * torch.rand(20, 4, generator=g))).to(torch.bfloat16)
+    got = refit_scales(w, h, q, start, 32, damp=1e-6)
+    assert torch.equal(got[3, 1], start[3, 1])  # its codes are all 0: any scale serves, the old one is kept
+    got[3, 1] = s[3, 1]
+    assert torch.equal(got, s)
+    assert float(row_errors(w, h, q, got, 32).max()) == 0.0
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_refit_lowers_every_rows_output_error(act_order):
+    """Each refit count gives every row an output error (w - w^) H (w - w^)^T no larger than the count before it
+    (the total strictly smaller on correlated inputs), and keeps the contract."""
+    from anychip.checkpoint.gptq import row_errors
+
+    x = correlated_inputs(2048, 256, seed=4)
+    h = hessian(x)
+    w = (torch.randn(64, 256, generator=torch.Generator().manual_seed(5)) * 0.05).to(torch.bfloat16).float()
+    errs = []
+    for refit in (0, 1, 2, 3):
+        wq, scales = gptq_quantize(w, h, 32, scale_search="mse", act_order=act_order, refit=refit)
+        assert wq.dtype == torch.int8 and int(wq.min()) >= -8 and int(wq.max()) <= 7
+        assert scales.dtype == torch.bfloat16 and (scales.float() > 0).all()
+        errs.append(row_errors(w, h, wq, scales, 32))
+    for before, after in zip(errs, errs[1:]):
+        assert (after <= before).all()
+    assert float(errs[-1].sum()) < 0.99 * float(errs[0].sum())
+    with pytest.raises(AnychipError, match="refit"):
+        GPTQConfig(refit=-1)
+
+
 def test_recipe_config_checks():
     with pytest.raises(AnychipError, match="scale search"):
         GPTQConfig(scale_search="minmax")
@@ -227,7 +268,7 @@ def test_full_recipe_through_quantize_checkpoint(tmp_path, overrides):
     text = tmp_path / "calib.txt"
     text.write_text(" ".join(f"w{(i * 7) % 97}" for i in range(2000)))
     scheme = W4A8Scheme(group_size=32)
-    config = GPTQConfig(scale_search="mse", act_order=True, true_sequential=True, smooth=POINT_NAMES)
+    config = GPTQConfig(scale_search="mse", act_order=True, true_sequential=True, smooth=POINT_NAMES, refit=2)
     quantizer = gptq_quantizer(src, scheme, calibration=text, samples=8, seq_len=64, config=config)
     replaced = dict(quantizer.replaced)
     dst = quantize_checkpoint(src, tmp_path / "w4a8", scheme, quantizer, method="gptq")

@@ -57,7 +57,9 @@ class GPTQConfig:
     scale_search: "amax", "clip" or "mse" (scales.py); act_order: visit columns by decreasing diag(H) (static
     groups); true_sequential: Hessians stage by stage within a layer (STAGES); smooth: the smoothing points to
     search (smooth.POINT_NAMES; () for none), each trying smooth_alphas and no smoothing; smooth_rows: calibration
-    tokens the smoothing search scores on."""
+    tokens the smoothing search scores on; refit: 0 keeps the sweep's scales; 1 re-solves them for the sweep's codes
+    against the full Hessian; each count above 1 adds a round of codes swept again with those scales fixed and
+    scales re-solved for the new codes (_refit_rounds)."""
 
     samples: int = 128
     seq_len: int = 512
@@ -70,6 +72,7 @@ class GPTQConfig:
     smooth: tuple[str, ...] = ()
     smooth_alphas: tuple[float, ...] = DEFAULT_ALPHAS
     smooth_rows: int = 2048
+    refit: int = 0
 
     def __post_init__(self) -> None:
         if self.samples < 1:
@@ -89,6 +92,8 @@ class GPTQConfig:
             raise AnychipError(f"smoothing alphas {self.smooth_alphas}: each must lie in (0, 1)")
         if self.smooth_rows < 1:
             raise AnychipError(f"smooth_rows {self.smooth_rows}: must be at least 1")
+        if self.refit < 0:
+            raise AnychipError(f"refit {self.refit}: the rounds of scale refitting must be 0 or more")
 
     def recipe(self) -> dict[str, Any]:
         """What the checkpoint's provenance records about how it was made."""
@@ -142,9 +147,9 @@ def searched_scales(w: torch.Tensor, group_size: int) -> torch.Tensor:
 
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, group_size: int, damp: float = 0.01,
                   block_size: int = 128, scale_search: str = "amax",
-                  act_order: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                  act_order: bool = False, refit: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """GPTQ one linear.  w (N, K), h (K, K) = 2 X^T X / n -> (wq (N, K) int8 in [-8, 7], scales (N, K // G) bf16),
-    both in the original column order (act-order permutes only the sweep)."""
+    both in the original column order (act-order permutes only the sweep).  refit: GPTQConfig.refit."""
     n, k = w.shape
     if k % group_size or block_size % group_size:
         raise ValueError(f"K={k} and block size {block_size} must be multiples of group size {group_size}")
@@ -159,20 +164,89 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, group_size: int, damp: float
     w[:, dead] = 0.0
     diag = torch.diag(h)
     with _single_thread(w.device):
-        if not act_order:
-            hinv = _inverse_cholesky(h, damp)
+        perm = (torch.argsort(diag, descending=True, stable=True) if act_order else
+                torch.arange(k, device=w.device))
+        hinv = _inverse_cholesky(h[perm][:, perm], damp)
 
+        def static_sweep(scales: torch.Tensor) -> torch.Tensor:  # the sweep with every group's scale given
+            col_scales = scales.float().repeat_interleave(group_size, dim=1)[:, perm]  # (N, K) in sweep order
+            q = torch.empty(n, k, dtype=torch.int8, device=w.device)
+            q[:, perm] = _sweep_static(w[:, perm], hinv, col_scales, block_size)
+            return q
+
+        if act_order:
+            scales = search_scales(w, group_size, scale_search, diag)  # static groups: fixed before the sweep
+            q = static_sweep(scales)
+        else:
             def scale_fn(wg: torch.Tensor, col: int) -> torch.Tensor:
                 return search_scales(wg, group_size, scale_search, diag[col:col + group_size])
 
-            return _sweep(w, hinv, group_size, block_size, scale_fn)
-        scales = search_scales(w, group_size, scale_search, diag)  # static groups: fixed before the sweep
-        perm = torch.argsort(diag, descending=True, stable=True)
-        col_scales = scales.float().repeat_interleave(group_size, dim=1)[:, perm]  # (N, K) in sweep order
-        hinv = _inverse_cholesky(h[perm][:, perm], damp)
-        q = torch.empty(n, k, dtype=torch.int8, device=w.device)
-        q[:, perm] = _sweep_static(w[:, perm], hinv, col_scales, block_size)
+            q, scales = _sweep(w.clone(), hinv, group_size, block_size, scale_fn)  # the sweep updates its copy
+        if refit:
+            q, scales = _refit_rounds(w, h, q, scales, group_size, damp, refit - 1, static_sweep)
         return q, scales
+
+
+def _refit_rounds(w: torch.Tensor, h: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group_size: int,
+                  damp: float, rounds: int, static_sweep: Callable[[torch.Tensor], torch.Tensor]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """After the sweep: the group scales re-solved for the sweep's codes against the full Hessian (refit_scales);
+    then `rounds` times the codes swept again with those scales fixed and the scales re-solved for them; each
+    row keeps whichever (codes, scales) has the smaller output error (w - w^) H (w - w^)^T. Rows are independent
+    in GPTQ (a row's rounding errors only move within the row), so choosing per row is exact."""
+    best_q, best_s = q, refit_scales(w, h, q, scales, group_size, damp)
+    best_e = row_errors(w, h, best_q, best_s, group_size)
+    for _ in range(rounds):
+        q2 = static_sweep(best_s)
+        s2 = refit_scales(w, h, q2, best_s, group_size, damp)
+        e2 = row_errors(w, h, q2, s2, group_size)
+        better = e2 < best_e
+        best_q = torch.where(better[:, None], q2, best_q)
+        best_s = torch.where(better[:, None], s2, best_s)
+        best_e = torch.where(better, e2, best_e)
+    return best_q, best_s
+
+
+def row_errors(w: torch.Tensor, h: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
+               group_size: int) -> torch.Tensor:
+    """(N,) the output error each row's quantization causes on the calibration inputs: d H d^T, d = w - s q."""
+    n, k = w.shape
+    d = w.float() - (q.float().view(n, -1, group_size) * scales.float().unsqueeze(2)).view(n, k)
+    return ((d @ h.float()) * d).sum(dim=1)
+
+
+#: Rows whose (K, K/G) block products refit_scales forms at once (bounded memory at large K).
+REFIT_ELEMENTS = 1 << 26
+
+
+def refit_scales(w: torch.Tensor, h: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group_size: int,
+                 damp: float = 0.01) -> torch.Tensor:
+    """The BF16 group scales that minimize each row's output error (w - s q) H (w - s q)^T for fixed codes q: the
+    error is quadratic in a row's scales, so they solve (A^T H A) s = A^T H w, with A (K, K/G) holding the row's
+    codes of group g in column g (H damped as the sweep damps it). Solved in fp32, rounded to BF16; a row keeps
+    its old scales where the solve fails, gives a non-positive scale, or does not lower the error."""
+    n, k = w.shape
+    ng = k // group_size
+    hd = h.float() + damp * torch.mean(torch.diag(h)).float() * torch.eye(k, dtype=torch.float32, device=h.device)
+    qf = q.float()
+    rhs = (qf * (w.float() @ hd)).view(n, ng, group_size).sum(dim=2)  # (N, g): A^T H w
+    hv = hd.view(k, ng, group_size)
+    solved = torch.empty(n, ng, dtype=torch.float32, device=w.device)
+    step = max(1, REFIT_ELEMENTS // (k * ng))
+    for r0 in range(0, n, step):
+        qv = qf[r0:r0 + step].view(-1, ng, group_size)
+        p = torch.einsum("igt,ngt->nig", hv, qv)  # (rows, K, g): H's columns of group g times the codes there
+        m = torch.einsum("ngs,ngsh->ngh", qv, p.view(-1, ng, group_size, ng))  # (rows, g, g): A^T H A
+        empty = (qv == 0).all(dim=2)  # a group of zero codes: any scale serves; pin it to the old one
+        eye = torch.diag_embed(empty.float())
+        b = torch.where(empty, scales[r0:r0 + step].float(), rhs[r0:r0 + step])
+        x, info = torch.linalg.solve_ex(m * (~empty[:, :, None] & ~empty[:, None, :]) + eye, b)
+        solved[r0:r0 + step] = torch.where((info == 0)[:, None], x, scales[r0:r0 + step].float())
+    new = solved.to(torch.bfloat16)
+    ok = torch.isfinite(solved).all(dim=1) & (new > 0).all(dim=1)
+    new = torch.where(ok[:, None], new, scales)
+    better = row_errors(w, h, q, new, group_size) < row_errors(w, h, q, scales, group_size)
+    return torch.where(better[:, None], new, scales)
 
 
 def _sweep(w: torch.Tensor, hinv: torch.Tensor, group_size: int, block_size: int,
@@ -266,7 +340,7 @@ def _quantize_layer(layer, xs: list[torch.Tensor], kwargs: dict, scheme: W4A8Sch
         for name in stage:
             lin = linears[name]
             wq, sc = gptq_quantize(lin.weight.data, hooks.hessian(name), scheme.group_size, config.damp,
-                                   config.block_size, config.scale_search, config.act_order)
+                                   config.block_size, config.scale_search, config.act_order, config.refit)
             lin.weight.data = (wq.float().view(wq.shape[0], -1, scheme.group_size)
                                * sc.float().unsqueeze(2)).reshape(wq.shape)
             out[name] = (wq.cpu(), sc.cpu())

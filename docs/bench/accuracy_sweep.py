@@ -8,13 +8,15 @@ INT8; SimulatedW4A8Linear) and, where smoothing changed them, its RMSNorm weight
     a8                            BF16 weights, INT8 activations only
     default                       the recipe `anychip prepare` uses (PrepareRecipe + gptq.DEFAULT_GPTQ)
     rtn-gG[-amax|-clip|-mse]      round to nearest, scales by scales.py (default amax)
-    gptq-gG[-sN][-dX][-rN][-amax|-clip|-mse][-ao][-ts][-sm|-smn][-gen|-xNAME]
+    gptq-gG[-sN][-dX][-rN][-amax|-clip|-mse][-ao][-ts][-sm|-smn][-fN][-gen|-xNAME]
                                   GPTQ: N calibration sequences of 512 tokens (default 128), damp X, calibration
                                   windows drawn with seed N (default 0; to see run-to-run spread), scale search,
                                   act-order (static groups), true-sequential, smoothing at all four points (-sm)
-                                  or at the two RMSNorms only (-smn), calibration text sampled from the model (-gen)
+                                  or at the two RMSNorms only (-smn), scales refit against the full Hessian
+                                  (GPTQConfig.refit N), calibration text sampled from the model (-gen)
                                   or read from the file `--text NAME=PATH` names (-xNAME; default: the shipped
                                   text)
+    default-fN                    the default recipe with GPTQConfig.refit N
     any of these + -wonly         activations left in float (INT4 weights alone)
 
 Unnamed options take GPTQConfig's field defaults (the smoothing search on 2048 tokens; `default` uses
@@ -58,8 +60,9 @@ def parse_variant(name: str, texts: dict[str, Path] | None = None) -> tuple[str,
     """name -> (method, group size, GPTQConfig for gptq or the scale search for rtn, the calibration (None: the
     shipped text, "generated", or a file of `texts`), quantize activations)."""
     texts = texts or {}
-    if name == "default":
-        config = replace(DEFAULT_GPTQ, samples=DEFAULT_RECIPE.gptq_samples)
+    if name == "default" or (name.startswith("default-f") and name[9:].isdigit()):
+        config = replace(DEFAULT_GPTQ, samples=DEFAULT_RECIPE.gptq_samples,
+                         refit=int(name[9:]) if name != "default" else DEFAULT_GPTQ.refit)
         return DEFAULT_RECIPE.method, DEFAULT_RECIPE.group_size or 32, config, None, True
     method, group, *flags = name.split("-")
     if method not in ("rtn", "gptq") or not group.startswith("g") or not group[1:].isdigit():
@@ -70,16 +73,17 @@ def parse_variant(name: str, texts: dict[str, Path] | None = None) -> tuple[str,
     search = next((f for f in flags if f in SCALE_SEARCHES), "amax" if method == "rtn" else None)
     known = {"wonly", "gen", "ao", "ts", "sm", "smn", *SCALE_SEARCHES, *named}
     for f in flags:
-        if f not in known and not (f[0] in "sdr" and f[1:].replace(".", "").isdigit()):
+        if f not in known and not (f[0] in "sdrf" and f[1:].replace(".", "").isdigit()):
             raise SystemExit(f"variant {name!r}: unknown option -{f} (-xNAME needs --text NAME=PATH)")
     if method == "rtn":
         return method, int(group[1:]), search, None, act
     samples = next((int(f[1:]) for f in flags if f[0] == "s" and f[1:].isdigit()), 128)
     damp = next((float(f[1:]) for f in flags if f[0] == "d" and f[1:].replace(".", "").isdigit()), 0.01)
     seed = next((int(f[1:]) for f in flags if f[0] == "r" and f[1:].isdigit()), 0)
+    refit = next((int(f[1:]) for f in flags if f[0] == "f" and f[1:].isdigit()), 0)
     smooth = POINT_NAMES if "sm" in flags else NORM_POINTS if "smn" in flags else ()
     config = replace(GPTQConfig(), samples=samples, damp=damp, seed=seed, scale_search=search or "clip",
-                     act_order="ao" in flags, true_sequential="ts" in flags, smooth=smooth)
+                     act_order="ao" in flags, true_sequential="ts" in flags, smooth=smooth, refit=refit)
     return method, int(group[1:]), config, calibration, act
 
 
