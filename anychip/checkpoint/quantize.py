@@ -56,7 +56,7 @@ def rtn_quantizer(scheme: W4A8Scheme) -> WeightQuantizer:
 
 
 def make_quantizer(method: str, src: Path, scheme: W4A8Scheme, **options: Any) -> WeightQuantizer:
-    """The quantizer for `method`; `options` go to GPTQ (calibration, samples, seq_len, damp, config)."""
+    """The quantizer for `method`; `options` go to GPTQ (calibration, samples, seq_len, damp, refit, config)."""
     if method == "rtn":
         return rtn_quantizer(scheme)
     if method == "gptq":
@@ -207,7 +207,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     check_source(src, scheme)
     options = {}
     if args.method == "gptq":
-        options = dict(calibration=args.calibration, samples=args.samples, seq_len=args.seq_len, damp=args.damp)
+        options = dict(calibration=args.calibration, samples=args.samples, seq_len=args.seq_len, damp=args.damp,
+                       refit=args.refit)
     quantizer = make_quantizer(args.method, src, scheme, **options)
     out = quantize_checkpoint(src, dst, scheme, quantizer, method=args.method)
     print(verify_checkpoint(out).summary())
