@@ -20,23 +20,28 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.
     """One program per token: sx = amax / 127, q = rint(x / sx), both IEEE round-to-nearest-even like torch."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
-    scale, safe = _row_scale(x_row, K, BLOCK)
+    _quantize_row(x_row, x_row, x_row, x_row, q_ptr + row * stride_q, s_ptr + row, K, 0.0, False, BLOCK, 0)
+
+
+@triton.jit
+def _quantize_row(x_row, r_row, rout_row, nw_ptr, q_row, s_at, K, eps, write, BLOCK: tl.constexpr,
+                  PRE: tl.constexpr):
+    """One token's INT8 row at q_row and its scale at s_at: of the row itself (PRE 0), or of what vLLM computes
+    ahead of a linear (_pre_values, PRE 1-3; PRE 2 and `write`: the new residual stored at rout_row)."""
+    rstd, scale, safe = _pre_stats(x_row, r_row, rout_row, nw_ptr, K, eps, write, BLOCK, PRE)
     for k0 in range(0, K, BLOCK):
         offs = k0 + tl.arange(0, BLOCK)
-        v = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-        tl.store(q_ptr + row * stride_q + offs, _round_q(v, safe).to(tl.int8), mask=offs < K)
-    tl.store(s_ptr + row, scale)
+        v = _pre_values(x_row, r_row, nw_ptr, offs, K, rstd, PRE)
+        tl.store(q_row + offs, _round_q(v, safe).to(tl.int8), mask=offs < K)
+    tl.store(s_at, scale)
 
 
 @triton.jit
 def _row_scale(x_row, K, BLOCK: tl.constexpr):
     """(scale, safe) of one token's row of K: scale = amax / 127 (IEEE division), safe = scale, or 1 for a zero
     row (whose q are then 0)."""
-    amax = tl.zeros([BLOCK], tl.float32)
-    for k0 in range(0, K, BLOCK):
-        offs = k0 + tl.arange(0, BLOCK)
-        amax = tl.maximum(amax, tl.abs(tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)))
-    return _scale_of(tl.max(amax, axis=0))
+    _, scale, safe = _pre_stats(x_row, x_row, x_row, x_row, K, 0.0, False, BLOCK, 0)
+    return scale, safe
 
 
 @triton.jit
@@ -254,7 +259,7 @@ def _pack_words(x_ptr, offs, K, safe, W: tl.constexpr):
     exactly as _quantize_rows_kernel does, as two (W,) int32 tensors of words: word j of the first holds
     k = 8j + {0, 2, 4, 6} in bytes 0..3, of the second k = 8j + {1, 3, 5, 7}: the channels a weight word's low and
     high nibbles hold.  Contiguous (coalesced) loads; the bytes are placed by shifts and joined by an OR."""
-    return _pack_values(tl.load(x_ptr + offs, mask=offs < K, other=0.0).to(tl.float32), safe, W)
+    return _pack_values(_pre_values(x_ptr, x_ptr, x_ptr, offs, K, 1.0, 0), safe, W)
 
 
 @triton.jit
@@ -295,11 +300,14 @@ def _quantize_words_kernel(x_ptr, xw_ptr, s_ptr, K, words, stride_x, BLOCK: tl.c
 @triton.jit
 def _pre_values(x_row, r_row, nw_ptr, offs, K, rstd, PRE: tl.constexpr):
     """fp32 values (in x's dtype) at channels offs of what vLLM computes ahead of a linear, as a W4A8 kernel
-    computes it inside (PRE): 1 rms_norm, 2 fused_add_rms_norm, as vLLM's IR ops define them: h = x (+ r) in fp32,
-    y = ((h * rstd) as the weight's dtype) * weight, in x's dtype (the weight's dtype must be x's: the fusion pass
-    checks); 3 SiluAndMul of a row of 2K: silu(x[k]) in fp32, rounded to x's dtype, times x[K + k], rounded."""
+    computes it inside (PRE): 0 nothing (x itself); 1 rms_norm, 2 fused_add_rms_norm, as vLLM's IR ops define them:
+    h = x (+ r) in fp32, y = ((h * rstd) as the weight's dtype) * weight, in x's dtype (the weight's dtype must be
+    x's: the fusion pass checks); 3 SiluAndMul of a row of 2K: silu(x[k]) in fp32, rounded to x's dtype, times
+    x[K + k], rounded."""
     mask = offs < K
-    if PRE == 3:
+    if PRE == 0:
+        return tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+    elif PRE == 3:
         g = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(x_row + K + offs, mask=mask, other=0.0).to(tl.float32)
         silu = tl.math.div_rn(g, 1.0 + tl.exp(-g))
@@ -329,9 +337,10 @@ def _rounded(v, dtype: tl.constexpr):
 def _pre_stats(x_row, r_row, rout_row, nw_ptr, K, eps, write, XBLOCK: tl.constexpr, PRE: tl.constexpr):
     """(rstd, scale, safe) of one token: for a norm (PRE 1, 2) rstd = rsqrt(mean(h^2) + eps) over fp32 h = x (+ r)
     (PRE 2 and `write`, a runtime predicate: also the new residual h, rounded to x's dtype, stored at rout_row);
-    then the INT8 scale of _pre_values' output as _row_scale takes it."""
-    rstd = tl.full((), 1.0, tl.float32)  # unused by SiluAndMul (PRE 3)
-    if PRE != 3:
+    then the INT8 scale of _pre_values' output: scale = amax / 127 (IEEE division), safe = scale, or 1 for a zero
+    row (whose q are then 0)."""
+    rstd = tl.full((), 1.0, tl.float32)  # unused without a norm (PRE 0, 3)
+    if PRE == 1 or PRE == 2:
         sq = tl.zeros([XBLOCK], tl.float32)
         for k0 in range(0, K, XBLOCK):
             offs = k0 + tl.arange(0, XBLOCK)
@@ -365,12 +374,7 @@ def _pre_quantize_rows_kernel(x_ptr, r_ptr, nw_ptr, rout_ptr, q_ptr, s_ptr, K, e
     else:
         r_row = r_ptr
         rout_row = rout_ptr
-    rstd, scale, safe = _pre_stats(x_row, r_row, rout_row, nw_ptr, K, eps, row >= 0, BLOCK, PRE)
-    for k0 in range(0, K, BLOCK):
-        offs = k0 + tl.arange(0, BLOCK)
-        v = _pre_values(x_row, r_row, nw_ptr, offs, K, rstd, PRE)
-        tl.store(q_ptr + row * stride_q + offs, _round_q(v, safe).to(tl.int8), mask=offs < K)
-    tl.store(s_ptr + row, scale)
+    _quantize_row(x_row, r_row, rout_row, nw_ptr, q_ptr + row * stride_q, s_ptr + row, K, eps, row >= 0, BLOCK, PRE)
 
 
 @triton.jit
@@ -419,11 +423,9 @@ def _w4a8_gemv_kernel(
     w = _gemv_step_words(rows, s_begin, s_end, words, mask_n, W)
     if AHEAD == 2:
         w_after = _gemv_step_words(rows, s_begin + 1, s_end, words, mask_n, W)
-    if PRE:
+    if FUSED:  # PRE 0: the token's row itself
         rstd, scale, safe = _pre_stats(xw_ptr, r_ptr, rout_ptr, nw_ptr, K, eps, (pid_n == 0) & (pid_k == 0),
                                        XBLOCK, PRE)
-    elif FUSED:
-        scale, safe = _row_scale(xw_ptr, K, XBLOCK)
     acc = tl.zeros((BN,), dtype=tl.float32)
     for st in range(s_begin, s_end):
         if AHEAD == 2:  # two steps in flight while this one computes
@@ -431,11 +433,10 @@ def _w4a8_gemv_kernel(
             w_after = _gemv_step_words(rows, st + 2, s_end, words, mask_n, W)
         else:
             w_next = _gemv_step_words(rows, st + 1, s_end, words, mask_n, W)  # in flight while this step computes
-        if PRE:  # the step's channels of the norm's or SiluAndMul's output, packed
+        if FUSED:  # the step's channels of the row (or of the norm's or SiluAndMul's output), packed (L1/L2: every
+            # program of this K stretch reads them)
             xe, xo = _pack_values(_pre_values(xw_ptr, r_ptr, nw_ptr, st * BK + tl.arange(0, BK), K, rstd, PRE),
                                   safe, W)
-        elif FUSED:  # the step's words from the float row (L1/L2: every program of this K stretch reads it)
-            xe, xo = _pack_words(xw_ptr, st * BK + tl.arange(0, BK), K, safe, W)
         else:
             offs_w = st * W + tl.arange(0, W)
             xe = tl.load(xw_ptr + offs_w, mask=offs_w < words, other=0)
