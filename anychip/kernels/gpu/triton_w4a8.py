@@ -433,8 +433,7 @@ def _w4a8_gemv_kernel(
             w_after = _gemv_step_words(rows, st + 2, s_end, words, mask_n, W)
         else:
             w_next = _gemv_step_words(rows, st + 1, s_end, words, mask_n, W)  # in flight while this step computes
-        if FUSED:  # the step's channels of the row (or of the norm's or SiluAndMul's output), packed (L1/L2: every
-            # program of this K stretch reads them)
+        if FUSED:  # the step's channels of the row, or of the norm's or SiluAndMul's output, packed (from L1/L2)
             xe, xo = _pack_values(_pre_values(xw_ptr, r_ptr, nw_ptr, st * BK + tl.arange(0, BK), K, rstd, PRE),
                                   safe, W)
         else:
