@@ -252,6 +252,11 @@ def test_refit_lowers_every_rows_output_error(act_order):
     assert float(errs[-1].sum()) < 0.99 * float(errs[0].sum())
     with pytest.raises(AnychipError, match="refit"):
         GPTQConfig(refit=-1)
+    x[:, 5] = 0.0  # a channel that never fires, and a whole group that never does
+    x[:, 224:] = 0.0
+    wq, scales = gptq_quantize(w, hessian(x), 32, scale_search="mse", act_order=act_order, refit=3)
+    assert int(wq[:, 5].abs().max()) == 0 and int(wq[:, 224:].abs().max()) == 0
+    assert torch.isfinite(scales.float()).all() and (scales.float() > 0).all()
 
 
 def test_recipe_config_checks():
