@@ -16,7 +16,6 @@ import functools
 from dataclasses import dataclass, replace
 
 import torch
-import triton
 
 from anychip.kernels.gpu import triton_w4a8 as k
 from anychip.kernels.hooks import DeviceCounter
@@ -110,6 +109,17 @@ _PREFILL = ((128, 64, 128, False, 4, 4, 1), (128, 128, 128, False, 8, 3, 1), (12
             (128, 128, 128, True, 8, 3, 1, "p"))
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for the host's launch arithmetic: plain integers (triton.cdiv is a ConstexprFunction in recent
+    Triton, about 3 us a call, and every eager linear made seven such calls)."""
+    return -(-a // b)
+
+
+def next_pow2(x: int) -> int:
+    """The smallest power of two >= x (x >= 1), as triton.next_power_of_2, in plain integers."""
+    return 1 << (x - 1).bit_length()
+
+
 def regime(m: int) -> str:
     return "gemv" if m == 1 else "decode" if m <= DECODE_M else "mid" if m <= MID_M else "prefill"
 
@@ -124,11 +134,11 @@ def multiprocessors(device: torch.device) -> int:
 def split_for(m: int, n: int, k: int, g: int, block_m: int, block_n: int, block_k: int, per_sm: int,
               sms: int) -> int:
     """Programs along K: enough for `per_sm` programs a multiprocessor, each with at least one main-loop step."""
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    steps = triton.cdiv(k // g, max(block_k, g) // g)
+    tiles = cdiv(m, block_m) * cdiv(n, block_n)
+    steps = cdiv(k // g, max(block_k, g) // g)
     if tiles * 2 > per_sm * sms:
         return 1
-    return max(1, min(triton.cdiv(per_sm * sms, tiles), steps, MAX_SPLIT_K))
+    return max(1, min(cdiv(per_sm * sms, tiles), steps, MAX_SPLIT_K))
 
 
 def candidates(m: int, n: int, k: int, g: int, sms: int = 132) -> list[Config]:
@@ -174,7 +184,7 @@ def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_options(kk: int) -> dict[str, int]:
     """The quantization kernel's compile-time options for rows of K (precompile.py compiles the same)."""
-    block = min(triton.next_power_of_2(kk), 4096)
+    block = min(next_pow2(kk), 4096)
     return {"BLOCK": block, "num_warps": 4 if block <= 1024 else 8}
 
 
@@ -279,9 +289,9 @@ def quantize_words(x: torch.Tensor, one_pass_max: int = QUANTIZE_ONE_PASS) -> tu
 def quantize_words_options(kk: int, one_pass_max: int = QUANTIZE_ONE_PASS) -> dict[str, int]:
     """_quantize_words_kernel's compile-time options for rows of K (precompile.py compiles the same): the whole row
     in one block up to one_pass_max channels, else blocks of 4096."""
-    span = triton.next_power_of_2(max(kk, 8))
+    span = next_pow2(max(kk, 8))
     one = span <= one_pass_max
-    block = span if one else min(4096, triton.next_power_of_2(max(one_pass_max, 8)))
+    block = span if one else min(4096, next_pow2(max(one_pass_max, 8)))
     return {"BLOCK": block, "WBLOCK": block // 8, "ONE_PASS": one, "num_warps": 4 if block <= 2048 else 8}
 
 
@@ -395,20 +405,20 @@ def launch_gemv(cfg: GemvConfig, xw, sx, weight, scales, bias, n, kk, g, out,
 
 
 def gemv_split(cfg: GemvConfig, n: int) -> int:
-    return cfg.split_k if triton.cdiv(n, cfg.block_n) <= LOCKS else 1
+    return cfg.split_k if cdiv(n, cfg.block_n) <= LOCKS else 1
 
 
 def gemv_launch(cfg: GemvConfig, n, kk, g, xw, sx, weight32, scales, bias, out, parts, locks, cell, slot,
                 pre: Prologue | None = None) -> tuple[tuple[int, int], tuple, dict]:
     """(grid, arguments, compile-time options) of one GEMV launch (the launch's and precompile.py's)."""
     split = gemv_split(cfg, n)
-    grid = (triton.cdiv(n, cfg.block_n), split)
+    grid = (cdiv(n, cfg.block_n), split)
     pre_args = _NO_PROLOGUE if pre is None else pre.inputs()
     args = (xw, sx, weight32, scales, bias, out, parts, locks, cell, slot, n, kk, kk // 8, *pre_args)
     options = dict(G=g, BN=cfg.block_n, BK=cfg.block_k, SPLIT_K=split, HAS_BIAS=bias is not None,
                    COUNT=cell is not None, ASM=_compiled(weight32), num_warps=cfg.num_warps)
     if cfg.fused:  # the amax pass: the whole row in one block up to 1024 channels a warp (32 fp32 a thread)
-        options.update(FUSED=True, XBLOCK=min(triton.next_power_of_2(max(kk, 8)), 1024 * cfg.num_warps))
+        options.update(FUSED=True, XBLOCK=min(next_pow2(max(kk, 8)), 1024 * cfg.num_warps))
     if cfg.ahead != 1:
         options["AHEAD"] = cfg.ahead
     if pre is not None:
@@ -432,7 +442,7 @@ def group_dots(xq: torch.Tensor, weight: torch.Tensor, n: int, kk: int, group_si
     out = torch.empty((m, n, kk // group_size), dtype=torch.int32, device=xq.device)
     bm, bn = (16, 64) if swap else (16, 32)
     if out.numel():
-        grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), kk // group_size)
+        grid = (cdiv(m, bm), cdiv(n, bn), kk // group_size)
         k._group_dots_kernel[grid](xq, weight, out, m, n, kk, xq.stride(0), G=group_size, BM=bm, BN=bn, SWAP=swap,
                                    ASM=_compiled(weight))
     return out
@@ -470,7 +480,7 @@ def launch_config(cfg: GemmConfig, xq, sx, weight, scales, bias, n, kk, g, out,
 
 def split_of(cfg: GemmConfig, m: int, n: int) -> int:
     """The split-K a launch of `cfg` at M tokens runs (1 past the semaphores' reach)."""
-    return cfg.split_k if triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n) <= LOCKS else 1
+    return cfg.split_k if cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n) <= LOCKS else 1
 
 
 def gemm_launch(cfg: GemmConfig, m, n, kk, g, xq, sx, weight, scales, bias, out, parts, locks, cell, slot,
@@ -478,7 +488,7 @@ def gemm_launch(cfg: GemmConfig, m, n, kk, g, xq, sx, weight, scales, bias, out,
     """(grid, arguments, compile-time options) of one GEMM launch: the one place they are spelled, for the launch
     and for precompile.py (which passes dtypes where the launch passes tensors: Triton compiles the same kernel)."""
     split = split_of(cfg, m, n)
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split)
+    grid = (cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n), split)
     args = (xq, sx, weight, scales, bias, out, parts, locks, cell, slot, m, n, kk, stride_x, stride_out, m * n)
     options = dict(G=g, BM=cfg.block_m, BN=cfg.block_n, BK=max(cfg.block_k, g), SWAP=cfg.swap, SPLIT_K=split,
                    GROUP_M=cfg.group_m, HAS_BIAS=bias is not None, COUNT=cell is not None,
@@ -527,7 +537,14 @@ def config_for(m: int, n: int, kk: int, g: int, device: torch.device) -> Config 
 
 def serving_config(m: int, n: int, kk: int, g: int, device: torch.device) -> Config:
     """The config a call at M tokens runs: the settled one of its bucket, else the regime's default."""
-    return config_for(m, n, kk, g, device) or candidates(m, n, kk, g, multiprocessors(device))[0]
+    return config_for(m, n, kk, g, device) or _default_config(m, n, kk, g, multiprocessors(device))
+
+
+@functools.lru_cache(maxsize=4096)
+def _default_config(m: int, n: int, kk: int, g: int, sms: int) -> Config:
+    """The regime's default config (the first candidate), built once a shape: untuned serving (gpu_tuning off)
+    asks for it at every call."""
+    return candidates(m, n, kk, g, sms)[0]
 
 
 def indexed(device: torch.device) -> torch.device:
@@ -538,5 +555,5 @@ def indexed(device: torch.device) -> torch.device:
 
 
 def _key(m: int, n: int, kk: int, g: int, device: torch.device) -> tuple:
-    bucket = regime(m) if m <= MID_M else min(triton.next_power_of_2(m), 4096)  # prefill: one entry an octave
+    bucket = regime(m) if m <= MID_M else min(next_pow2(m), 4096)  # prefill: one entry an octave
     return (bucket, n, kk, g, str(indexed(device)))
