@@ -117,3 +117,21 @@ def test_precompile_token_counts_fall_in_their_buckets(monkeypatch) -> None:
     monkeypatch.setenv("ANYCHIP_GPU_PRECOMPILE", "many")
     with pytest.raises(ValueError, match="ANYCHIP_GPU_PRECOMPILE"):
         envs.kernel_policy()
+
+
+def test_launch_arithmetic_is_tritons_and_the_untuned_default_is_the_first_candidate() -> None:
+    """The launch path's plain-integer cdiv / next_pow2 agree with Triton's helpers, and a call with no settled
+    config runs the regime's first candidate (built once a shape)."""
+    triton = pytest.importorskip("triton")
+    from anychip.kernels.gpu import launch
+
+    for a in range(1, 5000, 7):
+        assert launch.next_pow2(a) == triton.next_power_of_2(a)
+        for b in (1, 3, 16, 128):
+            assert launch.cdiv(a, b) == triton.cdiv(a, b)
+    launch.clear_tuning()
+    cpu = torch.device("cpu")
+    for m in (1, 7, 64, 512, 3000):
+        got = launch.serving_config(m, 576, 1536, 32, cpu)
+        assert got == launch.candidates(m, 576, 1536, 32, launch.multiprocessors(cpu))[0]
+        assert launch.serving_config(m, 576, 1536, 32, cpu) is got
