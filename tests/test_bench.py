@@ -360,6 +360,10 @@ def test_latency_report_targets_and_files(tmp_path):
            "targets": latency.target_checks(rows)}
     md = latency.render_markdown(doc)
     assert "`anychip bench latency M --peers`" in md and "vllm-w4a8-stock: skipped: needs a W4A8 model" in md
+    assert "CUDA graphs" not in md
+    rows[0]["settings"]["cuda_graph_max_tokens"] = 2  # a batch-one GPU engine: a pp512 prefill runs eagerly
+    assert "CUDA graphs replay steps of up to 2 tokens" in latency.render_markdown(doc)
+    del rows[0]["settings"]["cuda_graph_max_tokens"]
     assert "(pp256*)" in md and "sizes differ" in md
     from anychip.bench.report import write_outputs
 
@@ -578,6 +582,7 @@ def test_bench_latency_real_run(default_model, tmp_path):
     assert (row["pp"], row["tg"], row["reps"]) == (32, 8, 1) and len(row["timings"]) == 1
     assert row["pp_tps"]["mean"] > 0 and row["tg_tps"]["mean"] > 0 and row["engine_start_s"] > 0
     assert row["settings"]["compile_mode"] == "eager" and "anychip" not in row["settings"]["env"]["VLLM_PLUGINS"]
+    assert row["settings"]["cuda_graph_max_tokens"] == 0  # an eager CPU engine replays no CUDA graph
     assert out.with_suffix(".md").exists()
 
 

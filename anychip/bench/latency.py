@@ -503,6 +503,10 @@ def render_markdown(doc: dict[str, Any]) -> str:
         notes.append(f"- vLLM settings: executor {settings['executor']}, dtype {settings['dtype']}, torch threads "
                      f"{settings['torch_threads']}, max_num_batched_tokens {settings['max_num_batched_tokens']}, "
                      f"prefix caching off, versions {settings['versions']}")
+        graphs = settings.get("cuda_graph_max_tokens")
+        if graphs:
+            notes.append(f"- CUDA graphs replay steps of up to {graphs} tokens (vLLM sizes them from max_num_seqs); "
+                         "a longer step, such as a pp prefill above that, launches every kernel from the host")
     cold = [r["system"] for r in doc["rows"] if r["status"] == "ok" and r["engine"] == "vllm"
             and all(name in (r["settings"].get("env") or {}) for name in envs.COMPILE_CACHES)]
     if cold:

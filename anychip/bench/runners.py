@@ -143,6 +143,7 @@ class VllmTimed:
             "executor": "uni (VLLM_ENABLE_V1_MULTIPROCESSING=" + os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
             + ")",
             "compile_mode": self._offline.compile_mode(self.llm, self._kwargs["enforce_eager"]),
+            "cuda_graph_max_tokens": self._offline.cuda_graph_tokens(self.llm),
             "dtype": self._kwargs["dtype"],
             "torch_threads": torch.get_num_threads(),
             "max_num_batched_tokens": self._kwargs["max_num_batched_tokens"],
