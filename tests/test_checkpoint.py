@@ -204,10 +204,10 @@ def test_cli_gptq_dispatches_to_gptq_quantizer(tiny_llama, tmp_path, monkeypatch
     monkeypatch.setitem(sys.modules, "anychip.checkpoint.gptq", types.SimpleNamespace(gptq_quantizer=gptq_quantizer))
     src, dst = tiny_llama(), tmp_path / "gptq"
     rc = main(["quantize", str(src), str(dst), "--method", "gptq", "--group-size", "64", "--samples", "4",
-               "--seq-len", "16", "--damp", "0.05", "--calibration", "calib.txt"])
+               "--seq-len", "16", "--damp", "0.05", "--calibration", "calib.txt", "--refit", "2"])
     assert rc == 0
     assert seen == dict(src=src, scheme=W4A8Scheme(group_size=64), calibration="calib.txt", samples=4, seq_len=16,
-                        damp=0.05)
+                        damp=0.05, refit=2)
     assert json.loads((dst / "config.json").read_text())["quantization_config"]["anychip"]["method"] == "gptq"
 
 
