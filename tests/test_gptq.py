@@ -225,11 +225,12 @@ def test_refit_recovers_the_scales_of_weights_on_their_grid():
     w = dequantize_weight_ref(q, s)
     h = hessian(correlated_inputs(1024, 128, seed=2))
     start = (s.float() * (1 + 0.2 * torch.rand(20, 4, generator=g))).to(torch.bfloat16)
-    got = refit_scales(w, h, q, start, 32, damp=1e-6)
+    got, err = refit_scales(w, h, q, start, 32, damp=1e-6)
     assert torch.equal(got[3, 1], start[3, 1])  # its codes are all 0: any scale serves, the old one is kept
     got[3, 1] = s[3, 1]
     assert torch.equal(got, s)
     assert float(row_errors(w, h, q, got, 32).max()) == 0.0
+    assert torch.equal(err, row_errors(w, h, q, refit_scales(w, h, q, start, 32, damp=1e-6)[0], 32))
 
 
 @pytest.mark.parametrize("act_order", [False, True])

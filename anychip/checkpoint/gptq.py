@@ -197,12 +197,11 @@ def _refit_rounds(w: torch.Tensor, h: torch.Tensor, q: torch.Tensor, scales: tor
     then `rounds` times the codes swept again with those scales fixed and the scales re-solved for them; each
     row keeps whichever (codes, scales) has the smaller output error (w - w^) H (w - w^)^T. Rows are independent
     in GPTQ (a row's rounding errors only move within the row), so choosing per row is exact."""
-    best_q, best_s = q, refit_scales(w, h, q, scales, group_size, damp)
-    best_e = row_errors(w, h, best_q, best_s, group_size)
+    best_q = q
+    best_s, best_e = refit_scales(w, h, q, scales, group_size, damp)
     for _ in range(rounds):
         q2 = static_sweep(best_s)
-        s2 = refit_scales(w, h, q2, best_s, group_size, damp)
-        e2 = row_errors(w, h, q2, s2, group_size)
+        s2, e2 = refit_scales(w, h, q2, best_s, group_size, damp)
         better = e2 < best_e
         best_q = torch.where(better[:, None], q2, best_q)
         best_s = torch.where(better[:, None], s2, best_s)
@@ -223,11 +222,12 @@ REFIT_ELEMENTS = 1 << 26
 
 
 def refit_scales(w: torch.Tensor, h: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group_size: int,
-                 damp: float = 0.01) -> torch.Tensor:
+                 damp: float = 0.01) -> tuple[torch.Tensor, torch.Tensor]:
     """The BF16 group scales that minimize each row's output error (w - s q) H (w - s q)^T for fixed codes q: the
     error is quadratic in a row's scales, so they solve (A^T H A) s = A^T H w, with A (K, K/G) holding the row's
     codes of group g in column g (H damped as the sweep damps it). Solved in fp32, rounded to BF16; a row keeps
-    its old scales where the solve fails, gives a non-positive scale, or does not lower the error."""
+    its old scales where the solve fails, gives a non-positive scale, or does not lower the error. Returns (the
+    scales, each row's output error with them)."""
     n, k = w.shape
     ng = k // group_size
     hd = h.float() + damp * torch.mean(torch.diag(h)).float() * torch.eye(k, dtype=torch.float32, device=h.device)
@@ -248,8 +248,9 @@ def refit_scales(w: torch.Tensor, h: torch.Tensor, q: torch.Tensor, scales: torc
     new = solved.to(torch.bfloat16)
     ok = torch.isfinite(solved).all(dim=1) & (new > 0).all(dim=1)
     new = torch.where(ok[:, None], new, scales)
-    better = row_errors(w, h, q, new, group_size) < row_errors(w, h, q, scales, group_size)
-    return torch.where(better[:, None], new, scales)
+    new_e, old_e = row_errors(w, h, q, new, group_size), row_errors(w, h, q, scales, group_size)
+    better = new_e < old_e
+    return torch.where(better[:, None], new, scales), torch.where(better, new_e, old_e)
 
 
 def _sweep(w: torch.Tensor, hinv: torch.Tensor, group_size: int, block_size: int,
