@@ -99,8 +99,9 @@ def _w4a8_linear_norm(x, residual, norm_weight, eps, weight, scales, bias, n, k,
     target = _route(route, x.device)
     if target.fuses_norm:
         rout = None if r2 is None else torch.empty_like(x2)
-        hooks.notify(_layer_index(layer_id), x2.shape[0])
-        hooks.note_fused(_layer_index(layer_id), "rms_norm")
+        layer = _layer_index(layer_id)
+        hooks.notify(layer, x2.shape[0])
+        hooks.note_fused(layer, "rms_norm")
         y = target.linear_norm(x2, norm_weight, eps, r2, rout, weight, scales, bias, n, k, group_size)
     else:  # the norm as vLLM defines it, then the linear through its own op (which counts the call)
         normed, rout = reference.rms_norm_ref(x2, norm_weight, eps, r2)
@@ -113,8 +114,9 @@ def _w4a8_linear_silu_mul(x, weight, scales, bias, n, k, group_size, route, laye
     x2 = x.reshape(-1, 2 * k)
     target = _route(route, x.device)
     if target.fuses_silu_mul:
-        hooks.notify(_layer_index(layer_id), x2.shape[0])
-        hooks.note_fused(_layer_index(layer_id), "silu_and_mul")
+        layer = _layer_index(layer_id)
+        hooks.notify(layer, x2.shape[0])
+        hooks.note_fused(layer, "silu_and_mul")
         y = target.linear_silu_mul(x2, weight, scales, bias, n, k, group_size)
     else:  # SiluAndMul as vLLM's native forward computes it, then the linear through its own op
         y = torch.ops.anychip.w4a8_linear.default(reference.silu_and_mul_ref(x2), weight, scales, bias, n, k,

@@ -39,8 +39,6 @@ def cuda_graph_tokens(llm: LLM) -> int:
     """The largest step, in tokens, the engine replays as a CUDA graph (0: none, e.g. on a CPU or eager); a larger
     step, such as a long prefill, launches its kernels one by one from the host."""
     cc = llm.llm_engine.vllm_config.compilation_config
-    mode = getattr(cc, "cudagraph_mode", None)
-    if mode is None or getattr(mode, "name", "NONE") == "NONE":
+    if cc.cudagraph_mode.name == "NONE":
         return 0
-    return int(getattr(cc, "max_cudagraph_capture_size", None) or max(getattr(cc, "cudagraph_capture_sizes", None)
-                                                                       or [0]))
+    return int(cc.max_cudagraph_capture_size or 0)
