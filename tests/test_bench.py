@@ -689,3 +689,15 @@ def test_gpu_clock_sampler_keeps_readings_by_time_and_skips_non_numbers() -> Non
     with ClockSampler(["/no/such/nvidia-smi"]) as missing:  # a command that cannot start: no readings, no error
         pass
     assert missing.samples == []
+
+
+def test_graph_tokens_is_a_gpu_engine_setting():
+    """--graph-tokens sizes every GPU engine's CUDA-graph captures alike; on a CPU (or as 0) it is an error, not a
+    setting silently dropped."""
+    from anychip.bench.runners import RunSpec
+
+    spec = RunSpec("anychip-w4a8", "vllm", "m", 512, 128, 5, 1, device="cuda", graph_tokens=512)
+    assert spec.graph_tokens == 512
+    for device, tokens in (("cpu", 512), ("cuda", 0)):
+        with pytest.raises(ValueError, match="--graph-tokens"):
+            RunSpec("anychip-w4a8", "vllm", "m", 512, 128, 5, 1, device=device, graph_tokens=tokens)

@@ -135,3 +135,25 @@ def test_launch_arithmetic_is_tritons_and_the_untuned_default_is_the_first_candi
         got = launch.serving_config(m, 576, 1536, 32, cpu)
         assert got == launch.candidates(m, 576, 1536, 32, launch.multiprocessors(cpu))[0]
         assert launch.serving_config(m, 576, 1536, 32, cpu) is got
+
+
+def test_direct_launch_fills_the_signature_and_keys_like_the_jit() -> None:
+    """direct.py's half that needs no GPU: the arguments after the runtime ones are the constexprs in signature
+    order (given, else their defaults), and the specialization key separates what Triton's JIT separates."""
+    pytest.importorskip("triton", reason="triton is not installed: pip install triton (`make install` does)")
+    from anychip.kernels.gpu import launch, triton_w4a8
+    from anychip.kernels.gpu.direct import Direct, _spec
+
+    cfg = launch.GemmConfig(128, 64, 128, split_k=2)
+    _, args, options = launch.gemm_launch(cfg, 512, 576, 2048, 128, *[None] * 10, 2048, 576)
+    tail = Direct(triton_w4a8._w4a8_gemm_kernel)._tail(args, options)
+    assert tail == (128, 128, 64, 128, False, 2, 8, False, False, False, True)  # G BM BN BK SWAP SPLIT_K ... ASM
+    gemv = launch.GemvConfig(64, 512, fused=True)
+    _, args, options = launch.gemv_launch(gemv, 576, 2048, 128, *[None] * 10)
+    tail = Direct(triton_w4a8._w4a8_gemv_kernel)._tail(args, options)
+    assert tail == (128, 64, 512, 1, False, False, True, True, 2048, 1, 0)  # ..., FUSED, XBLOCK, AHEAD (default), PRE
+    assert Direct(triton_w4a8._w4a8_gemm_kernel)._tail(args[:5], options) is None  # a runtime argument missing
+    x = torch.zeros(40, dtype=torch.bfloat16)
+    assert _spec(x) != _spec(x[1:]) and _spec(x) != _spec(x.float()) and _spec(x) == _spec(x[8:])
+    assert len({_spec(v) for v in (1, 16, 17, 32, 2**31)}) == 4 and _spec(16) == _spec(32)
+    assert _spec(None) is None and _spec(1e-5) is float

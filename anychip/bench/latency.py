@@ -325,6 +325,7 @@ def run_system(system: System, args: argparse.Namespace, workdir: Path) -> dict[
     coverage = workdir / f"{system.name}.coverage.json" if system.plugin else None
     spec = RunSpec(system=system.name, engine=system.engine, model=str(model), pp=args.pp, tg=args.tg,
                    reps=args.reps, threads=args.threads, eager=args.eager, budget_s=args.budget_s,
+                   graph_tokens=getattr(args, "graph_tokens", None),
                    device=args.device, batch=args.batch if system.engine == "vllm" else 0,
                    env=system_env(system, args.threads, coverage, _cold_caches(args, workdir, system)),
                    notes=system.notes)
@@ -505,7 +506,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
                      f"prefix caching off, versions {settings['versions']}")
         graphs = settings.get("cuda_graph_max_tokens")
         if graphs:
-            notes.append(f"- CUDA graphs replay steps of up to {graphs} tokens (vLLM sizes them from max_num_seqs); "
+            notes.append(f"- CUDA graphs replay steps of up to {graphs} tokens (vLLM sizes them from max_num_seqs "
+                         "unless --graph-tokens sets them); "
                          "a longer step, such as a pp prefill above that, launches every kernel from the host")
     cold = [r["system"] for r in doc["rows"] if r["status"] == "ok" and r["engine"] == "vllm"
             and all(name in (r["settings"].get("env") or {}) for name in envs.COMPILE_CACHES)]

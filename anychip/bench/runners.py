@@ -41,6 +41,7 @@ class RunSpec:
     budget_s: wall-time budget for probe + warm-up + repetitions; pp, tg and reps shrink to fit (recorded).
     device: "cpu" or "cuda", where the engine runs (vLLM picks it from its build; recorded).
     batch: requests in the batched run (0: none); batch_reps: its timed repetitions.
+    graph_tokens: the largest step vLLM captures as a CUDA graph (None: vLLM's choice; GPU engines only).
     """
 
     system: str
@@ -59,11 +60,14 @@ class RunSpec:
     batch_reps: int = 3
     env: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    graph_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("pp", "tg", "reps", "threads", "batch_reps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.graph_tokens is not None and (self.graph_tokens < 1 or self.device != "cuda"):
+            raise ValueError(f"--graph-tokens {self.graph_tokens}: a positive number of tokens, for --device cuda")
         if self.batch < 0:
             raise ValueError(f"--batch must be 0 (off) or a number of requests, got {self.batch}")
         if self.batch and self.engine != "vllm":
@@ -113,6 +117,8 @@ class VllmTimed:
         )
         if spec.device == "cpu" and not spec.eager:  # every vLLM system on the CPU: the same engine settings
             self._kwargs["compilation_config"] = {k: list(v) for k, v in envs.VLLM_CPU_COMPILATION.items()}
+        if spec.graph_tokens and not spec.eager:  # every vLLM system on the GPU: the same capture sizes
+            self._kwargs["compilation_config"] = {"max_cudagraph_capture_size": spec.graph_tokens}
         self.llm = offline.make_llm(**self._kwargs)
 
     def _run(self, prompts: list[list[int]], max_tokens: int) -> float:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from anychip.kernels.gpu import triton_w4a8 as k
+from anychip.kernels.gpu.direct import Direct
 from anychip.kernels.hooks import DeviceCounter
 
 DECODE_M = 16
@@ -178,14 +179,30 @@ def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xq = torch.empty((m, kk), dtype=torch.int8, device=x.device)
     sx = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m:
-        k._quantize_rows_kernel[(m,)](x, xq, sx, kk, x.stride(0), xq.stride(0), **quantize_options(kk))
+        _run(k._quantize_rows_kernel, (m,), (x, xq, sx, kk, x.stride(0), xq.stride(0)), quantize_options(kk))
     return xq, sx
 
 
-def quantize_options(kk: int) -> dict[str, int]:
-    """The quantization kernel's compile-time options for rows of K (precompile.py compiles the same)."""
+@functools.lru_cache(maxsize=1024)
+def quantize_options(kk: int, pre: int = 0) -> dict[str, int]:
+    """The quantization kernels' compile-time options for rows of K (precompile.py compiles the same); pre: the
+    prologue's kind (Prologue.kind), 0 for none.  Cached: one dict a shape, which nobody mutates."""
     block = min(next_pow2(kk), 4096)
-    return {"BLOCK": block, "num_warps": 4 if block <= 1024 else 8}
+    return {"BLOCK": block, "num_warps": 4 if block <= 1024 else 8, **({"PRE": pre} if pre else {})}
+
+
+def _run(kernel, grid: tuple[int, ...], args: tuple, options: dict):
+    """Launch `kernel`: directly (direct.py) where its first argument is a CUDA tensor, else through the JIT (the
+    interpreter on CPU tensors).  Returns the compiled kernel (None interpreted)."""
+    if not args[0].is_cuda:
+        return kernel[grid](*args, **options)
+    launcher = _DIRECT.get(kernel)
+    if launcher is None:
+        launcher = _DIRECT[kernel] = Direct(kernel)
+    return launcher(grid, args, options)
+
+
+_DIRECT: dict[object, Direct] = {}
 
 
 def w4a8_linear(
@@ -246,9 +263,9 @@ def pre_quantize(x: torch.Tensor, pre: Prologue, kk: int) -> tuple[torch.Tensor,
     sx = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m:
         r, nw, ro, eps = pre.inputs()
-        k._pre_quantize_rows_kernel[(m,)](
-            x, r, nw, ro, xq, sx, kk, eps, x.stride(0), 0 if r is None else r.stride(0),
-            0 if ro is None else ro.stride(0), xq.stride(0), PRE=pre.kind, **quantize_options(kk))
+        _run(k._pre_quantize_rows_kernel, (m,), (x, r, nw, ro, xq, sx, kk, eps, x.stride(0),
+                                                0 if r is None else r.stride(0), 0 if ro is None else ro.stride(0),
+                                                xq.stride(0)), quantize_options(kk, pre.kind))
     return xq, sx
 
 
@@ -282,10 +299,12 @@ def quantize_words(x: torch.Tensor, one_pass_max: int = QUANTIZE_ONE_PASS) -> tu
     xw = torch.empty((m, 2, kk // 8), dtype=torch.int32, device=x.device)
     sx = torch.empty((m,), dtype=torch.float32, device=x.device)
     if m:
-        k._quantize_words_kernel[(m,)](x, xw, sx, kk, kk // 8, x.stride(0), **quantize_words_options(kk, one_pass_max))
+        _run(k._quantize_words_kernel, (m,), (x, xw, sx, kk, kk // 8, x.stride(0)),
+             quantize_words_options(kk, one_pass_max))
     return xw, sx
 
 
+@functools.lru_cache(maxsize=1024)
 def quantize_words_options(kk: int, one_pass_max: int = QUANTIZE_ONE_PASS) -> dict[str, int]:
     """_quantize_words_kernel's compile-time options for rows of K (precompile.py compiles the same): the whole row
     in one block up to one_pass_max channels, else blocks of 4096."""
@@ -401,7 +420,7 @@ def launch_gemv(cfg: GemvConfig, xw, sx, weight, scales, bias, n, kk, g, out,
     sx = None if cfg.fused else sx.reshape(-1).float()
     grid, args, options = gemv_launch(cfg, n, kk, g, xw, sx, weight.view(torch.int32), scales, bias, out, parts,
                                       locks, cell, slot, pre)
-    return k._w4a8_gemv_kernel[grid](*args, **options)
+    return _run(k._w4a8_gemv_kernel, grid, args, options)
 
 
 def gemv_split(cfg: GemvConfig, n: int) -> int:
@@ -415,17 +434,25 @@ def gemv_launch(cfg: GemvConfig, n, kk, g, xw, sx, weight32, scales, bias, out, 
     grid = (cdiv(n, cfg.block_n), split)
     pre_args = _NO_PROLOGUE if pre is None else pre.inputs()
     args = (xw, sx, weight32, scales, bias, out, parts, locks, cell, slot, n, kk, kk // 8, *pre_args)
-    options = dict(G=g, BN=cfg.block_n, BK=cfg.block_k, SPLIT_K=split, HAS_BIAS=bias is not None,
-                   COUNT=cell is not None, ASM=_compiled(weight32), num_warps=cfg.num_warps)
+    if pre is not None and not cfg.fused:
+        raise ValueError(f"{cfg}: {type(pre).__name__} runs inside the fused GEMV only")
+    return grid, args, _gemv_options(cfg, kk, g, split, bias is not None, cell is not None, _compiled(weight32),
+                                     0 if pre is None else pre.kind)
+
+
+@functools.lru_cache(maxsize=4096)
+def _gemv_options(cfg: GemvConfig, kk: int, g: int, split: int, has_bias: bool, count: bool, asm: bool,
+                  pre: int) -> dict:
+    """The GEMV's compile-time options (one dict a combination, which nobody mutates)."""
+    options = dict(G=g, BN=cfg.block_n, BK=cfg.block_k, SPLIT_K=split, HAS_BIAS=has_bias, COUNT=count, ASM=asm,
+                   num_warps=cfg.num_warps)
     if cfg.fused:  # the amax pass: the whole row in one block up to 1024 channels a warp (32 fp32 a thread)
         options.update(FUSED=True, XBLOCK=min(next_pow2(max(kk, 8)), 1024 * cfg.num_warps))
     if cfg.ahead != 1:
         options["AHEAD"] = cfg.ahead
-    if pre is not None:
-        if not cfg.fused:
-            raise ValueError(f"{cfg}: {type(pre).__name__} runs inside the fused GEMV only")
-        options["PRE"] = pre.kind
-    return grid, args, options
+    if pre:
+        options["PRE"] = pre
+    return options
 
 
 def _compiled(weight) -> bool:
@@ -475,7 +502,7 @@ def launch_config(cfg: GemmConfig, xq, sx, weight, scales, bias, n, kk, g, out,
     cell, slot = (counter.cell, counter.slot) if counter is not None else (None, None)
     grid, args, options = gemm_launch(cfg, m, n, kk, g, xq, sx, weight, scales, bias, out, parts, locks, cell, slot,
                                       xq.stride(0), out.stride(0))
-    return k._w4a8_gemm_kernel[grid](*args, **options)
+    return _run(k._w4a8_gemm_kernel, grid, args, options)
 
 
 def split_of(cfg: GemmConfig, m: int, n: int) -> int:
@@ -490,10 +517,15 @@ def gemm_launch(cfg: GemmConfig, m, n, kk, g, xq, sx, weight, scales, bias, out,
     split = split_of(cfg, m, n)
     grid = (cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n), split)
     args = (xq, sx, weight, scales, bias, out, parts, locks, cell, slot, m, n, kk, stride_x, stride_out, m * n)
-    options = dict(G=g, BM=cfg.block_m, BN=cfg.block_n, BK=max(cfg.block_k, g), SWAP=cfg.swap, SPLIT_K=split,
-                   GROUP_M=cfg.group_m, HAS_BIAS=bias is not None, COUNT=cell is not None,
-                   PIPE=cfg.pipe, ASM=_compiled(weight), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return grid, args, options
+    return grid, args, _gemm_options(cfg, g, split, bias is not None, cell is not None, _compiled(weight))
+
+
+@functools.lru_cache(maxsize=4096)
+def _gemm_options(cfg: GemmConfig, g: int, split: int, has_bias: bool, count: bool, asm: bool) -> dict:
+    """The GEMM's compile-time options (one dict a combination, which nobody mutates)."""
+    return dict(G=g, BM=cfg.block_m, BN=cfg.block_n, BK=max(cfg.block_k, g), SWAP=cfg.swap, SPLIT_K=split,
+                GROUP_M=cfg.group_m, HAS_BIAS=has_bias, COUNT=count, PIPE=cfg.pipe, ASM=asm,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 _LOCKS: dict[tuple[str, int], torch.Tensor] = {}
@@ -502,7 +534,7 @@ _LOCKS: dict[tuple[str, int], torch.Tensor] = {}
 def _locks(device: torch.device) -> torch.Tensor:
     """Zeroed int32 semaphores, one set per (device, stream): kernels on one stream never overlap, and every
     launch leaves its semaphores at zero (also when replayed from a CUDA graph)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    stream = torch._C._cuda_getCurrentRawStream(indexed(device).index) if device.type == "cuda" else 0
     key = (str(device), stream)
     if key not in _LOCKS:
         _LOCKS[key] = torch.zeros(LOCKS, dtype=torch.int32, device=device)
