@@ -2,9 +2,9 @@
 
 `kernel[grid](*args, **options)` binds every argument by name, specializes each one (its type, a pointer's 16-byte
 alignment, an integer equal to 1 or divisible by 16), builds a cache key from all of it and the options, looks the
-compiled kernel up, then calls its launcher: 13-20 µs of host time a launch on the H200's host, where the launcher
-itself takes a few (docs/gpu-notes.md, run 70). An eager W4A8 linear launches two kernels, and a 512-token prefill
-that vLLM does not replay from a CUDA graph is bound by exactly this host time.
+compiled kernel up, then calls its launcher: 13-30 µs of host time a launch on the H200's host, where the launcher
+itself takes about 6 (docs/gpu-notes.md, run 70). An eager W4A8 linear launches two kernels, and a 512-token prefill
+that vLLM does not replay from a CUDA graph is bound by host time. Measured gain: 3-7 µs a launch (runs 72, 74).
 
 `Direct` keeps, per (options, specialization of the arguments), the compiled kernel the JIT chose at the first such
 launch, and launches it again through its launcher. The specialization is computed here with the JIT's rules; with
