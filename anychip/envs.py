@@ -59,6 +59,9 @@ ANYCHIP_API_KEY = "ANYCHIP_API_KEY"
 ANYCHIP_FUSE_NORM = "ANYCHIP_FUSE_NORM"
 #: "1" also moves SiluAndMul into the down projection's kernels (off by default: not shown faster on a GPU yet).
 ANYCHIP_FUSE_SILU = "ANYCHIP_FUSE_SILU"
+#: "0" launches the GPU route's Triton kernels through Triton's JIT at every call (kernels/gpu/direct.py; default:
+#: the compiled kernels directly).
+ANYCHIP_DIRECT_LAUNCH = "ANYCHIP_DIRECT_LAUNCH"
 
 
 def _flag(name: str, default: bool) -> bool:
@@ -123,11 +126,11 @@ def precompile_threads() -> int:
 
 def kernel_policy(allow_fallback: bool | None = None) -> KernelPolicy:
     """The kernel policy from the environment (ANYCHIP_KERNEL_ISA, ANYCHIP_ALLOW_FALLBACK / ANYCHIP_STRICT,
-    ANYCHIP_BUILD_DIR, ANYCHIP_HEAD, ANYCHIP_GPU_TUNE, ANYCHIP_GPU_PRECOMPILE); `allow_fallback` overrides the
-    environment's answer (a CLI flag)."""
+    ANYCHIP_BUILD_DIR, ANYCHIP_HEAD, ANYCHIP_GPU_TUNE, ANYCHIP_GPU_PRECOMPILE, ANYCHIP_DIRECT_LAUNCH);
+    `allow_fallback` overrides the environment's answer (a CLI flag)."""
     return KernelPolicy(route=forced_isa(), build_dir=build_dir(), head=os.environ.get(ANYCHIP_HEAD) or "bf16",
                         gpu_tuning=os.environ.get(ANYCHIP_GPU_TUNE) or "load", tuning_dir=tuning_dir(),
-                        gpu_precompile=precompile_threads(),
+                        gpu_precompile=precompile_threads(), gpu_direct_launch=_flag(ANYCHIP_DIRECT_LAUNCH, True),
                         allow_fallback=fallback_allowed() if allow_fallback is None else allow_fallback)
 
 

@@ -287,17 +287,18 @@ class _Linear(torch.nn.Module):
 
 @pytest.mark.parametrize("residual", [False, True])
 def test_direct_launches_are_the_jit_launches(monkeypatch, residual: bool) -> None:
-    """direct.py launches the compiled kernels without Triton's JIT: with ANYCHIP_CHECK_DIRECT=1 every direct launch
-    first asks the JIT which kernel it would run and fails if that is not the one launched.  Token counts that change
+    """direct.py launches the compiled kernels without Triton's JIT: checked (set_check), every direct launch first
+    asks the JIT which kernel it would run and fails if that is not the one launched.  Token counts that change
     the integer specializations (1, divisible by 16 or not), an input whose rows start off the 16-byte alignment,
-    and the fused-norm op: the bits equal the JIT's launches (ANYCHIP_DIRECT_LAUNCH=0)."""
+    and the fused-norm op: the bits equal the JIT's launches (set_enabled(False))."""
     from anychip.kernels.gpu import direct
 
     n, k, g = 576, 2048, 128
     q, s = weights(n, k, g, seed=11)
     p = prepare_w4a8(q.to(DEV), s.to(DEV).bfloat16(), g, packed=False)
     nw = (torch.rand(k) + 0.5).bfloat16().to(DEV)
-    monkeypatch.setenv("ANYCHIP_CHECK_DIRECT", "1")
+    monkeypatch.setitem(direct._SETTINGS, "check", True)
+    monkeypatch.setitem(direct._SETTINGS, "enabled", True)
     for m in (1, 3, 16, 17, 64, 512, 3, 1):  # repeats: the second launch of a specialization is direct
         base = activations(m, k + 8, torch.bfloat16, seed=m).to(DEV)
         # contiguous; a row stride not divisible by 16; rows starting off the 16-byte alignment
@@ -305,10 +306,10 @@ def test_direct_launches_are_the_jit_launches(monkeypatch, residual: bool) -> No
             r = torch.randn(m, k, device=DEV, dtype=torch.bfloat16) if residual else None
             got = [OPS.w4a8_linear(x, p.weight, p.scales, None, n, k, g, p.route.id, None),
                    *OPS.w4a8_linear_norm(x, r, nw, 1e-5, p.weight, p.scales, None, n, k, g, p.route.id, None)]
-            monkeypatch.setenv("ANYCHIP_DIRECT_LAUNCH", "0")
+            direct.set_enabled(False)
             want = [OPS.w4a8_linear(x, p.weight, p.scales, None, n, k, g, p.route.id, None),
                     *OPS.w4a8_linear_norm(x, r, nw, 1e-5, p.weight, p.scales, None, n, k, g, p.route.id, None)]
-            monkeypatch.setenv("ANYCHIP_DIRECT_LAUNCH", "1")
+            direct.set_enabled(True)
             assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     launched = {kernel.fn.__name__: len(d._entries) for kernel, d in launch._DIRECT.items()}
     assert launched.get("_w4a8_gemm_kernel") and launched.get("_pre_quantize_rows_kernel"), launched

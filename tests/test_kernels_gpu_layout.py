@@ -137,9 +137,10 @@ def test_launch_arithmetic_is_tritons_and_the_untuned_default_is_the_first_candi
         assert launch.serving_config(m, 576, 1536, 32, cpu) is got
 
 
-def test_direct_launch_fills_the_signature_and_keys_like_the_jit() -> None:
+def test_direct_launch_fills_the_signature_and_keys_like_the_jit(monkeypatch) -> None:
     """direct.py's half that needs no GPU: the arguments after the runtime ones are the constexprs in signature
-    order (given, else their defaults), and the specialization key separates what Triton's JIT separates."""
+    order (given, else their defaults), the specialization key separates what Triton's JIT separates, and
+    ANYCHIP_DIRECT_LAUNCH=0 reaches the policy."""
     pytest.importorskip("triton", reason="triton is not installed: pip install triton (`make install` does)")
     from anychip.kernels.gpu import launch, triton_w4a8
     from anychip.kernels.gpu.direct import Direct, _spec
@@ -153,6 +154,16 @@ def test_direct_launch_fills_the_signature_and_keys_like_the_jit() -> None:
     tail = Direct(triton_w4a8._w4a8_gemv_kernel)._tail(args, options)
     assert tail == (128, 64, 512, 1, False, False, True, True, 2048, 1, 0)  # ..., FUSED, XBLOCK, AHEAD (default), PRE
     assert Direct(triton_w4a8._w4a8_gemm_kernel)._tail(args[:5], options) is None  # a runtime argument missing
+    from anychip import envs
+    from anychip.kernels.gpu import direct
+
+    monkeypatch.setenv("ANYCHIP_DIRECT_LAUNCH", "0")
+    assert envs.kernel_policy().gpu_direct_launch is False
+    monkeypatch.delenv("ANYCHIP_DIRECT_LAUNCH")
+    assert envs.kernel_policy().gpu_direct_launch is True
+    monkeypatch.setitem(direct._SETTINGS, "enabled", True)
+    direct.set_enabled(False)
+    assert direct._launcher_api() is None  # every launch through the JIT
     x = torch.zeros(40, dtype=torch.bfloat16)
     assert _spec(x) != _spec(x[1:]) and _spec(x) != _spec(x.float()) and _spec(x) == _spec(x[8:])
     assert len({_spec(v) for v in (1, 16, 17, 32, 2**31)}) == 4 and _spec(16) == _spec(32)

@@ -25,6 +25,8 @@ class KernelPolicy:
     gpu_tuning: one of GPU_TUNING; tuning_dir: the disk cache of tuned GPU configs (None: none is read or written).
     gpu_precompile: threads that compile a loaded GPU linear's Triton kernels in the background (0: each compiles
     at its first launch; kernels/gpu/precompile.py).
+    gpu_direct_launch: launch the compiled Triton kernels without the JIT's per-call work (kernels/gpu/direct.py);
+    the process's setting follows the last policy a GPU linear was prepared with.
     """
 
     route: str | None = None
@@ -34,6 +36,7 @@ class KernelPolicy:
     gpu_tuning: str = "off"
     tuning_dir: Path | None = None
     gpu_precompile: int = 0
+    gpu_direct_launch: bool = True
 
     def __post_init__(self) -> None:
         if self.head not in HEAD_KINDS:

@@ -8,15 +8,15 @@ that vLLM does not replay from a CUDA graph is bound by host time. Measured gain
 
 `Direct` keeps, per (options, specialization of the arguments), the compiled kernel the JIT chose at the first such
 launch, and launches it again through its launcher. The specialization is computed here with the JIT's rules; with
-ANYCHIP_CHECK_DIRECT=1 every direct launch first asks the JIT which kernel it would run (`warmup`, no launch) and
-raises if that is not the one about to run (the GPU tests run so). Launch hooks (a profiler's) get what the JIT
-would give them. A Triton without the attributes used here, ANYCHIP_DIRECT_LAUNCH=0, or a CPU tensor (the
-interpreter) takes the JIT's path.
+`set_check(True)` every direct launch first asks the JIT which kernel it would run (`warmup`, no launch) and
+raises if that is not the one about to run (`set_check(True)`: the GPU tests run so). Launch hooks (a profiler's)
+get what the JIT would give them. A Triton without the attributes used here, `set_enabled(False)` (the route
+prepares with the policy's `gpu_direct_launch`: ANYCHIP_DIRECT_LAUNCH=0), or a CPU tensor (the interpreter) takes
+the JIT's path.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -35,8 +35,21 @@ def _spec(arg: Any) -> Any:
     return None if arg is None else type(arg)
 
 
+_SETTINGS = {"enabled": True, "check": False}  # process-wide, like Triton's own caches
+
+
+def set_enabled(on: bool) -> None:
+    """Direct launches on (the default) or off (every launch through the JIT)."""
+    _SETTINGS["enabled"] = bool(on)
+
+
+def set_check(on: bool) -> None:
+    """Check every direct launch against the JIT's choice (tests; costs a JIT lookup a launch)."""
+    _SETTINGS["check"] = bool(on)
+
+
 def check_enabled() -> bool:
-    return os.environ.get("ANYCHIP_CHECK_DIRECT", "0") == "1"
+    return _SETTINGS["check"]
 
 
 class Direct:
@@ -114,8 +127,8 @@ def _name(kernel) -> str:
 
 def _launcher_api():
     """triton.knobs (the launch hooks the JIT passes to a launcher), or None where this Triton has none or direct
-    launches are off (ANYCHIP_DIRECT_LAUNCH=0)."""
-    if os.environ.get("ANYCHIP_DIRECT_LAUNCH", "1") == "0":
+    launches are off (set_enabled)."""
+    if not _SETTINGS["enabled"]:
         return None
     try:
         from triton import knobs
