@@ -45,8 +45,11 @@ CASES = [
     (47, 2048, 1536, 128, True, torch.bfloat16),  # tokens past the last full tile of every path, odd block count
     (31, 576, 17, 32, False, torch.float32),
 ]
+# M = 24 is the fewest tokens for which AVX512-VNNI unpacks each pair of weight blocks before its tiles
+# (ANYCHIP_UNPACK_MIN_M, w4a8_run.h), M = 23 the most that reads the packed nibbles; 512 x 960 x 576 at G = 32 is the
+# default model's qkv at pp512.
 DOT_CASES = [(1, 6144, 1, 128), (3, 576, 17, 32), (7, 2048, 100, 64), (64, 1536, 33, 128), (512, 576, 17, 64),
-             (47, 2048, 100, 128)]
+             (47, 2048, 100, 128), (23, 576, 40, 32), (24, 576, 40, 32), (512, 576, 960, 32)]
 
 
 def _weights(n: int, k: int, g: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,7 @@
 //   3. a sweep M in {1,3,7,64}, K in {576,2048}, N in {17,576,1536}, G in {32,64,128}, then every tile tail and
 //      token panel (M = 1..9, 63, 129): the kernels' INT32 group sums and fp32 outputs (bf16 / fp16 on a quarter of
 //      the sweep) equal the scalar reference exactly, and nothing is written past the outputs; M <= 8 runs with
-//      run()'s per-thread prologue making the group sums, as the torch binding's fused calls do.
+//      run()'s per-thread prologue making the group corrections, as the torch binding's fused calls do.
 // Exit status 0 when everything matched; the first lines of each mismatch are printed.
 
 #include <chrono>
@@ -166,30 +166,30 @@ Prepared prepare(const Linear& L) { return {pack_blocked(L), pack_pairs(L), pack
 
 // Runs the kernels of `isa` on L into `out` (M x N of out_type, or M x N x groups int32 when type is kI32).
 void run_kernels(const Linear& L, const Prepared& P, int64_t isa, OutType type, void* out) {
-  std::vector<int32_t> xsum(L.m * L.groups());
-  for (int64_t i = 0; i < L.m; ++i) group_sums_row(L.xq.data() + i * L.k, L.k, L.g, xsum.data() + i * L.groups());
+  std::vector<int32_t> xcorr(L.m * L.groups());
+  for (int64_t i = 0; i < L.m; ++i) group_corr_row(L.xq.data() + i * L.k, L.k, L.g, xcorr.data() + i * L.groups());
   Problem p{};
   p.xq = L.xq.data();
   p.sx = L.sx.data();
-  p.xsum = xsum.data();
+  p.xcorr = xcorr.data();
   p.w = isa == kArmI8mm ? P.pairs.data() : P.blocked.data();
   p.sw = P.scales.data();
   p.bias = L.bias.empty() ? nullptr : L.bias.data();
   p.out = out;
   p.out_type = type;
   p.m = L.m, p.n = L.n, p.k = L.k, p.groups = L.groups(), p.group_size = L.g;
-  // small M as the torch binding's fused calls run it: every thread makes its own group sums in run()'s prologue
-  auto own_sums = [&](Problem& local) {
-    thread_local std::vector<int32_t> sums;
-    sums.assign(L.m * L.groups(), 0);
-    for (int64_t i = 0; i < L.m; ++i) group_sums_row(L.xq.data() + i * L.k, L.k, L.g, sums.data() + i * L.groups());
-    local.xsum = sums.data();
+  // small M as the torch binding's fused calls run it: each thread makes its own group corrections (run()'s prologue)
+  auto own_corr = [&](Problem& local) {
+    thread_local std::vector<int32_t> corr;
+    corr.assign(L.m * L.groups(), 0);
+    for (int64_t i = 0; i < L.m; ++i) group_corr_row(L.xq.data() + i * L.k, L.k, L.g, corr.data() + i * L.groups());
+    local.xcorr = corr.data();
   };
-  if (L.m <= 8) p.xsum = nullptr;
+  if (L.m <= 8) p.xcorr = nullptr;
   if (type == OutType::kI32)
-    L.m <= 8 ? run<true>(p, isa, g_threads.n, g_threads, own_sums) : run<true>(p, isa, g_threads.n, g_threads);
+    L.m <= 8 ? run<true>(p, isa, g_threads.n, g_threads, own_corr) : run<true>(p, isa, g_threads.n, g_threads);
   else
-    L.m <= 8 ? run<false>(p, isa, g_threads.n, g_threads, own_sums) : run<false>(p, isa, g_threads.n, g_threads);
+    L.m <= 8 ? run<false>(p, isa, g_threads.n, g_threads, own_corr) : run<false>(p, isa, g_threads.n, g_threads);
 }
 
 // Every kernel of `isa` against the scalar reference: exact group sums, exact outputs in all three types.

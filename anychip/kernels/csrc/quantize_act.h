@@ -1,4 +1,4 @@
-// Dynamic per-token symmetric INT8 activations, their group sums, and the benchmark's memory-bandwidth probe.
+// Dynamic per-token symmetric INT8 activations, their group corrections, and the benchmark's bandwidth probe.
 // Torch-free: the binding (w4a8_cpu.cpp) splits the rows over threads.
 #pragma once
 
@@ -167,13 +167,16 @@ void quantize_row(const T* x, int64_t k, int8_t* q, float* sx, int level) {
   quantize_row_scalar<T>(x, k, q, sx);
 }
 
-// One token's (K / G) int32 group sums of its int8 activations (the -8 offset correction of the u4 weights).
-inline void group_sums_row(const int8_t* q, int64_t k, int64_t group_size, int32_t* out) {
+// One token's (K / G) int32 corrections for the +8 offset of the u4 weights: -8 x the sum of its int8 activations
+// over each group, the value each group's dot starts from.  Stored ready to use, so a tile loads its start value
+// with one broadcast from memory (-8 * sum in a tile cost a multiply and a broadcast from a general register: 3% of
+// the AVX512 prefill GEMM, docs/kernels-cpu.md).
+inline void group_corr_row(const int8_t* q, int64_t k, int64_t group_size, int32_t* out) {
   for (int64_t g = 0; g < k / group_size; ++g) {
     const int8_t* p = q + g * group_size;
     int32_t s = 0;
     for (int64_t i = 0; i < group_size; ++i) s += p[i];
-    out[g] = s;
+    out[g] = -8 * s;
   }
 }
 

@@ -43,7 +43,7 @@ ANYCHIP_DOTPROD void tile_dotprod(const Problem& p, int64_t m0, int64_t nb) {
   for (int64_t g = 0; g < p.groups; ++g) {
     int32x4_t acc[MT][4][A];
     for (int i = 0; i < MT; ++i) {
-      const int32x4_t corr = vdupq_n_s32(-8 * p.xsum[(m0 + i) * p.groups + g]);
+      const int32x4_t corr = vdupq_n_s32(p.xcorr[(m0 + i) * p.groups + g]);
       for (int v = 0; v < 4; ++v) {
         acc[i][v][0] = corr;
         if constexpr (A == 2) acc[i][v][1] = vdupq_n_s32(0);
@@ -115,8 +115,8 @@ ANYCHIP_I8MM void tile_i8mm(const Problem& p, int64_t m0, int64_t nb) {
   for (int64_t g = 0; g < p.groups; ++g) {
     int32x4_t acc[MP][8];
     for (int j = 0; j < MP; ++j) {
-      const int32x4_t corr = vcombine_s32(vdup_n_s32(-8 * p.xsum[tok[j][0] * p.groups + g]),
-                                          vdup_n_s32(-8 * p.xsum[tok[j][1] * p.groups + g]));
+      const int32x4_t corr = vcombine_s32(vdup_n_s32(p.xcorr[tok[j][0] * p.groups + g]),
+                                          vdup_n_s32(p.xcorr[tok[j][1] * p.groups + g]));
       for (int q = 0; q < 8; ++q) acc[j][q] = corr;
     }
     for (int64_t kk = g * p.group_size; kk < (g + 1) * p.group_size; kk += 16) {

@@ -4,7 +4,7 @@
 // call on one of this extension's routes runs no Python.  The arithmetic lives in the torch-free headers it includes
 // (also built by the Arm test driver, tests/arm/driver.cpp):
 //   cpu_common.h    ISA codes, route ids and their run-time check, 16-bit float bits
-//   quantize_act.h  per-token INT8 activations, group sums, bandwidth probe
+//   quantize_act.h  per-token INT8 activations, group corrections, bandwidth probe
 //   w4a8_tiles.h    the problem, the blocked weight layout, epilogues, the portable tile
 //   w4a8_x86.h      AVX512-VNNI and AVX2 tiles          w4a8_arm.h  NEON dotprod and i8mm tiles
 //   w4a8_run.h      dispatch and the threaded loop    parallel_cpu.h  the thread pool (at::parallel_for, load guard)
@@ -63,8 +63,8 @@ struct Acts {
   const float* sx = nullptr;
 };
 
-// Rows [r0, r1): quantized (when a.x) into q / sx, and their group sums into sums.
-void prepare_rows(const Acts& a, const Problem& p, int64_t r0, int64_t r1, int8_t* q, float* sx, int32_t* sums) {
+// Rows [r0, r1): quantized (when a.x) into q / sx, and their group corrections into corr.
+void prepare_rows(const Acts& a, const Problem& p, int64_t r0, int64_t r1, int8_t* q, float* sx, int32_t* corr) {
   const int level = quant_simd();
   const int8_t* rows = a.x ? q : a.xq;
   if (a.x) {
@@ -72,14 +72,14 @@ void prepare_rows(const Acts& a, const Problem& p, int64_t r0, int64_t r1, int8_
       for (int64_t r = r0; r < r1; ++r) quantize_row(x + r * p.k, p.k, q + r * p.k, sx + r, level);
     });
   }
-  for (int64_t r = r0; r < r1; ++r) group_sums_row(rows + r * p.k, p.k, p.group_size, sums + r * p.groups);
+  for (int64_t r = r0; r < r1; ++r) group_corr_row(rows + r * p.k, p.k, p.group_size, corr + r * p.groups);
 }
 
 // A fused call's activations on one thread, kept between calls: a decode step allocates nothing for them.
 struct Scratch {
   std::vector<int8_t> q;
   std::vector<float> sx;
-  std::vector<int32_t> sums;
+  std::vector<int32_t> corr;
 };
 
 // Runs the linear (or the debug dots) of `p`, whose activations are `a`.
@@ -90,24 +90,24 @@ void run_op(Problem p, int64_t isa, const Acts& a) {
   if (p.m <= ANYCHIP_FUSED_MAX_TOKENS) {
     run<DOTS>(p, isa, threads, TorchParallel{}, [&](Problem& local) {
       thread_local Scratch s;
-      s.sums.resize(p.m * p.groups);
+      s.corr.resize(p.m * p.groups);
       if (a.x) s.q.resize(p.m * p.k), s.sx.resize(p.m);
-      prepare_rows(a, p, 0, p.m, s.q.data(), s.sx.data(), s.sums.data());
+      prepare_rows(a, p, 0, p.m, s.q.data(), s.sx.data(), s.corr.data());
       local.xq = a.x ? s.q.data() : a.xq;
       local.sx = a.x ? s.sx.data() : a.sx;
-      local.xsum = s.sums.data();
+      local.xcorr = s.corr.data();
     });
     return;
   }
   const at::TensorOptions opts = at::TensorOptions().device(at::kCPU);
-  at::Tensor sums = at::empty({p.m, p.groups}, opts.dtype(at::kInt)), q, sx;
+  at::Tensor corr = at::empty({p.m, p.groups}, opts.dtype(at::kInt)), q, sx;
   if (a.x) q = at::empty({p.m, p.k}, opts.dtype(at::kChar)), sx = at::empty({p.m}, opts.dtype(at::kFloat));
   int8_t* qp = a.x ? q.data_ptr<int8_t>() : nullptr;
   float* sp = a.x ? sx.data_ptr<float>() : nullptr;
-  at::parallel_for(0, p.m, 16, [&](int64_t r0, int64_t r1) { prepare_rows(a, p, r0, r1, qp, sp, sums.data_ptr<int32_t>()); });
+  at::parallel_for(0, p.m, 16, [&](int64_t r0, int64_t r1) { prepare_rows(a, p, r0, r1, qp, sp, corr.data_ptr<int32_t>()); });
   p.xq = a.x ? qp : a.xq;
   p.sx = a.x ? sp : a.sx;
-  p.xsum = sums.data_ptr<int32_t>();
+  p.xcorr = corr.data_ptr<int32_t>();
   run<DOTS>(p, isa, threads, TorchParallel{});
 }
 

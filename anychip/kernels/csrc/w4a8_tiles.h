@@ -5,8 +5,8 @@
 //   weight (NB, K/8, 64) uint8, NB = ceil(N/16) blocks of 16 output rows (padded with zero-scale rows);
 //          byte r*4+j of chunk c: low nibble w[r, 8c+j] + 8, high nibble w[r, 8c+4+j] + 8.
 //   scales (NB, K/G, 16) fp32.
-// The u4 nibbles (w+8) meet the s8 activations in the dot instructions; each group's INT32 sum is corrected by
-// -8 * sum_{k in g} xq[m, k] (precomputed per token) before it is scaled.
+// The u4 nibbles (w+8) meet the s8 activations in the dot instructions; each group's INT32 sum starts from the
+// correction -8 * sum_{k in g} xq[m, k] (precomputed per token: Problem::xcorr) before it is scaled.
 //
 // Float epilogue: y = sum over groups, in order, of float(dot_g) * sw[n, g]; out = y * sx[m] + bias[n] (bias 0
 // when absent).  On aarch64 every path fuses both steps (fma), so all Arm paths give the same bits.  On x86 the
@@ -20,19 +20,21 @@ namespace anychip {
 
 constexpr int64_t kRows = 16;        // output rows per weight block
 constexpr int64_t kChunkBytes = 64;  // one chunk: 16 rows x 8 k
+constexpr int64_t kUnpackedChunkBytes = 2 * kChunkBytes;  // a chunk unpacked to u8 (x86 prefill, w4a8_x86.h)
 #ifndef ANYCHIP_PREFETCH
 #define ANYCHIP_PREFETCH 2048
 #endif
 constexpr int64_t kPrefetch = ANYCHIP_PREFETCH;  // bytes ahead in the weight stream (GEMV); 0: none
 
 struct Problem {
-  const int8_t* xq;     // (M, K)
-  const float* sx;      // (M)
-  const int32_t* xsum;  // (M, groups): sum of xq over each group
-  const uint8_t* w;     // (NB, K/8, 64) blocked, or the route's own layout of the same size
-  const float* sw;      // (NB, groups, 16)
-  const float* bias;    // (N) or nullptr
-  void* out;            // (M, N) out_type, or (M, N, groups) int32 for the debug dots
+  const int8_t* xq;      // (M, K)
+  const float* sx;       // (M)
+  const int32_t* xcorr;  // (M, groups): -8 * the sum of xq over each group (group_corr_row)
+  const uint8_t* w;      // (NB, K/8, 64) blocked, or the route's own layout of the same size
+  const uint8_t* wu;     // x86 prefill tile only: its blocks, from nb0, unpacked (unpack_blocks_avx512); else unused
+  const float* sw;       // (NB, groups, 16)
+  const float* bias;     // (N) or nullptr
+  void* out;             // (M, N) out_type, or (M, N, groups) int32 for the debug dots
   OutType out_type;
   int64_t m, n, k, groups, group_size;
 };
@@ -110,7 +112,7 @@ void tile_portable(const Problem& p, int64_t m0, int64_t nb) {
   for (int64_t g = 0; g < p.groups; ++g) {
     int32_t acc[MT][kRows];
     for (int i = 0; i < MT; ++i) {
-      const int32_t corr = -8 * p.xsum[(m0 + i) * p.groups + g];
+      const int32_t corr = p.xcorr[(m0 + i) * p.groups + g];
       for (int r = 0; r < kRows; ++r) acc[i][r] = corr;
     }
     for (int64_t c = 0; c < cpg; ++c) {

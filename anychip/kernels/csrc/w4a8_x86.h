@@ -37,7 +37,8 @@ ANYCHIP_AVX512 inline void store_rows_avx512(const Problem& p, int64_t m, int64_
 #endif
 
 // acc += u8 w . s8 x[0..3] broadcast.  GCC does not fold the broadcast into vpdpbusd's {1to16} memory operand
-// by itself, and the separate vpbroadcastd per token and half-chunk costs about 10% of the GEMM.
+// by itself, and the separate vpbroadcastd per token and half-chunk costs about 10% of the GEMM.  Used where a
+// broadcast serves one dot (one weight block); a tile of NB > 1 blocks broadcasts once into a register instead.
 ANYCHIP_AVX512 inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* x) {
 #if ANYCHIP_EMBED_BCAST
   asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(x)));
@@ -46,10 +47,25 @@ ANYCHIP_AVX512 inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t*
   return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(load4(x)));
 #endif
 }
+// Prefill: the unpacked layout of NB blocks, (NB, K/8, 2, 64) u8: per chunk its low nibbles (the chunk's k 0-3 of
+// each row, as the dot wants them), then its high nibbles (k 4-7).  A GEMM tile unpacks each chunk for only MT tokens
+// (an and, a shift and an and per 2 MT dots); unpacked once per token panel into a buffer that stays in L1 / L2,
+// the 6 x 2 tile reads both halves with plain loads instead.
+ANYCHIP_AVX512 inline void unpack_blocks_avx512(const Problem& p, int64_t nb0, int64_t nb, uint8_t* dst) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const int64_t chunks = nb * (p.k / 8);  // the NB blocks are contiguous in the blocked layout
+  const uint8_t* src = p.w + nb0 * (p.k / 8) * kChunkBytes;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const __m512i v = _mm512_loadu_si512(src + c * kChunkBytes);
+    _mm512_storeu_si512(dst + c * kUnpackedChunkBytes, _mm512_and_si512(v, low4));
+    _mm512_storeu_si512(dst + c * kUnpackedChunkBytes + kChunkBytes, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+  }
+}
+
 // A accumulators per token: one token alone would be bound by the vpdpbusd latency chain, not by memory, so small
 // tiles spread a group over several accumulators; big tiles already have MT independent chains.
-
-template <int MT, int NB, int A, bool DOTS>
+// UNPACKED: the weights come from p.wu (blocks nb0.., unpack_blocks_avx512), not from p.w.
+template <int MT, int NB, int A, bool DOTS, bool UNPACKED = false>
 ANYCHIP_AVX512 void tile_avx512(const Problem& p, int64_t m0, int64_t nb0) {
   static_assert(A == 1 || A == 2 || A == 4, "A must divide the 4 dpbusd of a chunk pair");
   const int64_t cpg = p.group_size / 8;  // a multiple of 4
@@ -57,7 +73,7 @@ ANYCHIP_AVX512 void tile_avx512(const Problem& p, int64_t m0, int64_t nb0) {
   const uint8_t* w[NB];
   const float* sw[NB];
   for (int b = 0; b < NB; ++b) {
-    w[b] = p.w + (nb0 + b) * (p.k / 8) * kChunkBytes;
+    w[b] = UNPACKED ? p.wu + b * (p.k / 8) * kUnpackedChunkBytes : p.w + (nb0 + b) * (p.k / 8) * kChunkBytes;
     sw[b] = p.sw + (nb0 + b) * p.groups * kRows;
   }
   const int8_t* x[MT];
@@ -68,7 +84,7 @@ ANYCHIP_AVX512 void tile_avx512(const Problem& p, int64_t m0, int64_t nb0) {
   for (int64_t g = 0; g < p.groups; ++g) {
     __m512i acc[MT][NB][A];
     for (int i = 0; i < MT; ++i) {
-      const __m512i corr = _mm512_set1_epi32(-8 * p.xsum[(m0 + i) * p.groups + g]);
+      const __m512i corr = _mm512_set1_epi32(p.xcorr[(m0 + i) * p.groups + g]);
       for (int b = 0; b < NB; ++b) {
         acc[i][b][0] = corr;
         for (int a = 1; a < A; ++a) acc[i][b][a] = _mm512_setzero_si512();
@@ -78,7 +94,7 @@ ANYCHIP_AVX512 void tile_avx512(const Problem& p, int64_t m0, int64_t nb0) {
     for (int64_t c = g * cpg; c < (g + 1) * cpg; c += 2) {
       for (int u = 0; u < 2; ++u) {
         __m512i lo[NB], hi[NB];
-        for (int b = 0; b < NB; ++b) {
+        for (int b = 0; b < NB && !UNPACKED; ++b) {
           const uint8_t* wp = w[b] + (c + u) * kChunkBytes;
           if constexpr (MT <= 4 && kPrefetch > 0) _mm_prefetch(reinterpret_cast<const char*>(wp + kPrefetch), _MM_HINT_T0);
           const __m512i v = _mm512_loadu_si512(wp);
@@ -86,12 +102,22 @@ ANYCHIP_AVX512 void tile_avx512(const Problem& p, int64_t m0, int64_t nb0) {
           hi[b] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
         }
         const int64_t kk = kg + (c - g * cpg + u) * 8;
-        for (int i = 0; i < MT; ++i) {
-          for (int b = 0; b < NB; ++b) {
-            auto& a0 = acc[i][b][(2 * u) % A];
-            a0 = dpbusd_bcast(a0, lo[b], x[i] + kk);
-            auto& a1 = acc[i][b][(2 * u + 1) % A];
-            a1 = dpbusd_bcast(a1, hi[b], x[i] + kk + 4);
+        // every token's low nibbles (k kk..kk+3), then the high ones: a dot's accumulator was written MT * NB dots
+        // earlier, not NB, and Intel cores, which assign an instruction its port when they issue it, keep both
+        // vpdpbusd ports busy (with the shared broadcast below: the 6 x 2 tile 3% faster on a Xeon)
+        for (int h = 0; h < 2; ++h) {
+          const int a = (2 * u + h) % A;
+          if constexpr (UNPACKED) {  // loaded per half: NB registers live, not 2 NB (the 6 x 2 tile spilled its y)
+            for (int b = 0; b < NB; ++b)
+              (h ? hi : lo)[b] = _mm512_loadu_si512(w[b] + (c + u) * kUnpackedChunkBytes + h * kChunkBytes);
+          }
+          for (int i = 0; i < MT; ++i) {
+            if constexpr (NB == 1) {
+              acc[i][0][a] = dpbusd_bcast(acc[i][0][a], h ? hi[0] : lo[0], x[i] + kk + 4 * h);
+            } else {  // one broadcast serves the NB blocks: half the loads of a {1to16} operand per dot
+              const __m512i xv = _mm512_set1_epi32(load4(x[i] + kk + 4 * h));
+              for (int b = 0; b < NB; ++b) acc[i][b][a] = _mm512_dpbusd_epi32(acc[i][b][a], h ? hi[b] : lo[b], xv);
+            }
           }
         }
       }
@@ -168,7 +194,7 @@ ANYCHIP_AVX2 void tile_avx2(const Problem& p, int64_t m0, int64_t nb) {
   for (int i = 0; i < MT; ++i) y[i][0] = y[i][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < p.groups; ++g) {
     __m256i acc[MT][2];
-    for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = _mm256_set1_epi32(-8 * p.xsum[(m0 + i) * p.groups + g]);
+    for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = _mm256_set1_epi32(p.xcorr[(m0 + i) * p.groups + g]);
     const uint8_t* wg = w + g * cpg * kChunkBytes;
     const int64_t kg = g * p.group_size;
     for (int64_t c = 0; c < cpg; ++c) {
