@@ -59,6 +59,8 @@ ANYCHIP_API_KEY = "ANYCHIP_API_KEY"
 ANYCHIP_FUSE_NORM = "ANYCHIP_FUSE_NORM"
 #: "1" also moves SiluAndMul into the down projection's kernels (off by default: not shown faster on a GPU yet).
 ANYCHIP_FUSE_SILU = "ANYCHIP_FUSE_SILU"
+#: "0" keeps the x86 prefill GEMM off AMX-INT8 on CPUs that have it (csrc/w4a8_amx.h; default: on, same bits).
+ANYCHIP_CPU_AMX = "ANYCHIP_CPU_AMX"
 #: "0" launches the GPU route's Triton kernels through Triton's JIT at every call (kernels/gpu/direct.py; default:
 #: the compiled kernels directly).
 ANYCHIP_DIRECT_LAUNCH = "ANYCHIP_DIRECT_LAUNCH"
@@ -126,11 +128,12 @@ def precompile_threads() -> int:
 
 def kernel_policy(allow_fallback: bool | None = None) -> KernelPolicy:
     """The kernel policy from the environment (ANYCHIP_KERNEL_ISA, ANYCHIP_ALLOW_FALLBACK / ANYCHIP_STRICT,
-    ANYCHIP_BUILD_DIR, ANYCHIP_HEAD, ANYCHIP_GPU_TUNE, ANYCHIP_GPU_PRECOMPILE, ANYCHIP_DIRECT_LAUNCH);
+    ANYCHIP_BUILD_DIR, ANYCHIP_HEAD, ANYCHIP_GPU_TUNE, ANYCHIP_GPU_PRECOMPILE, ANYCHIP_DIRECT_LAUNCH, ANYCHIP_CPU_AMX);
     `allow_fallback` overrides the environment's answer (a CLI flag)."""
     return KernelPolicy(route=forced_isa(), build_dir=build_dir(), head=os.environ.get(ANYCHIP_HEAD) or "bf16",
                         gpu_tuning=os.environ.get(ANYCHIP_GPU_TUNE) or "load", tuning_dir=tuning_dir(),
                         gpu_precompile=precompile_threads(), gpu_direct_launch=_flag(ANYCHIP_DIRECT_LAUNCH, True),
+                        cpu_amx=_flag(ANYCHIP_CPU_AMX, True),
                         allow_fallback=fallback_allowed() if allow_fallback is None else allow_fallback)
 
 

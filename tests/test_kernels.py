@@ -128,6 +128,45 @@ def test_group_dots_exact(isa: str, case: tuple) -> None:
     assert torch.equal(dots, expected)
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        return set()
+
+
+@pytest.mark.parametrize("m,k,n,g", [(32, 576, 960, 32), (47, 1536, 100, 64), (512, 2048, 576, 128),
+                                     (96, 576, 33, 32), (64, 768, 48, 128)])
+def test_amx_tile_is_the_avx512_tile(m: int, k: int, n: int, g: int) -> None:
+    """On a CPU with AMX-INT8 the prefill GEMM of cpu.avx512_vnni runs AMX tiles (csrc/w4a8_amx.h) from 32 tokens:
+    the same bits as the AVX512 tiles (the extension's use_amx(False)) for the linear and the exact group dots,
+    whole 16-token tiles and the tokens past them, odd block counts, G 32, 64 and 128. Where /proc/cpuinfo lists
+    amx_int8 the extension must be able to use it (a refused tile permission fails here, not silently)."""
+    if "cpu.avx512_vnni" not in ISAS:
+        pytest.skip("no AVX512-VNNI route on this CPU")
+    ext = cpu_ext.load()
+    if "amx_int8" in _cpu_flags():
+        assert ext.amx_usable()
+    if not ext.amx_usable():
+        pytest.skip("this CPU (or its OS) offers no AMX-INT8: the AVX512 tiles serve every call")
+    wq, sw = _weights(n, k, g, seed=m + n)
+    x = _acts(m, k, torch.bfloat16, seed=k)
+    xq, _ = quantize_activations_ref(x.float())
+    xq[0, :g] = -127
+    p = prepare_w4a8(wq, sw, g, packed=False, route="cpu.avx512_vnni")
+    got = {}
+    try:
+        for amx in (True, False):
+            ext.use_amx(amx)
+            got[amx] = (w4a8_linear(x, p), torch.ops.anychip.w4a8_group_dots(xq, p.weight, p.scales, n, k, g,
+                                                                              p.route.id))
+    finally:
+        ext.use_amx(True)
+    assert torch.equal(got[True][0], got[False][0]) and torch.equal(got[True][1], got[False][1])
+    assert torch.equal(got[True][1], group_dot_ref(xq, wq, g))
+
+
 @pytest.mark.parametrize("isa", ISAS)
 def test_linear_exact_with_power_of_two_scales(isa: str) -> None:
     """One power of two per row (and per token): every partial sum is an exact fp32, so the whole linear is."""
@@ -347,3 +386,24 @@ def test_cpu_kernels_are_cpp_and_cuda_reaches_python(op: str) -> None:
                  if ": " in line)
     assert "w4a8_cpu.cpp" in table["CPU"]
     assert "ops.py" in table["CUDA"] and "ops.py" in table["Meta"]
+
+
+def test_amx_is_a_policy_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ANYCHIP_CPU_AMX=0 reaches the kernel policy, and preparing a C++ route applies the policy's setting to the
+    extension (the process's AMX switch): the kernels themselves read no environment."""
+    if not routes.available("cpu") or routes.available("cpu")[0].kernel != "w4a8_cpu":
+        pytest.skip("no C++ route on this machine")
+    monkeypatch.setenv("ANYCHIP_CPU_AMX", "0")
+    policy = envs.kernel_policy()
+    assert policy.cpu_amx is False
+    monkeypatch.delenv("ANYCHIP_CPU_AMX")
+    assert envs.kernel_policy().cpu_amx is True
+    ext = cpu_ext.load()
+    wq, sw = _weights(32, 576, 32, seed=1)
+    try:
+        prepare_w4a8(wq, sw, 32, packed=False, policy=policy)
+        assert ext.use_amx(True) is False  # the prepare turned it off; this call turns it back on
+        prepare_w4a8(wq, sw, 32, packed=False, policy=KernelPolicy())
+        assert ext.use_amx(True) is True
+    finally:
+        ext.use_amx(True)

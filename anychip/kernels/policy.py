@@ -27,6 +27,8 @@ class KernelPolicy:
     at its first launch; kernels/gpu/precompile.py).
     gpu_direct_launch: launch the compiled Triton kernels without the JIT's per-call work (kernels/gpu/direct.py);
     the process's setting follows the last policy a GPU linear was prepared with.
+    cpu_amx: let the x86 prefill GEMM (cpu.avx512_vnni) run AMX-INT8 tiles where the CPU has them (same bits); the
+    process's setting follows the last policy a C++ route prepared with.
     """
 
     route: str | None = None
@@ -37,6 +39,7 @@ class KernelPolicy:
     tuning_dir: Path | None = None
     gpu_precompile: int = 0
     gpu_direct_launch: bool = True
+    cpu_amx: bool = True
 
     def __post_init__(self) -> None:
         if self.head not in HEAD_KINDS:

@@ -4,9 +4,11 @@
 #pragma once
 
 #include "w4a8_arm.h"
+#include "w4a8_amx.h"
 #include "w4a8_tiles.h"
 #include "w4a8_x86.h"
 
+#include <numeric>
 #include <vector>
 
 namespace anychip {
@@ -97,6 +99,30 @@ using UnpackFn = void (*)(const Problem&, int64_t nb0, int64_t nb, uint8_t* dst)
 inline UnpackFn unpack_fn([[maybe_unused]] int64_t isa) {
 #ifdef ANYCHIP_X86
   if (ANYCHIP_WIDE_TILE_M > 0 && isa == kAvx512Vnni) return &unpack_blocks_avx512;
+#endif
+  return nullptr;
+}
+
+// Calls with at least this many tokens run the AMX-INT8 tile (w4a8_amx.h) on the unpacked pairs, where the CPU has
+// AMX and the group size fits it (0: never).
+#ifndef ANYCHIP_AMX_MIN_M
+#define ANYCHIP_AMX_MIN_M 32
+#endif
+
+// The AMX tile's unpacking of a pair (signed bytes), where there is one.
+inline UnpackFn amx_unpack_fn() {
+#ifdef ANYCHIP_X86
+  return &unpack_signed_avx512;
+#else
+  return nullptr;
+#endif
+}
+
+template <bool DOTS>
+AmxFn amx_tiles_fn([[maybe_unused]] const Problem& p) {
+#ifdef ANYCHIP_X86
+  if (ANYCHIP_AMX_MIN_M > 0 && p.m >= ANYCHIP_AMX_MIN_M && amx_fits(p.group_size) && amx_allowed() && amx_usable())
+    return &tiles_amx<DOTS>;
 #endif
   return nullptr;
 }
@@ -193,8 +219,11 @@ void run(const Problem& p, int64_t isa, int64_t max_threads, Parallel&& parallel
   // the wide tile always takes ANYCHIP_WIDE_TILE_M tokens: never hand it fewer (that would read and write past M)
   const UnpackFn unpack = ANYCHIP_UNPACK_MIN_M > 0 && p.m >= ANYCHIP_UNPACK_MIN_M ? unpack_fn(isa) : nullptr;
   const TileFn wide = p.m >= ANYCHIP_WIDE_TILE_M ? wide_tile_fn<DOTS>(isa, unpack != nullptr) : nullptr;
+  const AmxFn amx = unpack && wide ? amx_tiles_fn<DOTS>(p) : nullptr;  // 16 tokens at a time of the unpacked pair
+  const UnpackFn amx_unpack = amx ? amx_unpack_fn() : nullptr;
   const int64_t mt = wide ? std::min<int64_t>(p.m, ANYCHIP_WIDE_TILE_M) : std::min(p.m, tile_m(isa));
-  const int64_t panel = std::max<int64_t>(mt, (ANYCHIP_PANEL_BYTES / p.k) / mt * mt);
+  const int64_t unit = amx ? std::lcm(kAmxTokens, mt) : mt;  // panels of whole AMX tiles (and whole tiles of mt)
+  const int64_t panel = std::max<int64_t>(unit, (ANYCHIP_PANEL_BYTES / p.k) / unit * unit);
   const TileFn tile = tile_fn<DOTS>(isa, mt);
   const Split split = split_blocks(p, max_threads, wide ? 2 : 1);
   std::atomic<int64_t> next{0};
@@ -207,7 +236,18 @@ void run(const Problem& p, int64_t isa, int64_t max_threads, Parallel&& parallel
       const int64_t full_end = t0 + (t1 - t0) / mt * mt;
       const TileFn tail = t1 > full_end ? tile_fn<DOTS>(isa, t1 - full_end) : nullptr;
       int64_t nb = b0;
-      if (wide) {
+      if (amx) {  // a pair: AMX tiles of 16 tokens, the panel's last tokens (< 16) on the packed weights
+        const int64_t amx_end = t0 + (t1 - t0) / kAmxTokens * kAmxTokens;
+        const int64_t rest_end = amx_end + (t1 - amx_end) / mt * mt;
+        const TileFn rest_tail = t1 > rest_end ? tile_fn<DOTS>(isa, t1 - rest_end) : nullptr;
+        for (; nb + 2 <= b1; nb += 2) {
+          if (amx_end > t0) amx_unpack(q, nb, 2, pair), amx(u, t0, amx_end, nb);
+          for (int64_t b = nb; b < nb + 2; ++b) {
+            for (int64_t t = amx_end; t < rest_end; t += mt) tile(q, t, b);
+            if (rest_tail) rest_tail(q, rest_end, b);
+          }
+        }
+      } else if (wide) {
         for (; nb + 2 <= b1; nb += 2) {
           if (unpack && full_end > t0) unpack(q, nb, 2, pair);
           for (int64_t t = t0; t < full_end; t += mt) wide(u, t, nb);

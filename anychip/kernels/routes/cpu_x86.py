@@ -88,7 +88,8 @@ class CppRoute(Route):
         return f"K={problem.k} is not a multiple of 8" if problem.k % 8 else None
 
     def prepare(self, weights: CheckpointWeights, policy: KernelPolicy) -> tuple[torch.Tensor, torch.Tensor]:
-        cpu_ext.load(policy.build_dir)  # compile now, at load, not on the first request
+        ext = cpu_ext.load(policy.build_dir)  # compile now, at load, not on the first request
+        ext.use_amx(policy.cpu_amx)  # a process setting: the last policy prepared with wins
         weight, scales = blocked_layout(weights.int8().cpu(), weights.scales.cpu())
         return ARENA.copy_of(weight, policy.build_dir), ARENA.copy_of(scales, policy.build_dir)
 
@@ -112,7 +113,7 @@ class Avx512Vnni(CppRoute):
     aliases = ("avx512_vnni",)
     code = 2
     flags = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
-    summary = "C++ vpdpbusd u4 x s8, 16 rows per zmm"
+    summary = "C++ vpdpbusd u4 x s8, 16 rows per zmm; prefill on AMX-INT8 tiles where the CPU has them"
 
 
 class Avx2(CppRoute):

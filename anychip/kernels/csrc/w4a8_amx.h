@@ -1,0 +1,177 @@
+// The x86 prefill tile on AMX-INT8 (Intel Sapphire Rapids and later): 16 tokens x 16 rows, over a pair of weight
+// blocks unpacked once per token panel, inside the cpu.avx512_vnni route.
+//
+// The unpacked layout (unpack_blocks_avx512, w4a8_x86.h) is already AMX's B layout: a chunk's low half holds k 0-3 of its 16 rows as bytes 4n + j, its
+// high half k 4-7, so the K/4 quads of a block are K/4 B rows of 64 bytes, one after the other. `tdpbsud` (signed
+// activations x unsigned w + 8) would need the -8 * sum(xq) correction per token and group, so the pair is unpacked
+// once more with 8 subtracted (unpack_signed_avx512) and `tdpbssd` gives a group's exact INT32 sums directly; they
+// go through the same fp32 multiply-add, group after group, as the AVX512 tiles: the outputs are the same bits. A
+// group's sums must leave the matrix unit to be scaled (a tile store, then a conversion and an FMA per 16 outputs),
+// so four C tiles take groups in turn: the unit computes the next three while the vector units scale one.
+#pragma once
+
+#include "w4a8_tiles.h"
+#include "w4a8_x86.h"
+
+#ifdef ANYCHIP_X86
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace anychip {
+
+constexpr int64_t kAmxTokens = 16;  // an A tile's rows
+
+// Whether the GEMM may take the AMX tile at all (on by default; off: the AVX512 tiles serve every call). A process
+// setting for tests and benchmarks that compare the two in one process (the extension's `use_amx`).
+inline std::atomic<bool>& amx_allowed() {
+  static std::atomic<bool> on{true};
+  return on;
+}
+
+// Tokens [m0, m1) of the pair of blocks from nb0 (tiles_amx).
+using AmxFn = void (*)(const Problem&, int64_t m0, int64_t m1, int64_t nb0);
+
+// Group sizes the tile takes: one A tile of G bytes (G <= 64, a multiple of 4), or G / 64 steps of 64.
+constexpr bool amx_fits(int64_t g) { return g % 64 == 0 || (g < 64 && g % 4 == 0); }
+
+#ifdef ANYCHIP_X86
+
+#define ANYCHIP_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")))
+
+// Whether this CPU has AMX-INT8 and Linux lets this process use the tile registers: the kernel hands out the tile
+// state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); an AMX instruction without it
+// raises SIGILL. Asked once a process.
+inline bool amx_usable() {
+  static const bool ok = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const bool tile = (d >> 24) & 1, int8 = (d >> 25) & 1;
+    if (!tile || !int8 || !__builtin_cpu_supports("avx512vnni")) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) AmxConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// The pair's weights as AMX B rows of signed bytes w (-8..7), the unpacked layout of unpack_blocks_avx512 minus 8:
+// `tdpbssd` then gives a group's exact sums with no -8 * sum(xq) correction to add.
+ANYCHIP_AVX512 inline void unpack_signed_avx512(const Problem& p, int64_t nb0, int64_t nb, uint8_t* dst) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
+  const int64_t chunks = nb * (p.k / 8);
+  const uint8_t* src = p.w + nb0 * (p.k / 8) * kChunkBytes;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const __m512i v = _mm512_loadu_si512(src + c * kChunkBytes);
+    _mm512_storeu_si512(dst + c * kUnpackedChunkBytes, _mm512_sub_epi8(_mm512_and_si512(v, low4), eight));
+    _mm512_storeu_si512(dst + c * kUnpackedChunkBytes + kChunkBytes,
+                        _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), eight));
+  }
+}
+
+// Tiles: 0 the activations (16 tokens x step bytes), 1 the block's B (step / 4 quads x 64 bytes), 4-7 a ring of
+// sums, group g in tile 4 + g % 4. GCC's tile intrinsics paste their tile number into the assembly text, so each
+// must be a literal: SLOT picks one.
+template <int SLOT>
+ANYCHIP_AMX inline void amx_group_dots(const Problem& p, const int8_t* x, const uint8_t* w, int64_t g, int64_t step) {
+  if constexpr (SLOT == 0) _tile_zero(4);
+  if constexpr (SLOT == 1) _tile_zero(5);
+  if constexpr (SLOT == 2) _tile_zero(6);
+  if constexpr (SLOT == 3) _tile_zero(7);
+  for (int64_t k0 = g * p.group_size; k0 < (g + 1) * p.group_size; k0 += step) {
+    _tile_loadd(0, x + k0, p.k);
+    _tile_loadd(1, w + k0 / 4 * 64, 64);
+    if constexpr (SLOT == 0) _tile_dpbssd(4, 0, 1);
+    if constexpr (SLOT == 1) _tile_dpbssd(5, 0, 1);
+    if constexpr (SLOT == 2) _tile_dpbssd(6, 0, 1);
+    if constexpr (SLOT == 3) _tile_dpbssd(7, 0, 1);
+  }
+}
+
+// Group g's sums out of its tile: y += float(sum) * scale (the AVX512 tiles' arithmetic), or stored as exact group
+// dots (DOTS).
+template <int SLOT, bool DOTS>
+ANYCHIP_AMX inline void amx_scale_group(const Problem& p, int64_t m0, int64_t nb, int64_t g, __m512 (&y)[16]) {
+  alignas(64) int32_t sums[16][16];
+  if constexpr (SLOT == 0) _tile_stored(4, sums, 64);
+  if constexpr (SLOT == 1) _tile_stored(5, sums, 64);
+  if constexpr (SLOT == 2) _tile_stored(6, sums, 64);
+  if constexpr (SLOT == 3) _tile_stored(7, sums, 64);
+  const __m512 s = _mm512_loadu_ps(p.sw + (nb * p.groups + g) * kRows);
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) {
+    if constexpr (DOTS) {
+      store_dots(p, m0 + i, nb, g, sums[i]);
+    } else {
+      y[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[i])), s, y[i]);
+    }
+  }
+}
+
+constexpr int64_t kAmxRing = 4;  // groups in flight: the unit computes g + 1 .. g + 3 while group g is scaled
+
+// Group g: scale it out of its slot, then start group g + kAmxRing in that slot.
+template <int SLOT, bool DOTS>
+ANYCHIP_AMX inline void amx_ring_step(const Problem& p, const int8_t* x, const uint8_t* w, int64_t m0, int64_t nb,
+                                      int64_t g, int64_t step, __m512 (&y)[16]) {
+  amx_scale_group<SLOT, DOTS>(p, m0, nb, g, y);
+  if (g + kAmxRing < p.groups) amx_group_dots<SLOT>(p, x, w, g + kAmxRing, step);
+}
+
+// Tokens [m0, m1) (a multiple of 16 of them) x blocks nb0, nb0 + 1, from the pair p.wu as unpack_signed_avx512
+// leaves it: each block, 16 tokens at a time, its 16 x 16 fp32 sums in registers while four C tiles hold the
+// groups in flight, scaled in group order. The tile configuration is loaded once for them and the tiles released
+// after (other code on this thread, oneDNN's, configures its own). amx_fits(p.group_size) is the caller's.
+template <bool DOTS>
+ANYCHIP_AMX void tiles_amx(const Problem& p, int64_t m0, int64_t m1, int64_t nb0) {
+  const int64_t step = p.group_size % 64 == 0 ? 64 : p.group_size;
+  AmxConfig cfg;
+  cfg.rows[0] = kAmxTokens;
+  cfg.colsb[0] = uint16_t(step);
+  cfg.rows[1] = uint8_t(step / 4);
+  cfg.colsb[1] = 64;
+  for (int t = 4; t < 8; ++t) cfg.rows[t] = kAmxTokens, cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);
+  const int64_t groups = p.groups;
+  for (int b = 0; b < 2; ++b) {
+    const uint8_t* w = p.wu + b * (p.k / 8) * kUnpackedChunkBytes;
+    for (int64_t t = m0; t < m1; t += kAmxTokens) {
+      const int8_t* x = p.xq + t * p.k;
+      __m512 y[16];
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) y[i] = _mm512_setzero_ps();
+      if (groups > 0) amx_group_dots<0>(p, x, w, 0, step);
+      if (groups > 1) amx_group_dots<1>(p, x, w, 1, step);
+      if (groups > 2) amx_group_dots<2>(p, x, w, 2, step);
+      if (groups > 3) amx_group_dots<3>(p, x, w, 3, step);
+      for (int64_t g = 0; g < groups; ++g) {
+        switch (g % kAmxRing) {
+          case 0: amx_ring_step<0, DOTS>(p, x, w, t, nb0 + b, g, step, y); break;
+          case 1: amx_ring_step<1, DOTS>(p, x, w, t, nb0 + b, g, step, y); break;
+          case 2: amx_ring_step<2, DOTS>(p, x, w, t, nb0 + b, g, step, y); break;
+          default: amx_ring_step<3, DOTS>(p, x, w, t, nb0 + b, g, step, y); break;
+        }
+      }
+      if constexpr (!DOTS) {
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) store_rows_avx512(p, t + i, nb0 + b, y[i]);
+      }
+    }
+  }
+  _tile_release();
+}
+
+#else
+
+inline bool amx_usable() { return false; }
+
+#endif  // ANYCHIP_X86
+
+}  // namespace anychip
