@@ -137,11 +137,12 @@ def _cpu_flags() -> set[str]:
 
 
 @pytest.mark.parametrize("m,k,n,g", [(32, 576, 960, 32), (47, 1536, 100, 64), (512, 2048, 576, 128),
-                                     (96, 576, 33, 32), (64, 768, 48, 128)])
+                                     (96, 576, 33, 32), (64, 768, 48, 128), (48, 2048, 64, 128)])
 def test_amx_tile_is_the_avx512_tile(m: int, k: int, n: int, g: int) -> None:
     """On a CPU with AMX-INT8 the prefill GEMM of cpu.avx512_vnni runs AMX tiles (csrc/w4a8_amx.h) from 32 tokens:
     the same bits as the AVX512 tiles (the extension's use_amx(False)) for the linear and the exact group dots,
-    whole 16-token tiles and the tokens past them, odd block counts, G 32, 64 and 128. Where /proc/cpuinfo lists
+    whole 16-token tiles and the tokens past them, odd block counts, G 32, 64 and 128 (the 2 x 2 tiles of 32
+    tokens, and a 16-token tile after them at M = 48). Where /proc/cpuinfo lists
     amx_int8 the extension must be able to use it (a refused tile permission fails here, not silently)."""
     if "cpu.avx512_vnni" not in ISAS:
         pytest.skip("no AVX512-VNNI route on this CPU")

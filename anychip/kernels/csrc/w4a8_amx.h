@@ -1,13 +1,15 @@
-// The x86 prefill tile on AMX-INT8 (Intel Sapphire Rapids and later): 16 tokens x 16 rows, over a pair of weight
-// blocks unpacked once per token panel, inside the cpu.avx512_vnni route.
+// The x86 prefill tiles on AMX-INT8 (Intel Sapphire Rapids and later), over a pair of weight blocks unpacked once
+// per token panel, inside the cpu.avx512_vnni route.
 //
-// The unpacked layout (unpack_blocks_avx512, w4a8_x86.h) is already AMX's B layout: a chunk's low half holds k 0-3 of its 16 rows as bytes 4n + j, its
-// high half k 4-7, so the K/4 quads of a block are K/4 B rows of 64 bytes, one after the other. `tdpbsud` (signed
-// activations x unsigned w + 8) would need the -8 * sum(xq) correction per token and group, so the pair is unpacked
-// once more with 8 subtracted (unpack_signed_avx512) and `tdpbssd` gives a group's exact INT32 sums directly; they
-// go through the same fp32 multiply-add, group after group, as the AVX512 tiles: the outputs are the same bits. A
-// group's sums must leave the matrix unit to be scaled (a tile store, then a conversion and an FMA per 16 outputs),
-// so four C tiles take groups in turn: the unit computes the next three while the vector units scale one.
+// The unpacked layout (unpack_blocks_avx512, w4a8_x86.h) is already AMX's B layout: a chunk's low half holds k 0-3
+// of its 16 rows as bytes 4n + j, its high half k 4-7, so the K/4 quads of a block are K/4 B rows of 64 bytes, one
+// after the other. `tdpbsud` (signed activations x unsigned w + 8) would need the -8 * sum(xq) correction per token
+// and group, so the pair is unpacked with 8 subtracted (unpack_signed_avx512) and `tdpbssd` gives a group's exact
+// INT32 sums directly; they go through the same fp32 multiply-add, group after group, as the AVX512 tiles: the
+// outputs are the same bits. A group's sums must leave the matrix unit to be scaled (a tile store, then a conversion
+// and an FMA per 16 outputs). For groups of 32 and 64, 16 tokens x one block at a time with four C tiles taking the
+// groups in turn (the unit computes the next three while the vector units scale one: tiles_amx); for groups of 128
+// and more, 32 tokens x the pair, 2 x 2 C tiles, one group at a time (tiles_amx22).
 #pragma once
 
 #include "w4a8_tiles.h"
@@ -22,6 +24,12 @@
 namespace anychip {
 
 constexpr int64_t kAmxTokens = 16;  // an A tile's rows
+
+// 1: 32 tokens x the pair at a time (2 x 2 tiles, tiles_amx22) for groups of 128+; 0: tiles_amx only.
+#ifndef ANYCHIP_AMX_22
+#define ANYCHIP_AMX_22 1
+#endif
+constexpr int64_t kAmxPanelTokens = ANYCHIP_AMX_22 ? 2 * kAmxTokens : kAmxTokens;  // run()'s panels: multiples
 
 // Whether the GEMM may take the AMX tile at all (on by default; off: the AVX512 tiles serve every call). A process
 // setting for tests and benchmarks that compare the two in one process (the extension's `use_amx`).
@@ -166,6 +174,78 @@ ANYCHIP_AMX void tiles_amx(const Problem& p, int64_t m0, int64_t m1, int64_t nb0
     }
   }
   _tile_release();
+}
+
+// 32 tokens x the pair (2 x 2 tiles of 16 x 16: each A and B tile loaded once for two dots): A 0-1, B 2-3, sums
+// 4-7, one group at a time, its 64 rows of fp32 sums in memory. Tokens [m0, m1), a multiple of 32.
+template <bool DOTS>
+ANYCHIP_AMX void tiles_amx22(const Problem& p, int64_t m0, int64_t m1, int64_t nb0) {
+  const int64_t step = p.group_size % 64 == 0 ? 64 : p.group_size;
+  AmxConfig cfg;
+  for (int t = 0; t < 2; ++t) cfg.rows[t] = kAmxTokens, cfg.colsb[t] = uint16_t(step);
+  for (int t = 2; t < 4; ++t) cfg.rows[t] = uint8_t(step / 4), cfg.colsb[t] = 64;
+  for (int t = 4; t < 8; ++t) cfg.rows[t] = kAmxTokens, cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);
+  const uint8_t* w0 = p.wu;
+  const uint8_t* w1 = p.wu + (p.k / 8) * kUnpackedChunkBytes;
+  for (int64_t t = m0; t < m1; t += 2 * kAmxTokens) {
+    const int8_t* x0 = p.xq + t * p.k;
+    const int8_t* x1 = x0 + kAmxTokens * p.k;
+    alignas(64) float y[4][16][16] = {};  // (token tile, block) = (0, 0), (0, 1), (1, 0), (1, 1)
+    for (int64_t g = 0; g < p.groups; ++g) {
+      _tile_zero(4);
+      _tile_zero(5);
+      _tile_zero(6);
+      _tile_zero(7);
+      for (int64_t k0 = g * p.group_size; k0 < (g + 1) * p.group_size; k0 += step) {
+        _tile_loadd(0, x0 + k0, p.k);
+        _tile_loadd(1, x1 + k0, p.k);
+        _tile_loadd(2, w0 + k0 / 4 * 64, 64);
+        _tile_loadd(3, w1 + k0 / 4 * 64, 64);
+        _tile_dpbssd(4, 0, 2);
+        _tile_dpbssd(5, 0, 3);
+        _tile_dpbssd(6, 1, 2);
+        _tile_dpbssd(7, 1, 3);
+      }
+      alignas(64) int32_t sums[4][16][16];
+      _tile_stored(4, sums[0], 64);
+      _tile_stored(5, sums[1], 64);
+      _tile_stored(6, sums[2], 64);
+      _tile_stored(7, sums[3], 64);
+      for (int c = 0; c < 4; ++c) {
+        const int64_t nb = nb0 + c % 2, m = t + (c / 2) * kAmxTokens;
+        const __m512 s = _mm512_loadu_ps(p.sw + (nb * p.groups + g) * kRows);
+        for (int i = 0; i < 16; ++i) {
+          if constexpr (DOTS) {
+            store_dots(p, m + i, nb, g, sums[c][i]);
+          } else {
+            const __m512 v = _mm512_cvtepi32_ps(_mm512_load_si512(sums[c][i]));
+            _mm512_store_ps(y[c][i], _mm512_fmadd_ps(v, s, _mm512_load_ps(y[c][i])));
+          }
+        }
+      }
+    }
+    if constexpr (!DOTS) {
+      for (int c = 0; c < 4; ++c)
+        for (int i = 0; i < 16; ++i)
+          store_rows_avx512(p, t + (c / 2) * kAmxTokens + i, nb0 + c % 2, _mm512_load_ps(y[c][i]));
+    }
+  }
+  _tile_release();
+}
+
+// The AMX tiles for [m0, m1). Groups of 128 and more: 32 tokens at a time (tiles_amx22; a group's several dots
+// per tile pay for its scaling without the ring), the last 16 by tiles_amx; smaller groups: tiles_amx, whose ring
+// hides the scaling that follows every one or two dots (same-process A/B, 2 threads, M = 512: the 2 x 2 tiles 0.38-0.46
+// of the AVX512 time at G128 against the ring's 0.45-0.57, but 0.73-0.80 against 0.64-0.75 at G32).
+template <bool DOTS>
+ANYCHIP_AMX void run_amx(const Problem& p, int64_t m0, int64_t m1, int64_t nb0) {
+  int64_t mid = m0;
+  if (ANYCHIP_AMX_22 && p.group_size >= 128) {
+    mid = m0 + (m1 - m0) / (2 * kAmxTokens) * (2 * kAmxTokens);
+    if (mid > m0) tiles_amx22<DOTS>(p, m0, mid, nb0);
+  }
+  if (m1 > mid) tiles_amx<DOTS>(p, mid, m1, nb0);
 }
 
 #else

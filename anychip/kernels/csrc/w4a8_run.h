@@ -122,7 +122,7 @@ template <bool DOTS>
 AmxFn amx_tiles_fn([[maybe_unused]] const Problem& p) {
 #ifdef ANYCHIP_X86
   if (ANYCHIP_AMX_MIN_M > 0 && p.m >= ANYCHIP_AMX_MIN_M && amx_fits(p.group_size) && amx_allowed() && amx_usable())
-    return &tiles_amx<DOTS>;
+    return &run_amx<DOTS>;
 #endif
   return nullptr;
 }
@@ -222,7 +222,7 @@ void run(const Problem& p, int64_t isa, int64_t max_threads, Parallel&& parallel
   const AmxFn amx = unpack && wide ? amx_tiles_fn<DOTS>(p) : nullptr;  // 16 tokens at a time of the unpacked pair
   const UnpackFn amx_unpack = amx ? amx_unpack_fn() : nullptr;
   const int64_t mt = wide ? std::min<int64_t>(p.m, ANYCHIP_WIDE_TILE_M) : std::min(p.m, tile_m(isa));
-  const int64_t unit = amx ? std::lcm(kAmxTokens, mt) : mt;  // panels of whole AMX tiles (and whole tiles of mt)
+  const int64_t unit = amx ? std::lcm(kAmxPanelTokens, mt) : mt;  // panels of whole AMX tiles (and tiles of mt)
   const int64_t panel = std::max<int64_t>(unit, (ANYCHIP_PANEL_BYTES / p.k) / unit * unit);
   const TileFn tile = tile_fn<DOTS>(isa, mt);
   const Split split = split_blocks(p, max_threads, wide ? 2 : 1);
