@@ -17,8 +17,10 @@
 
 #ifdef ANYCHIP_X86
 #include <cpuid.h>
+#ifdef __linux__
 #include <sys/syscall.h>
 #include <unistd.h>
+#endif
 #endif
 
 namespace anychip {
@@ -48,7 +50,7 @@ constexpr bool amx_fits(int64_t g) { return g % 64 == 0 || (g < 64 && g % 4 == 0
 
 #define ANYCHIP_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")))
 
-// Whether this CPU has AMX-INT8 and Linux lets this process use the tile registers: the kernel hands out the tile
+// Whether this CPU has AMX-INT8 and Linux lets this process use the tile registers (other systems: never): the kernel hands out the tile
 // state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); an AMX instruction without it
 // raises SIGILL. Asked once a process.
 inline bool amx_usable() {
@@ -57,8 +59,12 @@ inline bool amx_usable() {
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
     const bool tile = (d >> 24) & 1, int8 = (d >> 25) & 1;
     if (!tile || !int8 || !__builtin_cpu_supports("avx512vnni")) return false;
+#ifdef __linux__
     constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
     return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+#else
+    return false;  // no known way to ask this OS for the tile state: the AVX512 tiles serve
+#endif
   }();
   return ok;
 }
