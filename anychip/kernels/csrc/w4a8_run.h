@@ -103,7 +103,7 @@ inline UnpackFn unpack_fn([[maybe_unused]] int64_t isa) {
   return nullptr;
 }
 
-// Calls with at least this many tokens run the AMX-INT8 tile (w4a8_amx.h) on the unpacked pairs, where the CPU has
+// Calls with at least this many tokens run the AMX-INT8 tiles (w4a8_amx.h) on the unpacked pairs, where the CPU has
 // AMX and the group size fits it (0: never).
 #ifndef ANYCHIP_AMX_MIN_M
 #define ANYCHIP_AMX_MIN_M 32
@@ -219,7 +219,7 @@ void run(const Problem& p, int64_t isa, int64_t max_threads, Parallel&& parallel
   // the wide tile always takes ANYCHIP_WIDE_TILE_M tokens: never hand it fewer (that would read and write past M)
   const UnpackFn unpack = ANYCHIP_UNPACK_MIN_M > 0 && p.m >= ANYCHIP_UNPACK_MIN_M ? unpack_fn(isa) : nullptr;
   const TileFn wide = p.m >= ANYCHIP_WIDE_TILE_M ? wide_tile_fn<DOTS>(isa, unpack != nullptr) : nullptr;
-  const AmxFn amx = unpack && wide ? amx_tiles_fn<DOTS>(p) : nullptr;  // 16 tokens at a time of the unpacked pair
+  const AmxFn amx = unpack && wide ? amx_tiles_fn<DOTS>(p) : nullptr;  // AMX tiles on the (signed) unpacked pair
   const UnpackFn amx_unpack = amx ? amx_unpack_fn() : nullptr;
   const int64_t mt = wide ? std::min<int64_t>(p.m, ANYCHIP_WIDE_TILE_M) : std::min(p.m, tile_m(isa));
   const int64_t unit = amx ? std::lcm(kAmxPanelTokens, mt) : mt;  // panels of whole AMX tiles (and tiles of mt)
