@@ -128,14 +128,6 @@ def test_group_dots_exact(isa: str, case: tuple) -> None:
     assert torch.equal(dots, expected)
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return set(next((line for line in f if line.startswith("flags")), "").split())
-    except OSError:
-        return set()
-
-
 @pytest.mark.parametrize("m,k,n,g", [(32, 576, 960, 32), (47, 1536, 100, 64), (512, 2048, 576, 128),
                                      (96, 576, 33, 32), (64, 768, 48, 128), (48, 2048, 64, 128)])
 def test_amx_tile_is_the_avx512_tile(m: int, k: int, n: int, g: int) -> None:
@@ -147,7 +139,7 @@ def test_amx_tile_is_the_avx512_tile(m: int, k: int, n: int, g: int) -> None:
     if "cpu.avx512_vnni" not in ISAS:
         pytest.skip("no AVX512-VNNI route on this CPU")
     ext = cpu_ext.load()
-    if "amx_int8" in _cpu_flags():
+    if "amx_int8" in machine.cpu_flags():
         assert ext.amx_usable()
     if not ext.amx_usable():
         pytest.skip("this CPU (or its OS) offers no AMX-INT8: the AVX512 tiles serve every call")

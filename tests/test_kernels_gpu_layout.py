@@ -164,6 +164,8 @@ def test_direct_launch_fills_the_signature_and_keys_like_the_jit(monkeypatch) ->
     monkeypatch.setitem(direct._SETTINGS, "enabled", True)
     direct.set_enabled(False)
     assert direct._launcher_api() is None  # every launch through the JIT
+    direct.set_enabled(True)
+    assert direct._launcher_api() is not None  # and back: nothing remembers the switch's earlier state
     x = torch.zeros(40, dtype=torch.bfloat16)
     assert _spec(x) != _spec(x[1:]) and _spec(x) != _spec(x.float()) and _spec(x) == _spec(x[8:])
     assert len({_spec(v) for v in (1, 16, 17, 32, 2**31)}) == 4 and _spec(16) == _spec(32)

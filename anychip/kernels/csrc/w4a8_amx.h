@@ -4,8 +4,8 @@
 // The unpacked layout (unpack_blocks_avx512, w4a8_x86.h) is already AMX's B layout: a chunk's low half holds k 0-3
 // of its 16 rows as bytes 4n + j, its high half k 4-7, so the K/4 quads of a block are K/4 B rows of 64 bytes, one
 // after the other. `tdpbsud` (signed activations x unsigned w + 8) would need the -8 * sum(xq) correction per token
-// and group, so the pair is unpacked with 8 subtracted (unpack_signed_avx512) and `tdpbssd` gives a group's exact
-// INT32 sums directly; they go through the same fp32 multiply-add, group after group, as the AVX512 tiles: the
+// and group, so the pair is unpacked with 8 subtracted (unpack_blocks_avx512<true>) and `tdpbssd` gives a group's
+// exact INT32 sums directly; they go through the same fp32 multiply-add, group after group, as the AVX512 tiles: the
 // outputs are the same bits. A group's sums must leave the matrix unit to be scaled (a tile store, then a conversion
 // and an FMA per 16 outputs). For groups of 32 and 64, 16 tokens x one block at a time with four C tiles taking the
 // groups in turn (the unit computes the next three while the vector units scale one: tiles_amx); for groups of 128
@@ -50,9 +50,10 @@ constexpr bool amx_fits(int64_t g) { return g % 64 == 0 || (g < 64 && g % 4 == 0
 
 #define ANYCHIP_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")))
 
-// Whether this CPU has AMX-INT8 and Linux lets this process use the tile registers (other systems: never): the kernel hands out the tile
-// state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); an AMX instruction without it
-// raises SIGILL. Asked once a process.
+// Whether this CPU has AMX-INT8 and Linux lets this process use the tile registers (other systems: never): the
+// kernel hands out the tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); an AMX
+// instruction without it raises SIGILL. Asked once a process (machine.request_amx_tiles asks the same for vLLM's
+// attention, through torch; the kernels ask for themselves, since they may run before or without it).
 inline bool amx_usable() {
   static const bool ok = [] {
     unsigned a = 0, b = 0, c = 0, d = 0;
@@ -75,20 +76,6 @@ struct alignas(64) AmxConfig {
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
-
-// The pair's weights as AMX B rows of signed bytes w (-8..7), the unpacked layout of unpack_blocks_avx512 minus 8:
-// `tdpbssd` then gives a group's exact sums with no -8 * sum(xq) correction to add.
-ANYCHIP_AVX512 inline void unpack_signed_avx512(const Problem& p, int64_t nb0, int64_t nb, uint8_t* dst) {
-  const __m512i low4 = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
-  const int64_t chunks = nb * (p.k / 8);
-  const uint8_t* src = p.w + nb0 * (p.k / 8) * kChunkBytes;
-  for (int64_t c = 0; c < chunks; ++c) {
-    const __m512i v = _mm512_loadu_si512(src + c * kChunkBytes);
-    _mm512_storeu_si512(dst + c * kUnpackedChunkBytes, _mm512_sub_epi8(_mm512_and_si512(v, low4), eight));
-    _mm512_storeu_si512(dst + c * kUnpackedChunkBytes + kChunkBytes,
-                        _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), eight));
-  }
-}
 
 // Tiles: 0 the activations (16 tokens x step bytes), 1 the block's B (step / 4 quads x 64 bytes), 4-7 a ring of
 // sums, group g in tile 4 + g % 4. GCC's tile intrinsics paste their tile number into the assembly text, so each
@@ -139,10 +126,11 @@ ANYCHIP_AMX inline void amx_ring_step(const Problem& p, const int8_t* x, const u
   if (g + kAmxRing < p.groups) amx_group_dots<SLOT>(p, x, w, g + kAmxRing, step);
 }
 
-// Tokens [m0, m1) (a multiple of 16 of them) x blocks nb0, nb0 + 1, from the pair p.wu as unpack_signed_avx512
-// leaves it: each block, 16 tokens at a time, its 16 x 16 fp32 sums in registers while four C tiles hold the
-// groups in flight, scaled in group order. The tile configuration is loaded once for them and the tiles released
-// after (other code on this thread, oneDNN's, configures its own). amx_fits(p.group_size) is the caller's.
+// Tokens [m0, m1) (a multiple of 16 of them) x blocks nb0, nb0 + 1, from the pair p.wu as
+// unpack_blocks_avx512<true> leaves it: each block, 16 tokens at a time, its 16 x 16 fp32 sums in registers while
+// four C tiles hold the groups in flight, scaled in group order. The tile configuration is loaded once for them and
+// the tiles released after (other code on this thread, oneDNN's, configures its own). amx_fits(p.group_size) is the
+// caller's.
 template <bool DOTS>
 ANYCHIP_AMX void tiles_amx(const Problem& p, int64_t m0, int64_t m1, int64_t nb0) {
   const int64_t step = p.group_size % 64 == 0 ? 64 : p.group_size;

@@ -104,10 +104,11 @@ void run_op(Problem p, int64_t isa, const Acts& a) {
   if (a.x) q = at::empty({p.m, p.k}, opts.dtype(at::kChar)), sx = at::empty({p.m}, opts.dtype(at::kFloat));
   int8_t* qp = a.x ? q.data_ptr<int8_t>() : nullptr;
   float* sp = a.x ? sx.data_ptr<float>() : nullptr;
-  at::parallel_for(0, p.m, 16, [&](int64_t r0, int64_t r1) { prepare_rows(a, p, r0, r1, qp, sp, corr.data_ptr<int32_t>()); });
+  int32_t* cp = corr.data_ptr<int32_t>();
+  at::parallel_for(0, p.m, 16, [&](int64_t r0, int64_t r1) { prepare_rows(a, p, r0, r1, qp, sp, cp); });
   p.xq = a.x ? qp : a.xq;
   p.sx = a.x ? sp : a.sx;
-  p.xcorr = corr.data_ptr<int32_t>();
+  p.xcorr = cp;
   run<DOTS>(p, isa, threads, TorchParallel{});
 }
 

@@ -98,7 +98,7 @@ using UnpackFn = void (*)(const Problem&, int64_t nb0, int64_t nb, uint8_t* dst)
 
 inline UnpackFn unpack_fn([[maybe_unused]] int64_t isa) {
 #ifdef ANYCHIP_X86
-  if (ANYCHIP_WIDE_TILE_M > 0 && isa == kAvx512Vnni) return &unpack_blocks_avx512;
+  if (ANYCHIP_WIDE_TILE_M > 0 && isa == kAvx512Vnni) return &unpack_blocks_avx512<false>;
 #endif
   return nullptr;
 }
@@ -112,7 +112,7 @@ inline UnpackFn unpack_fn([[maybe_unused]] int64_t isa) {
 // The AMX tile's unpacking of a pair (signed bytes), where there is one.
 inline UnpackFn amx_unpack_fn() {
 #ifdef ANYCHIP_X86
-  return &unpack_signed_avx512;
+  return &unpack_blocks_avx512<true>;
 #else
   return nullptr;
 #endif

@@ -50,15 +50,18 @@ ANYCHIP_AVX512 inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t*
 // Prefill: the unpacked layout of NB blocks, (NB, K/8, 2, 64) u8: per chunk its low nibbles (the chunk's k 0-3 of
 // each row, as the dot wants them), then its high nibbles (k 4-7).  A GEMM tile unpacks each chunk for only MT tokens
 // (an and, a shift and an and per 2 MT dots); unpacked once per token panel into a buffer that stays in L1 / L2,
-// the 6 x 2 tile reads both halves with plain loads instead.
+// the 6 x 2 tile reads both halves with plain loads instead.  SIGNED: the bytes w (-8..7) instead of w + 8 (the
+// AMX tiles' `tdpbssd` operand, w4a8_amx.h).
+template <bool SIGNED = false>
 ANYCHIP_AVX512 inline void unpack_blocks_avx512(const Problem& p, int64_t nb0, int64_t nb, uint8_t* dst) {
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i low4 = _mm512_set1_epi8(0x0F), bias = _mm512_set1_epi8(SIGNED ? 8 : 0);
   const int64_t chunks = nb * (p.k / 8);  // the NB blocks are contiguous in the blocked layout
   const uint8_t* src = p.w + nb0 * (p.k / 8) * kChunkBytes;
   for (int64_t c = 0; c < chunks; ++c) {
     const __m512i v = _mm512_loadu_si512(src + c * kChunkBytes);
-    _mm512_storeu_si512(dst + c * kUnpackedChunkBytes, _mm512_and_si512(v, low4));
-    _mm512_storeu_si512(dst + c * kUnpackedChunkBytes + kChunkBytes, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+    const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    _mm512_storeu_si512(dst + c * kUnpackedChunkBytes, SIGNED ? _mm512_sub_epi8(lo, bias) : lo);
+    _mm512_storeu_si512(dst + c * kUnpackedChunkBytes + kChunkBytes, SIGNED ? _mm512_sub_epi8(hi, bias) : hi);
   }
 }
 

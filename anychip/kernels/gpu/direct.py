@@ -17,6 +17,7 @@ the JIT's path.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -60,11 +61,10 @@ class Direct:
     def __init__(self, kernel) -> None:
         self.kernel = kernel
         self._entries: dict[tuple, tuple] = {}  # key -> (compiled kernel, constexpr arguments after the runtime ones)
-        self._usable = _launcher_api() is not None
 
     def __call__(self, grid: tuple[int, ...], args: tuple, options: dict[str, Any]):
         """Launch on the current CUDA device and stream; returns the compiled kernel (as the JIT's launch does)."""
-        api = _launcher_api() if self._usable else None
+        api = _launcher_api()
         if api is None:
             return self.kernel[grid](*args, **options)
         device = torch.cuda.current_device()
@@ -128,8 +128,11 @@ def _name(kernel) -> str:
 def _launcher_api():
     """triton.knobs (the launch hooks the JIT passes to a launcher), or None where this Triton has none or direct
     launches are off (set_enabled)."""
-    if not _SETTINGS["enabled"]:
-        return None
+    return _knobs() if _SETTINGS["enabled"] else None
+
+
+@functools.cache
+def _knobs():
     try:
         from triton import knobs
     except ImportError:
