@@ -78,10 +78,10 @@ class Direct:
         grid0, grid1, grid2 = (*grid, 1, 1)[:3]
         stream = torch._C._cuda_getCurrentRawStream(device)
         full = args + tail
-        enter = api.runtime.launch_enter_hook  # a profiler's: it gets the metadata the JIT would give it
+        enter = _hook(api.runtime.launch_enter_hook)  # a profiler's: it gets the metadata the JIT would give it
         meta = None if enter is None else compiled.launch_metadata(grid, stream, *full)
         compiled.run(grid0, grid1, grid2, stream, compiled.function, compiled.packed_metadata, meta, enter,
-                     api.runtime.launch_exit_hook, *full)
+                     _hook(api.runtime.launch_exit_hook), *full)
         return compiled
 
     def _first(self, key: tuple, grid, args: tuple, options: dict[str, Any]):
@@ -119,6 +119,12 @@ class Direct:
             raise RuntimeError(f"anychip: the direct launch of {_name(self.kernel)} "
                                "would run another specialization than Triton's JIT picks for these arguments "
                                f"({[_spec(a) for a in args]}); set ANYCHIP_DIRECT_LAUNCH=0 and report this")
+
+
+def _hook(hook):
+    """A launch hook, or None where there is none to call: Triton 3.6 keeps its hooks in a `HookChain` that is
+    never None, and an empty chain would still cost the launch metadata and two calls (about 2-3 µs a launch)."""
+    return None if hook is None or getattr(hook, "calls", True) == [] else hook
 
 
 def _name(kernel) -> str:
