@@ -131,33 +131,30 @@ def test_group_dots_exact(isa: str, case: tuple) -> None:
 @pytest.mark.parametrize("m,k,n,g", [(32, 576, 960, 32), (47, 1536, 100, 64), (512, 2048, 576, 128),
                                      (96, 576, 33, 32), (64, 768, 48, 128), (48, 2048, 64, 128)])
 def test_amx_tile_is_the_avx512_tile(m: int, k: int, n: int, g: int) -> None:
-    """On a CPU with AMX-INT8 the prefill GEMM of cpu.avx512_vnni runs AMX tiles (csrc/w4a8_amx.h) from 32 tokens:
-    the same bits as the AVX512 tiles (the extension's use_amx(False)) for the linear and the exact group dots,
-    whole 16-token tiles and the tokens past them, odd block counts, G 32, 64 and 128 (the 2 x 2 tiles of 32
-    tokens, and a 16-token tile after them at M = 48). Where /proc/cpuinfo lists
-    amx_int8 the extension must be able to use it (a refused tile permission fails here, not silently)."""
+    """On a CPU with AMX-INT8, route cpu.amx_int8 runs the prefill GEMM on AMX tiles (csrc/w4a8_amx.h) from 32
+    tokens: the same bits as cpu.avx512_vnni's AVX512 tiles on the same prepared weights (one layout) for the linear
+    and the exact group dots, whole 16-token tiles and the tokens past them, odd block counts, G 32, 64 and 128
+    (the 2 x 2 tiles of 32 tokens, and a 16-token tile after them at M = 48). Where /proc/cpuinfo lists amx_int8
+    the route must be available (a refused tile permission fails here, not silently)."""
     if "cpu.avx512_vnni" not in ISAS:
         pytest.skip("no AVX512-VNNI route on this CPU")
-    ext = cpu_ext.load()
     if "amx_int8" in machine.cpu_flags():
-        assert ext.amx_usable()
-    if not ext.amx_usable():
-        pytest.skip("this CPU (or its OS) offers no AMX-INT8: the AVX512 tiles serve every call")
+        assert "cpu.amx_int8" in ISAS and cpu_ext.load().amx_usable()
+    if "cpu.amx_int8" not in ISAS:
+        pytest.skip("this CPU (or its OS) offers no AMX-INT8: cpu.avx512_vnni serves")
     wq, sw = _weights(n, k, g, seed=m + n)
     x = _acts(m, k, torch.bfloat16, seed=k)
     xq, _ = quantize_activations_ref(x.float())
     xq[0, :g] = -127
-    p = prepare_w4a8(wq, sw, g, packed=False, route="cpu.avx512_vnni")
-    got = {}
-    try:
-        for amx in (True, False):
-            ext.use_amx(amx)
-            got[amx] = (w4a8_linear(x, p), torch.ops.anychip.w4a8_group_dots(xq, p.weight, p.scales, n, k, g,
-                                                                              p.route.id))
-    finally:
-        ext.use_amx(True)
-    assert torch.equal(got[True][0], got[False][0]) and torch.equal(got[True][1], got[False][1])
-    assert torch.equal(got[True][1], group_dot_ref(xq, wq, g))
+    p = prepare_w4a8(wq, sw, g, packed=False, route="cpu.amx_int8")
+    assert p.route.id == "cpu.amx_int8"
+    got = {route: (torch.ops.anychip.w4a8_linear(x, p.weight, p.scales, None, n, k, g, route, None),
+                   torch.ops.anychip.w4a8_group_dots(xq, p.weight, p.scales, n, k, g, route))
+           for route in ("cpu.amx_int8", "cpu.avx512_vnni")}
+    amx, avx = got["cpu.amx_int8"], got["cpu.avx512_vnni"]
+    assert torch.equal(amx[0], avx[0]) and torch.equal(amx[1], avx[1])
+    assert torch.equal(amx[1], group_dot_ref(xq, wq, g))
+    assert torch.equal(amx[0], w4a8_linear(x, p))
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -382,21 +379,20 @@ def test_cpu_kernels_are_cpp_and_cuda_reaches_python(op: str) -> None:
 
 
 def test_amx_is_a_policy_setting(monkeypatch: pytest.MonkeyPatch) -> None:
-    """ANYCHIP_CPU_AMX=0 reaches the kernel policy, and preparing a C++ route applies the policy's setting to the
-    extension (the process's AMX switch): the kernels themselves read no environment."""
-    if not routes.available("cpu") or routes.available("cpu")[0].kernel != "w4a8_cpu":
-        pytest.skip("no C++ route on this machine")
+    """ANYCHIP_CPU_AMX=0 reaches the kernel policy, which then never picks cpu.amx_int8 (cpu.avx512_vnni serves);
+    forcing the route still takes it. The kernels themselves read no environment."""
+    monkeypatch.delenv(envs.ANYCHIP_KERNEL_ISA, raising=False)
     monkeypatch.setenv("ANYCHIP_CPU_AMX", "0")
-    policy = envs.kernel_policy()
-    assert policy.cpu_amx is False
+    off = envs.kernel_policy()
+    assert off.cpu_amx is False
     monkeypatch.delenv("ANYCHIP_CPU_AMX")
-    assert envs.kernel_policy().cpu_amx is True
-    ext = cpu_ext.load()
+    on = envs.kernel_policy()
+    assert on.cpu_amx is True
+    amx = routes.get("cpu.amx_int8")
+    assert "ANYCHIP_CPU_AMX=0" in (amx.off_by(off) or "") and amx.off_by(on) is None
+    if "cpu.amx_int8" not in ISAS:
+        pytest.skip("no AMX-INT8 on this CPU")
     wq, sw = _weights(32, 576, 32, seed=1)
-    try:
-        prepare_w4a8(wq, sw, 32, packed=False, policy=policy)
-        assert ext.use_amx(True) is False  # the prepare turned it off; this call turns it back on
-        prepare_w4a8(wq, sw, 32, packed=False, policy=KernelPolicy())
-        assert ext.use_amx(True) is True
-    finally:
-        ext.use_amx(True)
+    assert prepare_w4a8(wq, sw, 32, packed=False, policy=on).route.id == "cpu.amx_int8"
+    assert prepare_w4a8(wq, sw, 32, packed=False, policy=off).route.id == "cpu.avx512_vnni"
+    assert prepare_w4a8(wq, sw, 32, packed=False, policy=off.forcing("amx_int8")).route.id == "cpu.amx_int8"

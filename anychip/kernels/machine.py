@@ -99,5 +99,5 @@ def describe() -> dict[str, object]:
     }
 
 
-_INTERESTING = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+_INTERESTING = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_int8",
                           "asimd", "asimddp", "i8mm", "sve", "sve2", "bf16"})

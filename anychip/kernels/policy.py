@@ -27,8 +27,8 @@ class KernelPolicy:
     at its first launch; kernels/gpu/precompile.py).
     gpu_direct_launch: launch the compiled Triton kernels without the JIT's per-call work (kernels/gpu/direct.py);
     the process's setting follows the last policy a GPU linear was prepared with.
-    cpu_amx: let the x86 prefill GEMM (cpu.avx512_vnni) run AMX-INT8 tiles where the CPU has them (same bits); the
-    process's setting follows the last policy a C++ route prepared with.
+    cpu_amx: whether route cpu.amx_int8 (AMX-INT8 prefill tiles, the same bits as cpu.avx512_vnni) may be picked
+    where the CPU has it (False: cpu.avx512_vnni serves; ANYCHIP_CPU_AMX=0); forcing the route overrides it.
     """
 
     route: str | None = None

@@ -15,6 +15,11 @@
 #include <immintrin.h>
 #define ANYCHIP_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 #define ANYCHIP_AVX2 __attribute__((target("avx2,fma")))
+#include <cpuid.h>
+#ifdef __linux__
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #endif
 
 #if defined(__aarch64__)
@@ -36,15 +41,42 @@
 namespace anychip {
 
 // The codes the Python routes pass (anychip/kernels/routes/*.py `code`).
-enum Isa : int64_t { kPortable = 0, kAvx2 = 1, kAvx512Vnni = 2, kArmDotprod = 3, kArmI8mm = 4 };
-constexpr int64_t kIsaCount = 5;
+// kAmxInt8 is kAvx512Vnni with the prefill tiles (M >= 32) on AMX-INT8 (w4a8_amx.h): same layout, same bits.
+enum Isa : int64_t { kPortable = 0, kAvx2 = 1, kAvx512Vnni = 2, kArmDotprod = 3, kArmI8mm = 4, kAmxInt8 = 5 };
+constexpr int64_t kIsaCount = 6;
+
+// Whether this CPU has AMX-INT8 (with AVX512-VNNI) and the OS lets this process use the tile registers. Linux hands
+// out the tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); an AMX instruction
+// without it raises SIGILL. Asked once a process (machine.request_amx_tiles asks the same for vLLM's attention,
+// through torch; the kernels ask for themselves, since they may run before or without it). Elsewhere: never.
+inline bool amx_usable() {
+#ifdef ANYCHIP_X86
+  static const bool ok = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const bool tile = (d >> 24) & 1, int8 = (d >> 25) & 1;
+    __builtin_cpu_init();
+    if (!tile || !int8 || !__builtin_cpu_supports("avx512vnni")) return false;
+#ifdef __linux__
+    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+#else
+    return false;  // no known way to ask this OS for the tile state: cpu.avx512_vnni serves
+#endif
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
 
 inline bool isa_supported(int64_t isa) {
 #ifdef ANYCHIP_X86
   __builtin_cpu_init();
-  if (isa == kAvx512Vnni)
+  if (isa == kAvx512Vnni || isa == kAmxInt8)
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+           (isa == kAvx512Vnni || amx_usable());
   if (isa == kAvx2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 #endif
 #ifdef ANYCHIP_ARM
@@ -60,6 +92,7 @@ inline const char* isa_name(int64_t isa) {
   switch (isa) {
     case kAvx2: return "avx2";
     case kAvx512Vnni: return "avx512_vnni";
+    case kAmxInt8: return "amx_int8";
     case kArmDotprod: return "dotprod";
     case kArmI8mm: return "i8mm";
     default: return "portable";
@@ -71,6 +104,7 @@ inline const char* isa_route_id(int64_t isa) {
   switch (isa) {
     case kAvx2: return "cpu.avx2";
     case kAvx512Vnni: return "cpu.avx512_vnni";
+    case kAmxInt8: return "cpu.amx_int8";
     case kArmDotprod: return "arm.dotprod";
     case kArmI8mm: return "arm.i8mm";
     default: return "cpu.portable";
@@ -89,7 +123,7 @@ inline int64_t route_isa(const char* id, size_t len) {
 
 // ISAs this CPU and build support, best first, ending with kPortable; returns how many.
 inline int supported_isas(int64_t out[kIsaCount]) {
-  static constexpr int64_t order[] = {kAvx512Vnni, kAvx2, kArmI8mm, kArmDotprod, kPortable};
+  static constexpr int64_t order[] = {kAmxInt8, kAvx512Vnni, kAvx2, kArmI8mm, kArmDotprod, kPortable};
   int n = 0;
   for (int64_t isa : order)
     if (isa_supported(isa)) out[n++] = isa;

@@ -1,5 +1,6 @@
 // The x86 prefill tiles on AMX-INT8 (Intel Sapphire Rapids and later), over a pair of weight blocks unpacked once
-// per token panel, inside the cpu.avx512_vnni route.
+// per token panel: route cpu.amx_int8 (kAmxInt8), which is cpu.avx512_vnni with these tiles for calls of 32 tokens
+// and more (amx_usable, cpu_common.h: the CPU has AMX-INT8 and the OS granted the tile state).
 //
 // The unpacked layout (unpack_blocks_avx512, w4a8_x86.h) is already AMX's B layout: a chunk's low half holds k 0-3
 // of its 16 rows as bytes 4n + j, its high half k 4-7, so the K/4 quads of a block are K/4 B rows of 64 bytes, one
@@ -15,14 +16,6 @@
 #include "w4a8_tiles.h"
 #include "w4a8_x86.h"
 
-#ifdef ANYCHIP_X86
-#include <cpuid.h>
-#ifdef __linux__
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
-#endif
-
 namespace anychip {
 
 constexpr int64_t kAmxTokens = 16;  // an A tile's rows
@@ -33,13 +26,6 @@ constexpr int64_t kAmxTokens = 16;  // an A tile's rows
 #endif
 constexpr int64_t kAmxPanelTokens = ANYCHIP_AMX_22 ? 2 * kAmxTokens : kAmxTokens;  // run()'s panels: multiples
 
-// Whether the GEMM may take the AMX tile at all (on by default; off: the AVX512 tiles serve every call). A process
-// setting for tests and benchmarks that compare the two in one process (the extension's `use_amx`).
-inline std::atomic<bool>& amx_allowed() {
-  static std::atomic<bool> on{true};
-  return on;
-}
-
 // Tokens [m0, m1) of the pair of blocks from nb0 (tiles_amx).
 using AmxFn = void (*)(const Problem&, int64_t m0, int64_t m1, int64_t nb0);
 
@@ -49,26 +35,6 @@ constexpr bool amx_fits(int64_t g) { return g % 64 == 0 || (g < 64 && g % 4 == 0
 #ifdef ANYCHIP_X86
 
 #define ANYCHIP_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")))
-
-// Whether this CPU has AMX-INT8 and Linux lets this process use the tile registers (other systems: never): the
-// kernel hands out the tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); an AMX
-// instruction without it raises SIGILL. Asked once a process (machine.request_amx_tiles asks the same for vLLM's
-// attention, through torch; the kernels ask for themselves, since they may run before or without it).
-inline bool amx_usable() {
-  static const bool ok = [] {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    const bool tile = (d >> 24) & 1, int8 = (d >> 25) & 1;
-    if (!tile || !int8 || !__builtin_cpu_supports("avx512vnni")) return false;
-#ifdef __linux__
-    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
-#else
-    return false;  // no known way to ask this OS for the tile state: the AVX512 tiles serve
-#endif
-  }();
-  return ok;
-}
 
 struct alignas(64) AmxConfig {
   uint8_t palette = 1, start_row = 0;
@@ -241,10 +207,6 @@ ANYCHIP_AMX void run_amx(const Problem& p, int64_t m0, int64_t m1, int64_t nb0) 
   }
   if (m1 > mid) tiles_amx<DOTS>(p, mid, m1, nb0);
 }
-
-#else
-
-inline bool amx_usable() { return false; }
 
 #endif  // ANYCHIP_X86
 

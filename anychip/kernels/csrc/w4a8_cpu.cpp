@@ -347,9 +347,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("route_ids", &route_ids, "the route id of each ISA code, by code");
   m.def("huge_empty", &huge_empty, "uninitialized (nbytes,) uint8 on a 2 MB boundary, advised for huge pages");
   m.def("collapse_huge", &collapse_huge, "back a filled tensor's 2 MB-aligned part with huge pages; bytes done");
-  m.def("amx_usable", &amx_usable, "whether this CPU and OS let the prefill GEMM take the AMX-INT8 tile");
-  m.def("use_amx", [](bool on) { return amx_allowed().exchange(on); },
-        "allow (True, the default) or forbid the AMX-INT8 prefill tile; returns the previous setting");
+  m.def("amx_usable", &amx_usable, "whether this CPU and OS let route cpu.amx_int8 run (AMX-INT8 tiles)");
   m.def("set_call_counts", &set_call_counts, "install (counts, slot) as the ops' coverage table (None, None: none); "
         "returns the previous pair");
   m.attr("ISA_PORTABLE") = int64_t(kPortable);
@@ -357,4 +355,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("ISA_AVX512_VNNI") = int64_t(kAvx512Vnni);
   m.attr("ISA_ARM_DOTPROD") = int64_t(kArmDotprod);
   m.attr("ISA_ARM_I8MM") = int64_t(kArmI8mm);
+  m.attr("ISA_AMX_INT8") = int64_t(kAmxInt8);
 }

@@ -118,10 +118,11 @@ inline UnpackFn amx_unpack_fn() {
 #endif
 }
 
+// The AMX tiles for a call of route `isa` (cpu.amx_int8 only; its op checked amx_usable before the call).
 template <bool DOTS>
-AmxFn amx_tiles_fn([[maybe_unused]] const Problem& p) {
+AmxFn amx_tiles_fn([[maybe_unused]] int64_t isa, [[maybe_unused]] const Problem& p) {
 #ifdef ANYCHIP_X86
-  if (ANYCHIP_AMX_MIN_M > 0 && p.m >= ANYCHIP_AMX_MIN_M && amx_fits(p.group_size) && amx_allowed() && amx_usable())
+  if (ANYCHIP_AMX_MIN_M > 0 && isa == kAmxInt8 && p.m >= ANYCHIP_AMX_MIN_M && amx_fits(p.group_size))
     return &run_amx<DOTS>;
 #endif
   return nullptr;
@@ -214,12 +215,13 @@ struct ReadyActivations {
 // `prologue(local)` runs once on each thread taking part, before its first chunk, on that thread's copy of the
 // problem: the fused linear quantizes the (few) tokens there, on every thread, instead of in a pass of its own.
 template <bool DOTS, typename Parallel, typename Prologue = ReadyActivations>
-void run(const Problem& p, int64_t isa, int64_t max_threads, Parallel&& parallel, Prologue&& prologue = {}) {
+void run(const Problem& p, int64_t route, int64_t max_threads, Parallel&& parallel, Prologue&& prologue = {}) {
+  const int64_t isa = route == kAmxInt8 ? kAvx512Vnni : route;  // AMX-INT8's route is AVX512-VNNI's but for its tiles
   const int64_t nblocks = (p.n + kRows - 1) / kRows;
   // the wide tile always takes ANYCHIP_WIDE_TILE_M tokens: never hand it fewer (that would read and write past M)
   const UnpackFn unpack = ANYCHIP_UNPACK_MIN_M > 0 && p.m >= ANYCHIP_UNPACK_MIN_M ? unpack_fn(isa) : nullptr;
   const TileFn wide = p.m >= ANYCHIP_WIDE_TILE_M ? wide_tile_fn<DOTS>(isa, unpack != nullptr) : nullptr;
-  const AmxFn amx = unpack && wide ? amx_tiles_fn<DOTS>(p) : nullptr;  // AMX tiles on the (signed) unpacked pair
+  const AmxFn amx = unpack && wide ? amx_tiles_fn<DOTS>(route, p) : nullptr;  // AMX tiles on the (signed) unpacked pair
   const UnpackFn amx_unpack = amx ? amx_unpack_fn() : nullptr;
   const int64_t mt = wide ? std::min<int64_t>(p.m, ANYCHIP_WIDE_TILE_M) : std::min(p.m, tile_m(isa));
   const int64_t unit = amx ? std::lcm(kAmxPanelTokens, mt) : mt;  // panels of whole AMX tiles (and tiles of mt)

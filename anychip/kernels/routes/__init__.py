@@ -12,13 +12,14 @@ from anychip import envs
 from anychip.kernels.policy import KernelPolicy
 from anychip.kernels.routes.arm_neon import ArmDotprod, ArmI8mm
 from anychip.kernels.routes.base import LinearProblem, NoKernelRoute, Route
-from anychip.kernels.routes.cpu_x86 import Avx2, Avx512Vnni, Portable
+from anychip.kernels.routes.cpu_x86 import AmxInt8, Avx2, Avx512Vnni, Portable
 from anychip.kernels.routes.cuda_triton import CudaTriton
 from anychip.kernels.routes.kleidiai import ArmKleidiAI
 from anychip.kernels.routes.reference import Reference
 
 #: Best first within a device; routes of other devices are skipped.
 ROUTES: tuple[Route, ...] = (
+    AmxInt8(),
     Avx512Vnni(),
     Avx2(),
     ArmI8mm(),
@@ -65,7 +66,7 @@ def select(problem: LinearProblem, policy: KernelPolicy) -> Route:
                 return REFERENCE
             raise
     candidates = preferred(problem.device)
-    reasons = [(r, r.can_serve(problem)) for r in candidates]
+    reasons = [(r, r.off_by(policy) or r.can_serve(problem)) for r in candidates]
     chosen = next((r for r, why in reasons if why is None), None)
     if chosen is not None:
         return chosen

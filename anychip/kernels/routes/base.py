@@ -128,6 +128,11 @@ class Route(ABC):
     def can_serve(self, problem: LinearProblem) -> str | None:
         return self.unavailable() or self.rejects(problem)
 
+    def off_by(self, policy: KernelPolicy) -> str | None:
+        """None unless the policy keeps this route from being picked (it can still be forced), and why."""
+        del policy
+        return None
+
     @abstractmethod
     def prepare(self, weights: CheckpointWeights, policy: KernelPolicy) -> tuple[torch.Tensor, torch.Tensor]:
         """The route's (weight, scales) layout of one linear."""

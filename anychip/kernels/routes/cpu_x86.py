@@ -88,8 +88,7 @@ class CppRoute(Route):
         return f"K={problem.k} is not a multiple of 8" if problem.k % 8 else None
 
     def prepare(self, weights: CheckpointWeights, policy: KernelPolicy) -> tuple[torch.Tensor, torch.Tensor]:
-        ext = cpu_ext.load(policy.build_dir)  # compile now, at load, not on the first request
-        ext.use_amx(policy.cpu_amx)  # a process setting: the last policy prepared with wins
+        cpu_ext.load(policy.build_dir)  # compile now, at load, not on the first request
         weight, scales = blocked_layout(weights.int8().cpu(), weights.scales.cpu())
         return ARENA.copy_of(weight, policy.build_dir), ARENA.copy_of(scales, policy.build_dir)
 
@@ -113,7 +112,28 @@ class Avx512Vnni(CppRoute):
     aliases = ("avx512_vnni",)
     code = 2
     flags = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
-    summary = "C++ vpdpbusd u4 x s8, 16 rows per zmm; prefill on AMX-INT8 tiles where the CPU has them"
+    summary = "C++ vpdpbusd u4 x s8, 16 rows per zmm"
+
+
+class AmxInt8(Avx512Vnni):
+    """cpu.avx512_vnni with the calls of 32 tokens and more (prefill) on AMX-INT8 tiles (`tdpbssd`,
+    csrc/w4a8_amx.h): the same layout and the same bits; fewer tokens (decode) take AVX512-VNNI's kernels."""
+
+    id = "cpu.amx_int8"
+    aliases = ("amx_int8",)
+    code = 5
+    flags = (*Avx512Vnni.flags, "amx_tile", "amx_int8")
+    summary = "C++ AMX-INT8 tdpbssd tiles from 32 tokens (prefill), cpu.avx512_vnni's kernels below"
+
+    def unavailable(self) -> str | None:
+        if why := super().unavailable():
+            return why
+        if not machine.request_amx_tiles():  # the same request the extension makes (csrc/cpu_common.h amx_usable)
+            return "the OS did not grant this process the AMX tile state (Linux arch_prctl ARCH_REQ_XCOMP_PERM)"
+        return None
+
+    def off_by(self, policy: KernelPolicy) -> str | None:
+        return None if policy.cpu_amx else "turned off by the kernel policy (ANYCHIP_CPU_AMX=0)"
 
 
 class Avx2(CppRoute):
