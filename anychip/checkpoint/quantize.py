@@ -145,21 +145,24 @@ def _quantized_tensors(prefix: str, w: torch.Tensor, quantizer: WeightQuantizer,
 
 def quantize_checkpoint(src: Path, dst: Path, scheme: W4A8Scheme, quantizer: WeightQuantizer | None = None,
                         method: str = "rtn", *, overwrite: bool = False,
-                        max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+                        max_shard_bytes: int = MAX_SHARD_BYTES, provenance: dict[str, Any] | None = None) -> Path:
     """Quantize the BF16 Llama directory `src` into the W4A8 directory `dst` (written atomically, with
     SHA256SUMS, contract-verified before it appears). `quantizer` defaults to RTN; `method` is recorded as
-    provenance. Returns `dst`."""
+    provenance, and `provenance` adds to (or overrides) what is recorded, e.g. the source a rotated `src` was
+    made from. Returns `dst`."""
     from anychip.checkpoint.verify import verify_checkpoint
 
     src, dst = Path(src).resolve(), Path(dst).absolute()
     config, plan = check_source(src, scheme)
     quantizer = quantizer or rtn_quantizer(scheme)
     specs = [spec for _, outs in plan for spec in outs]
+    extra = provenance
     provenance = {"source": str(src), "method": method, "group_size": scheme.group_size,
                   "format": scheme.format, "anychip_version": __version__}
     recipe = getattr(quantizer, "recipe", None)
     if recipe is not None:
         provenance["recipe"] = recipe
+    provenance.update(extra or {})
     replaced: dict[str, torch.Tensor] = dict(getattr(quantizer, "replaced", None) or {})
     _check_replaced(replaced, plan)
     with atomic_directory(dst, overwrite=overwrite) as tmp, ExitStack() as stack:
@@ -209,8 +212,38 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     if args.method == "gptq":
         options = dict(calibration=args.calibration, samples=args.samples, seq_len=args.seq_len, damp=args.damp,
                        refit=args.refit)
-    quantizer = make_quantizer(args.method, src, scheme, **options)
-    out = quantize_checkpoint(src, dst, scheme, quantizer, method=args.method)
+    if args.rotate is None:
+        quantizer = make_quantizer(args.method, src, scheme, **options)
+        out = quantize_checkpoint(src, dst, scheme, quantizer, method=args.method)
+    else:
+        out = _quantize_rotated(src, dst, scheme, args.method, args.rotate, options)
     print(verify_checkpoint(out).summary())
     print(out)
     return 0
+
+
+def _quantize_rotated(src: Path, dst: Path, scheme: W4A8Scheme, method: str, seed: int,
+                      options: dict[str, Any]) -> Path:
+    """`anychip quantize --rotate SEED`: rotate `src` (rotate.py) into a folder beside `dst`, quantize that, record
+    the rotation and the original source, and remove the folder. GPTQ runs without smoothing: after a rotation it
+    cost perplexity on the default model (docs/bench/accuracy.md, "Residual rotation")."""
+    import tempfile
+    from dataclasses import replace
+
+    from anychip.checkpoint.rotate import rotate_llama
+
+    dst.absolute().parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{dst.name}.rotated-", dir=dst.absolute().parent) as tmp:
+        rotated = rotate_llama(src, Path(tmp) / "bf16", seed=seed)
+        if method == "gptq":
+            from anychip.checkpoint.gptq import DEFAULT_GPTQ
+
+            options = dict(options, config=replace(DEFAULT_GPTQ, smooth=()))
+        quantizer = make_quantizer(method, rotated, scheme, **options)
+        rotation = {"seed": seed, "matrix": "diag(random signs) (Hadamard(2^a) x random orthogonal(b)), "
+                                            "hidden = 2^a * b (anychip/checkpoint/rotate.py)",
+                    "bf16_changed": "embedding, every RMSNorm weight (now ones), every linear and the head (now "
+                                    "untied) are rotated: the BF16 tensors differ from the source's; the function "
+                                    "is the source's up to their BF16 rounding"}
+        return quantize_checkpoint(rotated, dst, scheme, quantizer, method=method,
+                                   provenance={"source": str(Path(src).resolve()), "rotation": rotation})
