@@ -156,13 +156,12 @@ def quantize_checkpoint(src: Path, dst: Path, scheme: W4A8Scheme, quantizer: Wei
     config, plan = check_source(src, scheme)
     quantizer = quantizer or rtn_quantizer(scheme)
     specs = [spec for _, outs in plan for spec in outs]
-    extra = provenance
-    provenance = {"source": str(src), "method": method, "group_size": scheme.group_size,
-                  "format": scheme.format, "anychip_version": __version__}
+    recorded = {"source": str(src), "method": method, "group_size": scheme.group_size,
+                "format": scheme.format, "anychip_version": __version__}
     recipe = getattr(quantizer, "recipe", None)
     if recipe is not None:
-        provenance["recipe"] = recipe
-    provenance.update(extra or {})
+        recorded["recipe"] = recipe
+    recorded.update(provenance or {})
     replaced: dict[str, torch.Tensor] = dict(getattr(quantizer, "replaced", None) or {})
     _check_replaced(replaced, plan)
     with atomic_directory(dst, overwrite=overwrite) as tmp, ExitStack() as stack:
@@ -180,7 +179,7 @@ def quantize_checkpoint(src: Path, dst: Path, scheme: W4A8Scheme, quantizer: Wei
                 for spec, tensor in zip(outs, tensors):
                     writer.write(spec.name, tensor)
                 del t, tensors
-        config = dict(config, quantization_config=scheme.quantization_config(source=provenance))
+        config = dict(config, quantization_config=scheme.quantization_config(source=recorded))
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         copy_side_files(src, tmp)
         write_manifest(tmp)

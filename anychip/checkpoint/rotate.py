@@ -56,7 +56,8 @@ def rotate_llama(src: str | Path, dst: str | Path, seed: int = 0) -> Path:
     if config.get("architectures") != ["LlamaForCausalLM"]:
         raise AnychipError(f"{src}: rotation folds into LlamaForCausalLM weights only, "
                            f"not {config.get('architectures')}")
-    tensors: dict[str, torch.Tensor] = {}
+    dst.mkdir(parents=True, exist_ok=False)
+    tensors: dict[str, torch.Tensor] = {}  # rotated in place, tensor by tensor: the model is held once
     for f in sorted(src.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as h:
             tensors.update({k: h.get_tensor(k) for k in h.keys()})
@@ -66,25 +67,24 @@ def rotate_llama(src: str | Path, dst: str | Path, seed: int = 0) -> Path:
     def read(w: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:  # W diag(gamma) Q
         return ((w.double() * gamma.double()) @ q).to(torch.bfloat16)
 
-    out = dict(tensors)
     embed = tensors["model.embed_tokens.weight"]
     head = tensors.get("lm_head.weight", embed)
-    out["lm_head.weight"] = read(head, tensors["model.norm.weight"])
-    out["model.embed_tokens.weight"] = (embed.double() @ q).to(torch.bfloat16)
-    out["model.norm.weight"] = torch.ones(d, dtype=torch.bfloat16)
+    tensors["lm_head.weight"] = read(head, tensors["model.norm.weight"])
+    tensors["model.embed_tokens.weight"] = (embed.double() @ q).to(torch.bfloat16)
+    tensors["model.norm.weight"] = torch.ones(d, dtype=torch.bfloat16)
     for i in range(int(config["num_hidden_layers"])):
         p = f"model.layers.{i}."
         for norm, names in (("input_layernorm", _READS), ("post_attention_layernorm", _READS_MLP)):
             gamma = tensors[p + norm + ".weight"]
             for name in names:
-                out[p + name + ".weight"] = read(tensors[p + name + ".weight"], gamma)
-            out[p + norm + ".weight"] = torch.ones(d, dtype=torch.bfloat16)
+                tensors[p + name + ".weight"] = read(tensors[p + name + ".weight"], gamma)
+            tensors[p + norm + ".weight"] = torch.ones(d, dtype=torch.bfloat16)
         for name in _WRITES:
-            out[p + name + ".weight"] = (q.T @ tensors[p + name + ".weight"].double()).to(torch.bfloat16)
+            tensors[p + name + ".weight"] = (q.T @ tensors[p + name + ".weight"].double()).to(torch.bfloat16)
             if p + name + ".bias" in tensors:
-                out[p + name + ".bias"] = (tensors[p + name + ".bias"].double() @ q).to(torch.bfloat16)
-    dst.mkdir(parents=True, exist_ok=False)
-    save_file({k: v.contiguous() for k, v in out.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
+                tensors[p + name + ".bias"] = (tensors[p + name + ".bias"].double() @ q).to(torch.bfloat16)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"),
+              metadata={"format": "pt"})
     config["tie_word_embeddings"] = False
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for f in src.iterdir():
