@@ -59,7 +59,8 @@ ANYCHIP_API_KEY = "ANYCHIP_API_KEY"
 ANYCHIP_FUSE_NORM = "ANYCHIP_FUSE_NORM"
 #: "1" also moves SiluAndMul into the down projection's kernels (off by default: not shown faster on a GPU yet).
 ANYCHIP_FUSE_SILU = "ANYCHIP_FUSE_SILU"
-#: "0" keeps the x86 prefill GEMM off AMX-INT8 on CPUs that have it (csrc/w4a8_amx.h; default: on, same bits).
+#: "0" keeps the registry from picking route cpu.amx_int8 (AMX-INT8 prefill tiles, csrc/w4a8_amx.h) on CPUs that
+#: have it: cpu.avx512_vnni serves instead (default: on, same bits; forcing the route still takes it).
 ANYCHIP_CPU_AMX = "ANYCHIP_CPU_AMX"
 #: "0" launches the GPU route's Triton kernels through Triton's JIT at every call (kernels/gpu/direct.py; default:
 #: the compiled kernels directly).
