@@ -332,7 +332,7 @@ def test_direct_launches_call_launch_hooks(monkeypatch) -> None:
     names: list[str] = []
 
     def hook(meta) -> None:
-        names.append(meta.get()["name"] if hasattr(meta, "get") else meta["name"])
+        names.append(meta["name"] if isinstance(meta, dict) else meta.get()["name"])  # Triton's LazyDict: get()
 
     chain = knobs.runtime.launch_enter_hook
     if hasattr(chain, "add"):  # Triton 3.6's HookChain
