@@ -16,13 +16,13 @@ orthogonal b x b (from the QR of a Gaussian matrix), signs random; seeded, so a 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from anychip.checkpoint.io import copy_side_files, weight_files
 from anychip.errors import AnychipError
 
 _READS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
@@ -58,7 +58,7 @@ def rotate_llama(src: str | Path, dst: str | Path, seed: int = 0) -> Path:
                            f"not {config.get('architectures')}")
     dst.mkdir(parents=True, exist_ok=False)
     tensors: dict[str, torch.Tensor] = {}  # rotated in place, tensor by tensor: the model is held once
-    for f in sorted(src.glob("*.safetensors")):
+    for f in weight_files(src):
         with safe_open(str(f), framework="pt") as h:
             tensors.update({k: h.get_tensor(k) for k in h.keys()})
     d = int(config["hidden_size"])
@@ -87,7 +87,5 @@ def rotate_llama(src: str | Path, dst: str | Path, seed: int = 0) -> Path:
               metadata={"format": "pt"})
     config["tie_word_embeddings"] = False
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for f in src.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "SHA256SUMS"):
-            shutil.copy2(f, dst / f.name)
+    copy_side_files(src, dst)
     return dst
