@@ -15,8 +15,8 @@ start is the float weights rounded to nearest with GPTQ's scales (v = 0, d = 0),
 dequantized weights sit exactly on the grid, half a step from every rounding boundary, where the straight-through
 gradient of a scale is zero and the offsets can only move a code by a whole step. Each step takes `batch`
 calibration sequences and moves every parameter by lr * sign(gradient), lr decaying linearly from `lr` (default
-1 / steps) to 0. The tuned layer is kept only if its output error over all the calibration sequences is lower than GPTQ's. The contract is unchanged:
-symmetric INT4 codes in [-8, 7], one BF16 scale per group.
+1 / steps) to 0. The tuned layer is kept only if its output error over all the calibration sequences is lower
+than GPTQ's. The contract is unchanged: symmetric INT4 codes in [-8, 7], one BF16 scale per group.
 """
 
 from __future__ import annotations
