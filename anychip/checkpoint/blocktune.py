@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from anychip.kernels.reference import INT8_MAX
+from anychip.kernels.reference import INT8_MAX, dequantize_weight_ref
 
 #: Largest relative change of a group scale (AutoRound clips its range factors to [0.5, 1]).
 SCALE_RANGE = 0.5
@@ -152,8 +152,7 @@ def tune_layer(layer: torch.nn.Module, quantized: dict[str, tuple[torch.Tensor, 
                 err = sum(float(torch.sum((o - y) ** 2)) for o, y in zip(outs, targets))
                 return err / sum(y.numel() for y in targets), outs
 
-        start = {n: (wq.to(device, torch.float32).view(wq.shape[0], -1, group_size)
-                     * sc.to(device, torch.float32).unsqueeze(2)).view(wq.shape) for n, (wq, sc) in quantized.items()}
+        start = {n: dequantize_weight_ref(wq, sc).to(device) for n, (wq, sc) in quantized.items()}
         before, outs_before = total_loss(start)
         rows = [(b, i) for b, x in enumerate(xs) for i in range(x.shape[0])]
         gen = torch.Generator().manual_seed(seed)
