@@ -19,6 +19,9 @@ INT8; SimulatedW4A8Linear) and, where smoothing changed them, its RMSNorm weight
                                   text)
     default-fN[-tN]               the default recipe with GPTQConfig.refit N (and tune_steps N)
     any of these + -wonly         activations left in float (INT4 weights alone)
+    llama.cpp-TYPE                the peer: llama.cpp's own GGUF of the BF16 source (TYPE Q4_0, Q8_0 or F32, made
+                                  by llama.cpp's quantizer) scored through llama-cpp-python on the CPU, on the
+                                  same requests (needs `pip install 'anychip[peers]'`; --threads)
 
 Unnamed options take GPTQConfig's field defaults (the smoothing search on 2048 tokens; `default` uses
 DEFAULT_GPTQ's 512), and every flag left out is off: `gptq-g32-s32-clip` is the recipe before act-order and
@@ -111,11 +114,12 @@ def quantize_variant(name: str, bf16: Path, model, device: str, texts: dict[str,
     return out, {}, act, {"rtn": how}
 
 
-def load_base(path: Path) -> tuple[dict, dict]:
-    """The bf16 entry of an earlier sweep's report (and its per-item outcomes) to take deltas against."""
+def load_base(path: Path, limit: int | None = None) -> tuple[dict, dict]:
+    """The bf16 entry of an earlier sweep's report (and its per-item outcomes, the first `limit` of each task) to
+    take deltas against."""
     report = json.loads(path.read_text())
     items = json.loads(path.with_suffix(".items.json").read_text())["bf16"]
-    tasks = {t: TaskScore(tuple(v["acc"]), tuple(v["acc_norm"])) for t, v in items.items()}
+    tasks = {t: TaskScore(tuple(v["acc"][:limit]), tuple(v["acc_norm"][:limit])) for t, v in items.items()}
     return report["variants"]["bf16"], tasks
 
 
@@ -135,6 +139,7 @@ def main() -> int:
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--text", action="append", default=[], metavar="NAME=PATH",
                    help="a calibration text the variants' -xNAME option reads (repeatable)")
+    p.add_argument("--threads", type=int, help="CPU threads of a llama.cpp variant (default: every CPU)")
     args = p.parse_args()
     texts = {}
     for spec in args.text:
@@ -155,13 +160,20 @@ def main() -> int:
                     "variants": {}}
     base_tasks, base_ppl = None, None
     if args.base:
-        entry, base_tasks = load_base(args.base)
+        entry, base_tasks = load_base(args.base, args.limit)
         base_ppl = entry.get("ppl")
         report["base"] = str(args.base)
         report["variants"]["bf16"] = entry
     items: dict = {}
     for name in args.variants.split(","):
         t0 = time.perf_counter()
+        if name.startswith(LLAMA_CPP):
+            engine, recipe = llama_cpp_variant(name, args.bf16, args.threads)
+            quant_s = time.perf_counter() - t0
+            res = evaluate_engine(engine, name, task_files, text, settings)
+            engine.close()
+            record(report, items, name, res, quant_s, recipe, base_tasks, base_ppl, args.out)
+            continue
         model = AutoModelForCausalLM.from_pretrained(args.bf16, dtype=torch.bfloat16, local_files_only=True)
         model = model.to(args.device).eval()
         recipe: dict = {}
@@ -176,18 +188,40 @@ def main() -> int:
         del model
         if name == "bf16":
             base_tasks, base_ppl = res.tasks, res.ppl
-        entry = {"quantize_s": quant_s, "seconds": res.seconds, "ppl": res.ppl, "recipe": recipe,
-                 "tasks": {t: s.summary() for t, s in res.tasks.items()}}
-        if base_tasks is not None and name != "bf16":
-            entry["delta"] = {t: compare(s, base_tasks[t]) for t, s in res.tasks.items()}
-            if res.ppl and base_ppl:
-                entry["delta"]["perplexity"] = {"ppl_increase_pct": 100 * (res.ppl["ppl"] / base_ppl["ppl"] - 1)}
-        report["variants"][name] = entry
-        items[name] = {t: {"acc": s.acc_items, "acc_norm": s.acc_norm_items} for t, s in res.tasks.items()}
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
-        args.out.with_suffix(".items.json").write_text(json.dumps(items))
-        print(summary_line(name, entry), flush=True)
+        record(report, items, name, res, quant_s, recipe, base_tasks, base_ppl, args.out)
     return 0
+
+
+LLAMA_CPP = "llama.cpp-"
+
+
+def llama_cpp_variant(name: str, bf16: Path, threads: int | None):
+    """(engine, recipe record) of a `llama.cpp-TYPE` variant: llama.cpp's GGUF of the BF16 source on the CPU."""
+    from importlib.metadata import version
+
+    from anychip.eval.llama_cpp_engine import LlamaCppEngine, gguf_for
+
+    ftype = name[len(LLAMA_CPP):]
+    gguf = gguf_for(bf16, ftype)
+    return (LlamaCppEngine(gguf, bf16, threads=threads, name=name),
+            {"llama.cpp": ftype, "gguf": gguf.name, "llama_cpp_python": version("llama_cpp_python"),
+             "threads": threads})
+
+
+def record(report: dict, items: dict, name: str, res, quant_s: float, recipe: dict, base_tasks, base_ppl,
+           out: Path) -> None:
+    """Add one variant's outcome (and its deltas against the base) to the report and the per-item file."""
+    entry = {"quantize_s": quant_s, "seconds": res.seconds, "ppl": res.ppl, "recipe": recipe,
+             "tasks": {t: s.summary() for t, s in res.tasks.items()}}
+    if base_tasks is not None and name != "bf16":
+        entry["delta"] = {t: compare(s, base_tasks[t]) for t, s in res.tasks.items()}
+        if res.ppl and base_ppl:
+            entry["delta"]["perplexity"] = {"ppl_increase_pct": 100 * (res.ppl["ppl"] / base_ppl["ppl"] - 1)}
+    report["variants"][name] = entry
+    items[name] = {t: {"acc": s.acc_items, "acc_norm": s.acc_norm_items} for t, s in res.tasks.items()}
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    out.with_suffix(".items.json").write_text(json.dumps(items))
+    print(summary_line(name, entry), flush=True)
 
 
 def summary_line(name: str, entry: dict) -> str:
