@@ -169,6 +169,51 @@ def test_evaluate_model_pipeline_with_a_fake_engine(tmp_path, monkeypatch):
     assert "toy" in runner.format_report(report)
 
 
+def _crash_or_score(model, task_files, text, settings):
+    """evaluate_all's per-model function in the tests: "segv" dies by SIGSEGV (an engine crashing), "raise"
+    raises, anything else returns an empty result."""
+    import os
+    import signal
+
+    label = model.label
+    if label == "segv":
+        os.kill(os.getpid(), signal.SIGSEGV)
+    if label == "raise":
+        raise runner.EvalDataError("a bad task file")
+    return runner.ModelResult(model=label)
+
+
+def test_a_model_whose_process_dies_costs_only_itself(tmp_path):
+    settings = runner.EvalSettings(jobs=2)
+    targets = [runner.Target("w4a8", tmp_path), runner.Target("segv", tmp_path / "m.gguf", engine="llama.cpp"),
+               runner.Target("bf16", tmp_path)]
+    got = runner.evaluate_all(targets, [], None, settings, evaluate=_crash_or_score)
+    assert [r.model for r in (got[0], got[2])] == ["w4a8", "bf16"]
+    assert isinstance(got[1], runner.ModelProcessDied)
+    assert "segv" in str(got[1]) and "SIGSEGV" in str(got[1]) and "AMX" in str(got[1])  # the llama.cpp fix named
+    with pytest.raises(runner.EvalDataError, match="a bad task file"):  # an error inside a child is raised here
+        runner.evaluate_all([runner.Target("raise", tmp_path)], [], None, settings, evaluate=_crash_or_score)
+
+
+def test_report_names_the_models_that_died(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "toy.jsonl"
+    path.write_text(json.dumps({"context": "q", "choices": [" a", " zz"], "label": 1}) + "\n")
+    monkeypatch.setattr(runner, "make_engine", lambda model_dir, settings: FakeEngine())
+    ok = runner.evaluate_model(tmp_path, [path], None, runner.EvalSettings())
+    died = runner.ModelProcessDied("llama.cpp-Q4_0: its evaluation process was killed by SIGSEGV")
+    monkeypatch.setattr(runner, "targets_to_evaluate", lambda *a, **k: [
+        runner.Target("w4a8", tmp_path), runner.Target("llama.cpp-Q4_0", tmp_path, engine="llama.cpp",
+                                                       baseline="bf16")])
+    monkeypatch.setattr(runner, "evaluate_all", lambda targets, *a, **k: [ok, died])
+    report = runner.run_eval(tmp_path, None, str(tmp_path), runner.EvalSettings(), False, None)
+    assert list(report["models"]) == ["w4a8"] and report["failed"] == {"llama.cpp-Q4_0": str(died)}
+    assert "not evaluated: llama.cpp-Q4_0" in runner.format_report(report)
+    # the model under evaluation itself dying is an error, not a report
+    monkeypatch.setattr(runner, "evaluate_all", lambda targets, *a, **k: [died, ok])
+    with pytest.raises(runner.ModelProcessDied):
+        runner.run_eval(tmp_path, None, str(tmp_path), runner.EvalSettings(), False, None)
+
+
 def test_compare_bf16_reads_the_recorded_source(tmp_path):
     src = tmp_path / "bf16"
     src.mkdir()

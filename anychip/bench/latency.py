@@ -13,7 +13,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from typing import Any
 
 from anychip import envs
 from anychip.bench import gguf_peers, peers
+from anychip.bench.peers import exit_reason
 from anychip.bench.host import machine, wait_for_idle
 from anychip.bench.metrics import MeanSd, RepTiming, mean_sd, ratio, summarize_latency
 from anychip.bench.report import command_line, fmt, markdown_table, now, source_notes, write_outputs
@@ -248,22 +248,6 @@ def system_env(system: System, threads: int, coverage: Path | None, caches: Path
             env["VLLM_PLUGINS"] = plugins_without_anychip()
     env.update(system.env)
     return env
-
-
-def exit_reason(returncode: int, engine: str) -> str:
-    """How a runner ended, in words: "exited with 3", or "was killed by SIGSEGV" (a negative return code), with
-    what is known to cause a crash of that engine."""
-    if returncode >= 0:
-        return f"exited with {returncode}"
-    try:
-        name = signal.Signals(-returncode).name
-    except ValueError:
-        name = f"signal {-returncode}"
-    why = f"was killed by {name}"
-    if engine == "llama.cpp" and name in ("SIGSEGV", "SIGILL"):
-        why += (" (llama-cpp-python's AMX path crashed so on an AMX CPU: build it with AMX off, "
-                "docs/benchmarks.md)")
-    return why
 
 
 def _run_child(spec: RunSpec, workdir: Path, timeout_s: float) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.util
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -227,3 +228,19 @@ def _llama_cpp_import_error() -> str | None:
     except Exception as exc:  # any import failure makes the peer unavailable, never the whole bench
         return f"{type(exc).__name__}: {exc}"
     return None
+
+
+def exit_reason(returncode: int, engine: str) -> str:
+    """How a runner ended, in words: "exited with 3", or "was killed by SIGSEGV" (a negative return code), with
+    what is known to cause a crash of that engine."""
+    if returncode >= 0:
+        return f"exited with {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    why = f"was killed by {name}"
+    if engine == "llama.cpp" and name in ("SIGSEGV", "SIGILL"):
+        why += (" (llama-cpp-python's AMX path crashed so on an AMX CPU: build it with AMX off, "
+                "docs/benchmarks.md)")
+    return why

@@ -12,13 +12,14 @@ import math
 import multiprocessing
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from anychip.checkpoint.model_dir import ModelDir, ModelDirError
 from anychip.envs import ANYCHIP_HEAD, patched_environ
+from anychip.errors import AnychipError
 from anychip.eval.requests import PairEncoder, pair_sequence, plan_requests, rolling_windows
 from anychip.eval.scoring import TaskScore, compare, perplexity, score_task
 from anychip.eval.tasks import (PERPLEXITY, EvalDataError, data_source, load_task, load_text, resolve_data_dir,
@@ -168,17 +169,64 @@ def _perplexity(engine, text: str, settings: EvalSettings, label: str) -> dict[s
 def evaluate_isolated(model: Path | Target, task_files: list[Path], text: str | None,
                       settings: EvalSettings) -> ModelResult:
     """evaluate_model in a fresh spawned process; its memory and engine state go when it returns."""
-    return evaluate_all([model], task_files, text, settings)[0]
+    result = evaluate_all([model], task_files, text, settings)[0]
+    if isinstance(result, ModelProcessDied):
+        raise result
+    return result
+
+
+class ModelProcessDied(AnychipError):
+    """A model's evaluation process ended without a result (killed by a signal: a crashing engine)."""
 
 
 def evaluate_all(models: list[Path | Target], task_files: list[Path], text: str | None,
-                 settings: EvalSettings) -> list[ModelResult]:
-    """evaluate_model for each model, `settings.jobs` at a time, each in a fresh spawned process (its memory and
-    engine state go when it returns); results in the order of `models`."""
-    with ProcessPoolExecutor(max_workers=settings.jobs, mp_context=multiprocessing.get_context("spawn"),
-                             max_tasks_per_child=1) as pool:
-        futures = [pool.submit(evaluate_model, m, task_files, text, settings) for m in models]
+                 settings: EvalSettings, evaluate=None) -> list[ModelResult | ModelProcessDied]:
+    """evaluate_model (or `evaluate`, a picklable function of the same arguments) for each model,
+    `settings.jobs` at a time, each in a fresh spawned process of its own (its memory and engine state go when it
+    returns); results in the order of `models`. A process that dies without a result (an engine that crashes)
+    costs only its own model: its place holds the ModelProcessDied that says how it ended. An exception raised
+    inside a model's process is raised here."""
+    with ThreadPoolExecutor(max_workers=settings.jobs) as pool:
+        futures = [pool.submit(_in_own_process, evaluate or evaluate_model, m, task_files, text, settings)
+                   for m in models]
         return [f.result() for f in futures]
+
+
+def _in_own_process(evaluate, model: Path | Target, task_files: list[Path], text: str | None,
+                    settings: EvalSettings) -> ModelResult | ModelProcessDied:
+    from anychip.bench.peers import exit_reason
+
+    ctx = multiprocessing.get_context("spawn")
+    receive, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(send, evaluate, model, task_files, text, settings))
+    proc.start()
+    send.close()  # the child holds the only writer: its death reads here as EOF
+    try:
+        ok, value = receive.recv()
+    except EOFError:
+        proc.join()
+        target = model if isinstance(model, Target) else Target(Path(model).name, Path(model))
+        engine = target.engine or settings.engine
+        return ModelProcessDied(f"{target.label}: its evaluation process {exit_reason(proc.exitcode or 0, engine)} "
+                                "before it returned a result")
+    finally:
+        receive.close()
+    proc.join()
+    if not ok:
+        raise value
+    return value
+
+
+def _child(send, evaluate, model, task_files, text, settings) -> None:
+    try:
+        send.send((True, evaluate(model, task_files, text, settings)))
+    except BaseException as exc:  # noqa: BLE001 -- carried to the parent, which raises it
+        try:
+            send.send((False, exc))
+        except Exception:  # noqa: BLE001 -- an exception that does not pickle
+            send.send((False, RuntimeError(f"{type(exc).__name__}: {exc}")))
+    finally:
+        send.close()
 
 
 def report_pairs(labels: list[str], baselines: dict[str, str] | None = None) -> list[tuple[str, str]]:
@@ -273,6 +321,7 @@ def format_report(report: dict[str, Any]) -> str:
             lo, hi = d["acc_norm_ci95"]
             lines.append(f"{'':<18} {'delta':<{w}} {100 * d['acc']:+7.2f} {100 * d['acc_norm']:+9.2f}"
                          f"          [{_pct(lo)}, {_pct(hi)}]  ({pair})")
+    lines += [f"not evaluated: {reason}" for reason in report.get("failed", {}).values()]
     return "\n".join(lines)
 
 
@@ -320,11 +369,16 @@ def run_eval(model: Path, task_names: list[str] | None, data: str | None, settin
     kinds = [t.engine or settings.engine for t in targets]
     order = sorted(range(len(targets)), key=lambda i: kinds[:i].count(kinds[i]))
     done = dict(zip(order, evaluate_all([targets[i] for i in order], task_files, text, settings)))
-    results = {t.label: done[i] for i, t in enumerate(targets)}
+    died = {t.label: str(done[i]) for i, t in enumerate(targets) if isinstance(done[i], ModelProcessDied)}
+    if targets[0].label in died:  # the model under evaluation itself: nothing to report
+        raise ModelProcessDied(died[targets[0].label])
+    results = {t.label: done[i] for i, t in enumerate(targets) if t.label not in died}
     extra = {"data": data_source(data_dir, task_files), "text": str(text_file) if text_file else None,
              "engines": {t.label: {"engine": t.engine or settings.engine, "env": dict(t.env),
                                    "tokenizer": str(t.tokenizer or t.path)} for t in targets}}
-    return build_report(results, settings, extra, {t.label: t.baseline for t in targets})
+    if died:
+        extra["failed"] = died
+    return build_report(results, settings, extra, {t.label: t.baseline for t in targets if t.label not in died})
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -337,4 +391,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.json}")
-    return 0
+    for reason in report.get("failed", {}).values():
+        print(f"anychip eval: not in the report: {reason}", file=sys.stderr)
+    return 1 if report.get("failed") else 0
