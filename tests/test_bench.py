@@ -660,10 +660,10 @@ def test_a_runners_peak_memory_is_its_own(tmp_path):
 
 
 def test_a_runner_killed_by_a_signal_is_named():
-    assert latency.exit_reason(3, "vllm") == "exited with 3"
-    assert latency.exit_reason(-11, "vllm") == "was killed by SIGSEGV"
-    assert "AMX" in latency.exit_reason(-11, "llama.cpp") and "SIGSEGV" in latency.exit_reason(-11, "llama.cpp")
-    assert latency.exit_reason(-9, "llama.cpp") == "was killed by SIGKILL"
+    assert peers.exit_reason(3, "vllm") == "exited with 3"
+    assert peers.exit_reason(-11, "vllm") == "was killed by SIGSEGV"
+    assert "AMX" in peers.exit_reason(-11, "llama.cpp") and "SIGSEGV" in peers.exit_reason(-11, "llama.cpp")
+    assert peers.exit_reason(-9, "llama.cpp") == "was killed by SIGKILL"
 
 
 def test_gpu_clock_sampler_keeps_readings_by_time_and_skips_non_numbers() -> None:

@@ -26,7 +26,6 @@ from typing import Any
 
 from anychip import envs
 from anychip.bench import gguf_peers, peers
-from anychip.bench.peers import exit_reason
 from anychip.bench.host import machine, wait_for_idle
 from anychip.bench.metrics import MeanSd, RepTiming, mean_sd, ratio, summarize_latency
 from anychip.bench.report import command_line, fmt, markdown_table, now, source_notes, write_outputs
@@ -263,7 +262,7 @@ def _run_child(spec: RunSpec, workdir: Path, timeout_s: float) -> dict[str, Any]
             return {"ok": False, "timed_out": True, "error": f"timed out after {timeout_s:.0f} s (log: {log_path})"}
     if not out_path.exists():
         errors = [ln for ln in log_path.read_text().splitlines() if "Error" in ln and "WARNING" not in ln]
-        return {"ok": False, "error": f"runner {exit_reason(proc.returncode, spec.engine)} without a result"
+        return {"ok": False, "error": f"runner {peers.exit_reason(proc.returncode, spec.engine)} without a result"
                 + (f": {errors[-1].strip()}" if errors else "") + f" (log: {log_path})"}
     result = json.loads(out_path.read_text())
     if not result.get("ok"):
