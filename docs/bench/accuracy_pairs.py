@@ -1,0 +1,74 @@
+"""Paired deltas between variants of different accuracy sweeps (`accuracy_sweep.py` reports), on the same items.
+
+Each sweep writes REPORT.json and REPORT.items.json (per variant, per task, each item's 0/1 acc and acc_norm). A
+variant is named FILE:NAME (FILE a sweep's report JSON, NAME one of its variants). For every pair A,B given with
+--pair, the tasks both have are paired item by item (they must have the same number of items: the same task
+files, the same --limit), and perplexity is compared where both reports have it.
+
+    python docs/bench/accuracy_pairs.py --pair docs/bench/accuracy_refit.json:default-f3,q4.json:llama.cpp-Q4_0 \\
+        --json pairs.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from anychip.eval.scoring import TaskScore, compare
+
+
+def load(spec: str) -> tuple[dict[str, TaskScore], float | None]:
+    """FILE:NAME -> ({task: its items' outcomes}, perplexity or None)."""
+    file, _, name = spec.rpartition(":")
+    if not file or not name:
+        raise SystemExit(f"{spec!r}: use FILE:NAME, a sweep report and one of its variants")
+    report = json.loads(Path(file).read_text())
+    items = json.loads(Path(file).with_suffix(".items.json").read_text())
+    if name not in items:
+        raise SystemExit(f"{file} has no variant {name!r} (it has {', '.join(items)})")
+    tasks = {t: TaskScore(tuple(v["acc"]), tuple(v["acc_norm"])) for t, v in items[name].items()}
+    ppl = (report["variants"][name].get("ppl") or {}).get("ppl")
+    return tasks, ppl
+
+
+def pair(a: str, b: str) -> dict:
+    """{task: A - B deltas with paired 95% CIs} and, where both have it, perplexity's change A / B - 1."""
+    (ta, pa), (tb, pb) = load(a), load(b)
+    out: dict = {}
+    for task in sorted(set(ta) & set(tb)):
+        if ta[task].n != tb[task].n:
+            raise SystemExit(f"{task}: {a} has {ta[task].n} items, {b} {tb[task].n}: pair the same items")
+        out[task] = {**compare(ta[task], tb[task]), "n": ta[task].n}
+    if pa and pb:
+        out["perplexity"] = {"a": pa, "b": pb, "ppl_change_pct": 100 * (pa / pb - 1)}
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--pair", action="append", required=True, metavar="A,B", help="FILE:NAME,FILE:NAME (repeatable)")
+    p.add_argument("--json", type=Path, help="write {\"A - B\": deltas} here")
+    args = p.parse_args()
+    result = {}
+    for spec in args.pair:
+        a, _, b = spec.partition(",")
+        deltas = pair(a, b)
+        result[f"{a} - {b}"] = deltas
+        print(f"{a} - {b}")
+        for task, d in deltas.items():
+            if task == "perplexity":
+                print(f"  perplexity {d['a']:.3f} vs {d['b']:.3f}: {d['ppl_change_pct']:+.1f}%")
+            else:
+                lo, hi = d["acc_norm_ci95"]
+                print(f"  {task:<16} acc_norm {100 * d['acc_norm']:+.2f} [{100 * lo:+.2f}, {100 * hi:+.2f}]"
+                      f"  acc {100 * d['acc']:+.2f}  (n={d['n']})")
+    if args.json:
+        args.json.write_text(json.dumps({"command": "python " + " ".join(sys.argv), "pairs": result}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
