@@ -7,6 +7,9 @@ files, the same --limit), and perplexity is compared where both reports have it.
 
     python docs/bench/accuracy_pairs.py --pair docs/bench/accuracy_refit.json:default-f3,q4.json:llama.cpp-Q4_0 \\
         --json pairs.json
+
+--merge OUT.json IN.json ... first joins sweep reports that ran the same variants on different tasks (one
+invocation a task, so that a stopped run keeps the tasks it finished) into one report and items file.
 """
 
 from __future__ import annotations
@@ -46,12 +49,40 @@ def pair(a: str, b: str) -> dict:
     return out
 
 
+def merge(out: Path, inputs: list[Path]) -> None:
+    """One sweep report (and items file) of several that ran the same variants on different tasks."""
+    report: dict = {"merged": [str(p) for p in inputs], "commands": [], "variants": {}}
+    items: dict = {}
+    for path in inputs:
+        part = json.loads(path.read_text())
+        report["commands"].append(part.get("command"))
+        for key in ("device", "device_name", "torch", "base"):
+            report.setdefault(key, part.get(key))
+        for name, entry in part["variants"].items():
+            into = report["variants"].setdefault(name, {"tasks": {}, "seconds": {}, "delta": {}})
+            for key in ("tasks", "seconds", "delta"):
+                into[key].update(entry.get(key) or {})
+            for key in ("recipe", "quantize_s"):
+                into.setdefault(key, entry.get(key))
+            if entry.get("ppl"):
+                into["ppl"] = entry["ppl"]
+        for name, tasks in json.loads(path.with_suffix(".items.json").read_text()).items():
+            items.setdefault(name, {}).update(tasks)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    out.with_suffix(".items.json").write_text(json.dumps(items))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--pair", action="append", required=True, metavar="A,B", help="FILE:NAME,FILE:NAME (repeatable)")
+    p.add_argument("--pair", action="append", default=[], metavar="A,B", help="FILE:NAME,FILE:NAME (repeatable)")
     p.add_argument("--json", type=Path, help="write {\"A - B\": deltas} here")
+    p.add_argument("--merge", nargs="+", type=Path, metavar=("OUT", "IN"), help="join sweep reports (see above)")
     args = p.parse_args()
+    if args.merge:
+        if len(args.merge) < 2:
+            raise SystemExit("--merge OUT.json IN.json ...")
+        merge(args.merge[0], args.merge[1:])
     result = {}
     for spec in args.pair:
         a, _, b = spec.partition(",")
