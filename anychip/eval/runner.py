@@ -96,6 +96,11 @@ class Target:
     baseline: str = ""
 
 
+def as_target(model: Path | Target) -> Target:
+    """A model directory as the Target of its own name (a Target as it is)."""
+    return model if isinstance(model, Target) else Target(Path(model).name, Path(model))
+
+
 def bf16_source(model_dir: Path) -> Path:
     """The BF16 directory a W4A8 checkpoint was quantized from (recorded by `anychip quantize`)."""
     try:
@@ -125,7 +130,7 @@ def evaluate_model(model: Path | Target, task_files: list[Path], text: str | Non
     """Score every task (and the perplexity text, if given) with one engine on `model`, in this process."""
     from anychip.eval.engines import vllm_environment
 
-    target = model if isinstance(model, Target) else Target(Path(model).name, Path(model))
+    target = as_target(model)
     with vllm_environment(), patched_environ(dict(target.env)):
         engine = make_engine(target, settings)
         try:
@@ -205,7 +210,7 @@ def _in_own_process(evaluate, model: Path | Target, task_files: list[Path], text
         ok, value = receive.recv()
     except EOFError:
         proc.join()
-        target = model if isinstance(model, Target) else Target(Path(model).name, Path(model))
+        target = as_target(model)
         engine = target.engine or settings.engine
         return ModelProcessDied(f"{target.label}: its evaluation process {exit_reason(proc.exitcode or 0, engine)} "
                                 "before it returned a result")

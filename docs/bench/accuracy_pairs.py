@@ -19,6 +19,8 @@ import json
 import sys
 from pathlib import Path
 
+from accuracy_sweep import load_base  # the sibling script: Python puts a script's folder on the path
+
 from anychip.eval.scoring import TaskScore, compare
 
 
@@ -27,13 +29,8 @@ def load(spec: str) -> tuple[dict[str, TaskScore], float | None]:
     file, _, name = spec.rpartition(":")
     if not file or not name:
         raise SystemExit(f"{spec!r}: use FILE:NAME, a sweep report and one of its variants")
-    report = json.loads(Path(file).read_text())
-    items = json.loads(Path(file).with_suffix(".items.json").read_text())
-    if name not in items:
-        raise SystemExit(f"{file} has no variant {name!r} (it has {', '.join(items)})")
-    tasks = {t: TaskScore(tuple(v["acc"]), tuple(v["acc_norm"])) for t, v in items[name].items()}
-    ppl = (report["variants"][name].get("ppl") or {}).get("ppl")
-    return tasks, ppl
+    entry, tasks = load_base(Path(file), name=name)
+    return tasks, (entry.get("ppl") or {}).get("ppl")
 
 
 def pair(a: str, b: str) -> dict:

@@ -47,6 +47,7 @@ from anychip.checkpoint.rtn import quantize_with_scales
 from anychip.checkpoint.scales import SCALE_SEARCHES, search_scales
 from anychip.checkpoint.scheme import DECODER_LINEARS, W4A8Scheme
 from anychip.checkpoint.smooth import POINT_NAMES
+from anychip.eval import runner
 from anychip.eval.engines import TorchEngine, simulate_w4a8
 from anychip.eval.runner import EvalSettings, evaluate_engine
 from anychip.eval.scoring import TaskScore, compare
@@ -114,13 +115,15 @@ def quantize_variant(name: str, bf16: Path, model, device: str, texts: dict[str,
     return out, {}, act, {"rtn": how}
 
 
-def load_base(path: Path, limit: int | None = None) -> tuple[dict, dict]:
-    """The bf16 entry of an earlier sweep's report (and its per-item outcomes, the first `limit` of each task) to
-    take deltas against."""
+def load_base(path: Path, limit: int | None = None, name: str = "bf16") -> tuple[dict, dict]:
+    """The `name` entry of an earlier sweep's report (and its per-item outcomes, the first `limit` of each task)
+    to take deltas against."""
     report = json.loads(path.read_text())
-    items = json.loads(path.with_suffix(".items.json").read_text())["bf16"]
-    tasks = {t: TaskScore(tuple(v["acc"][:limit]), tuple(v["acc_norm"][:limit])) for t, v in items.items()}
-    return report["variants"]["bf16"], tasks
+    items = json.loads(path.with_suffix(".items.json").read_text())
+    if name not in items:
+        raise SystemExit(f"{path} has no variant {name!r} (it has {', '.join(items)})")
+    tasks = {t: TaskScore(tuple(v["acc"][:limit]), tuple(v["acc_norm"][:limit])) for t, v in items[name].items()}
+    return report["variants"][name], tasks
 
 
 def main() -> int:
@@ -168,7 +171,7 @@ def main() -> int:
     for name in args.variants.split(","):
         t0 = time.perf_counter()
         if name.startswith(LLAMA_CPP):
-            engine, recipe = llama_cpp_variant(name, args.bf16, args.threads)
+            engine, recipe = llama_cpp_variant(name, args.bf16, replace(settings, threads=args.threads))
             quant_s = time.perf_counter() - t0
             res = evaluate_engine(engine, name, task_files, text, settings)
             engine.close()
@@ -192,20 +195,22 @@ def main() -> int:
     return 0
 
 
-LLAMA_CPP = "llama.cpp-"
+LLAMA_CPP = runner.LLAMA_CPP + "-"  # the label eval gives its llama.cpp peers: llama.cpp-Q4_0
 
 
-def llama_cpp_variant(name: str, bf16: Path, threads: int | None):
-    """(engine, recipe record) of a `llama.cpp-TYPE` variant: llama.cpp's GGUF of the BF16 source on the CPU."""
+def llama_cpp_variant(name: str, bf16: Path, settings: EvalSettings):
+    """(engine, recipe record) of a `llama.cpp-TYPE` variant: llama.cpp's GGUF of the BF16 source on the CPU,
+    started as `anychip eval --llama-cpp TYPE` starts it."""
     from importlib.metadata import version
 
-    from anychip.eval.llama_cpp_engine import LlamaCppEngine, gguf_for
+    from anychip.eval.llama_cpp_engine import gguf_for
 
     ftype = name[len(LLAMA_CPP):]
     gguf = gguf_for(bf16, ftype)
-    return (LlamaCppEngine(gguf, bf16, threads=threads, name=name),
+    target = runner.Target(name, gguf, engine=runner.LLAMA_CPP, tokenizer=bf16)
+    return (runner.make_engine(target, settings),
             {"llama.cpp": ftype, "gguf": gguf.name, "llama_cpp_python": version("llama_cpp_python"),
-             "threads": threads})
+             "threads": settings.threads})
 
 
 def record(report: dict, items: dict, name: str, res, quant_s: float, recipe: dict, base_tasks, base_ppl,
