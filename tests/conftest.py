@@ -1,4 +1,5 @@
-"""Shared fixtures: the prepared default model (cached across tests and runs) and tiny random Llama checkpoints."""
+"""Shared fixtures: the prepared default model (cached across tests and runs) and tiny random Llama (and other
+family) checkpoints."""
 
 from __future__ import annotations
 
@@ -66,13 +67,16 @@ def _tiny_tokenizer(directory: Path, size: int) -> None:
                             eos_token="w1").save_pretrained(directory)
 
 
-def write_tiny_llama(directory: Path, seed: int = 0, tokenizer_size: int = 100, **overrides) -> Path:
-    """A random BF16 LlamaForCausalLM saved with transformers (safetensors) plus a word-level tokenizer."""
+def write_tiny_llama(directory: Path, seed: int = 0, tokenizer_size: int = 100,
+                     architecture: str = "LlamaForCausalLM", **overrides) -> Path:
+    """A random BF16 decoder (LlamaForCausalLM unless `architecture` names another transformers class, e.g.
+    Qwen2ForCausalLM) saved with transformers (safetensors) plus a word-level tokenizer."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**(TINY_DEFAULTS | overrides))).to(torch.bfloat16)
+    cls = getattr(transformers, architecture)
+    model = cls(cls.config_class(**(TINY_DEFAULTS | overrides))).to(torch.bfloat16)
     with torch.no_grad():  # init std 0.02 is uniform across layers; vary it so groups differ in scale
         for p in model.parameters():
             p.mul_(torch.empty_like(p).uniform_(0.5, 2.0))

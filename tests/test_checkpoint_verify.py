@@ -163,9 +163,14 @@ def test_weight_shape_disagrees_with_config(good, copy_dir):
 def test_wrong_architecture(good, copy_dir):
     d = copy_dir(good)
     config = json.loads((d / "config.json").read_text())
-    (d / "config.json").write_text(json.dumps(config | {"architectures": ["MistralForCausalLM"]}))
+    (d / "config.json").write_text(json.dumps(config | {"architectures": ["GemmaForCausalLM"]}))
     rehash(d)
-    with pytest.raises(ContractError, match="LlamaForCausalLM only"):
+    with pytest.raises(ContractError, match=r"GemmaForCausalLM.*one of LlamaForCausalLM, MistralForCausalLM"):
+        verify_checkpoint(d)
+    # a supported family whose tensors the weights do not have: Qwen2's q/k/v biases are missing
+    (d / "config.json").write_text(json.dumps(config | {"architectures": ["Qwen2ForCausalLM"]}))
+    rehash(d)
+    with pytest.raises(ContractError, match=r"model\.layers\.0\.self_attn\.q_proj\.bias is missing"):
         verify_checkpoint(d)
 
 

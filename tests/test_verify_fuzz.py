@@ -34,7 +34,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from anychip.checkpoint.layout import LlamaDims  # noqa: E402
+from anychip.checkpoint.layout import DecoderDims  # noqa: E402
 from anychip.checkpoint.manifest import MANIFEST, listed_files, write_manifest  # noqa: E402
 from anychip.checkpoint.quantize import quantize_checkpoint  # noqa: E402
 from anychip.checkpoint.scheme import W4A8Scheme, scheme_from_config  # noqa: E402
@@ -127,7 +127,7 @@ def _args_view(args: dict) -> dict:
 def _contract_view(config: dict) -> tuple:
     qc = config["quantization_config"]
     (group,) = qc["config_groups"].values()
-    return (config.get("architectures"), LlamaDims.from_config(config), scheme_from_config(config),
+    return (config.get("architectures"), DecoderDims.from_config(config), scheme_from_config(config),
             group.get("targets"), sorted(qc.get("ignore")), qc.get("kv_cache_scheme"), group.get("output_activations"),
             _args_view(group["weights"]), _args_view(group["input_activations"]))
 

@@ -233,10 +233,10 @@ class DecodeStep:
     def of_config(cls, config: dict[str, object], name: str) -> DecodeStep:
         """From a Llama config.json: the checkpoint's group size when it is quantized, else the largest supported
         one that divides every K."""
-        from anychip.checkpoint.layout import LlamaDims
+        from anychip.checkpoint.layout import DecoderDims
         from anychip.formats import GROUP_SIZES
 
-        d = LlamaDims.from_config(config)  # type: ignore[arg-type]
+        d = DecoderDims.from_config(config)  # type: ignore[arg-type]
         linears = tuple((label, k, n) for label, (n, k) in d.merged_linear_shapes().items())
         groups = (config.get("quantization_config") or {}).get("config_groups") or {}  # type: ignore[union-attr]
         sizes = [int(g["weights"]["group_size"]) for g in groups.values() if g.get("weights", {}).get("group_size")]

@@ -1,4 +1,5 @@
-"""Where every tensor of a W4A8 Llama checkpoint lives and what shape it has.
+"""Where every tensor of a W4A8 decoder checkpoint (Llama and the families that share its layer) lives and what
+shape it has.
 
 One place for the names and shapes, so that `quantize`, `prepare --synthetic` and `verify` agree by
 construction: the writers emit `linear_tensor_specs(...)` and the verifier expects exactly them.
@@ -7,6 +8,7 @@ construction: the writers emit `linear_tensor_specs(...)` and the verifier expec
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,9 +37,56 @@ class TensorSpec:
         return n * torch.empty((), dtype=self.dtype).element_size()
 
 
+_ATTN_IN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+_MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def _llama_biases(config: dict[str, Any]) -> tuple[str, ...]:
+    """transformers' and vLLM's Llama: `attention_bias` gives q, k, v and o a bias, `mlp_bias` gate, up and down."""
+    return ((_ATTN_IN + ("self_attn.o_proj",) if config.get("attention_bias") else ())
+            + (_MLP if config.get("mlp_bias") else ()))
+
+
+def _qwen3_biases(config: dict[str, Any]) -> tuple[str, ...]:
+    if config.get("attention_bias"):
+        # transformers' Qwen3 then biases o_proj too, vLLM's does not: the checkpoint would not serve as trained.
+        raise ContractError("Qwen3ForCausalLM with attention_bias=true: vLLM's Qwen3 has no o_proj bias where "
+                            "transformers' has one, so this model would not serve as it was trained")
+    return ()
+
+
 @dataclass(frozen=True)
-class LlamaDims:
-    """The dimensions of a Llama config.json that fix every tensor shape."""
+class Family:
+    """A decoder architecture whose layer is Llama's (RMSNorm, rotary GQA attention, SwiGLU MLP, the same tensor
+    names) up to which linears carry a bias and whether q and k get a per-head RMSNorm (`head_norms`)."""
+
+    biases: Callable[[dict[str, Any]], tuple[str, ...]]
+    head_norms: bool = False
+
+
+#: The architectures anychip quantizes and verifies, by config.json's `architectures` entry.
+FAMILIES: dict[str, Family] = {
+    "LlamaForCausalLM": Family(_llama_biases),
+    "MistralForCausalLM": Family(lambda config: ()),
+    "Qwen2ForCausalLM": Family(lambda config: _ATTN_IN),  # q, k, v always biased, o never
+    "Qwen3ForCausalLM": Family(_qwen3_biases, head_norms=True),
+}
+
+
+def check_architecture(config: dict[str, Any], where: str = "config.json") -> str:
+    """The one supported architecture config.json names; ContractError otherwise."""
+    archs = config.get("architectures")
+    if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in FAMILIES:
+        raise ContractError(f"{where}: architectures {archs}: anychip covers decoders with Llama's layer, one of "
+                            f"{', '.join(FAMILIES)}")
+    return archs[0]
+
+
+@dataclass(frozen=True)
+class DecoderDims:
+    """The dimensions of a decoder's config.json that fix every tensor shape, and the family's extra tensors:
+    `biased` lists the linears (DECODER_LINEARS names) that carry a BF16 bias, `head_norms` the Qwen3 q/k norms.
+    A config naming no supported architecture reads as a plain Llama (check_architecture refuses it)."""
 
     layers: int
     hidden: int
@@ -47,9 +96,14 @@ class LlamaDims:
     head_dim: int
     vocab: int
     tied: bool
+    biased: tuple[str, ...] = ()
+    head_norms: bool = False
 
     @classmethod
-    def from_config(cls, config: dict[str, Any], where: str = "config.json") -> LlamaDims:
+    def from_config(cls, config: dict[str, Any], where: str = "config.json") -> DecoderDims:
+        archs = config.get("architectures")
+        family = FAMILIES.get(archs[0]) if isinstance(archs, list) and len(archs) == 1 else None
+        family = family or FAMILIES["LlamaForCausalLM"]
         try:
             hidden = int(config["hidden_size"])
             heads = int(config["num_attention_heads"])
@@ -62,9 +116,13 @@ class LlamaDims:
                 head_dim=int(config.get("head_dim") or hidden // heads),
                 vocab=int(config["vocab_size"]),
                 tied=bool(config.get("tie_word_embeddings", False)),
+                biased=family.biases(config),
+                head_norms=family.head_norms,
             )
         except (KeyError, TypeError, ValueError) as exc:
-            raise ContractError(f"{where}: missing or malformed Llama field {exc}") from exc
+            if isinstance(exc, ContractError):
+                raise ContractError(f"{where}: {exc}") from None
+            raise ContractError(f"{where}: missing or malformed decoder field {exc}") from exc
         return dims
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
@@ -123,12 +181,16 @@ def linear_tensor_specs(prefix: str, n: int, k: int, scheme: W4A8Scheme) -> list
     return [TensorSpec(f"{prefix}.weight", torch.int8, (n, k)), scale]
 
 
-def bf16_tensor_specs(dims: LlamaDims) -> list[TensorSpec]:
-    """The BF16 tensors of a Llama checkpoint other than the decoder linears (norms, embedding, lm_head)."""
+def bf16_tensor_specs(dims: DecoderDims) -> list[TensorSpec]:
+    """The BF16 tensors of a checkpoint other than the decoder linears and their biases (norms, embedding,
+    lm_head)."""
     specs = [TensorSpec("model.embed_tokens.weight", torch.bfloat16, (dims.vocab, dims.hidden))]
     for i in range(dims.layers):
         for norm in ("input_layernorm", "post_attention_layernorm"):
             specs.append(TensorSpec(f"model.layers.{i}.{norm}.weight", torch.bfloat16, (dims.hidden,)))
+        if dims.head_norms:
+            for norm in ("self_attn.q_norm", "self_attn.k_norm"):
+                specs.append(TensorSpec(f"model.layers.{i}.{norm}.weight", torch.bfloat16, (dims.head_dim,)))
     specs.append(TensorSpec("model.norm.weight", torch.bfloat16, (dims.hidden,)))
     if not dims.tied:
         specs.append(TensorSpec("lm_head.weight", torch.bfloat16, (dims.vocab, dims.hidden)))

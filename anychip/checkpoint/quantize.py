@@ -1,4 +1,5 @@
-"""`anychip quantize SRC DST`: a BF16 Llama directory -> a W4A8 compressed-tensors directory, tensor by tensor.
+"""`anychip quantize SRC DST`: a BF16 decoder directory (Llama, Mistral, Qwen2, Qwen3) -> a W4A8
+compressed-tensors directory, tensor by tensor.
 
 The pipeline (read a source tensor, quantize it, write it) is shared by every method: a method only supplies a
 `WeightQuantizer`, called once per decoder linear, in layer order (layer 0's q, k, v, o, gate, up, down first).
@@ -27,7 +28,9 @@ from anychip.checkpoint.io import (
     read_tensor_infos,
 )
 from anychip.checkpoint.layout import (
+    DecoderDims,
     TensorSpec,
+    check_architecture,
     group_size_error,
     linear_tensor_specs,
     parse_linear_weight,
@@ -71,12 +74,12 @@ def make_quantizer(method: str, src: Path, scheme: W4A8Scheme, **options: Any) -
 
 
 def check_source(src: Path, scheme: W4A8Scheme) -> tuple[dict[str, Any], list[tuple[TensorInfo, list[TensorSpec]]]]:
-    """Check that `src` is a BF16 Llama that `scheme` can quantize (headers only, cheap); returns its config and
-    the write plan. Raises ContractError naming the first layer whose K the group size does not divide."""
+    """Check that `src` is a BF16 decoder of a supported family that `scheme` can quantize (headers only,
+    cheap); returns its config and the write plan. Raises ContractError naming the first layer whose K the group
+    size does not divide."""
     config = ModelDir.open(src).config
-    archs = config.get("architectures") or []
-    if "LlamaForCausalLM" not in archs:
-        raise ContractError(f"{src}/config.json: architectures {archs} — anychip quantizes LlamaForCausalLM only")
+    check_architecture(config, f"{src}/config.json")
+    DecoderDims.from_config(config, f"{src}/config.json")  # the family's own refusals (e.g. Qwen3 with biases)
     if config.get("quantization_config"):
         method = config["quantization_config"].get("quant_method")
         raise ContractError(f"{src} is already quantized ({method}): quantize from the BF16 model")
@@ -146,7 +149,7 @@ def _quantized_tensors(prefix: str, w: torch.Tensor, quantizer: WeightQuantizer,
 def quantize_checkpoint(src: Path, dst: Path, scheme: W4A8Scheme, quantizer: WeightQuantizer | None = None,
                         method: str = "rtn", *, overwrite: bool = False,
                         max_shard_bytes: int = MAX_SHARD_BYTES, provenance: dict[str, Any] | None = None) -> Path:
-    """Quantize the BF16 Llama directory `src` into the W4A8 directory `dst` (written atomically, with
+    """Quantize the BF16 decoder directory `src` into the W4A8 directory `dst` (written atomically, with
     SHA256SUMS, contract-verified before it appears). `quantizer` defaults to RTN; `method` is recorded as
     provenance, and `provenance` adds to (or overrides) what is recorded, e.g. the source a rotated `src` was
     made from. Returns `dst`."""

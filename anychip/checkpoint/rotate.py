@@ -23,7 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from anychip.checkpoint.io import copy_side_files, weight_files
-from anychip.errors import AnychipError
+from anychip.checkpoint.layout import check_architecture
 
 _READS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 _READS_MLP = ("mlp.gate_proj", "mlp.up_proj")
@@ -53,9 +53,9 @@ def rotate_llama(src: str | Path, dst: str | Path, seed: int = 0) -> Path:
     with an untied head, the tokenizer and other side files copied). Returns dst."""
     src, dst = Path(src), Path(dst)
     config = json.loads((src / "config.json").read_text())
-    if config.get("architectures") != ["LlamaForCausalLM"]:
-        raise AnychipError(f"{src}: rotation folds into LlamaForCausalLM weights only, "
-                           f"not {config.get('architectures')}")
+    # Every supported family's residual stream is Llama's: q/k/v biases act after the rotated input, Qwen3's q/k
+    # norms on each head's output; only biases of o_proj / down_proj (which write the stream) rotate.
+    check_architecture(config, f"{src}/config.json")
     dst.mkdir(parents=True, exist_ok=False)
     tensors: dict[str, torch.Tensor] = {}  # rotated in place, tensor by tensor: the model is held once
     for f in weight_files(src):

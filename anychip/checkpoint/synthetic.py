@@ -24,7 +24,7 @@ from anychip.checkpoint.cache import cache_lock, clear_done, is_done, mark_done
 from anychip.checkpoint.default_bf16 import prepare_bf16
 from anychip.checkpoint.io import ShardedWriter, atomic_directory, copy_side_files
 from anychip.checkpoint.layout import (
-    LlamaDims,
+    DecoderDims,
     TensorSpec,
     bf16_tensor_specs,
     linear_prefix,
@@ -78,8 +78,8 @@ class SyntheticShape:
                 raise ContractError(f"--synthetic: K={k} ({what}) is not divisible by group={self.group}: {fix}")
 
     @property
-    def dims(self) -> LlamaDims:
-        return LlamaDims(layers=self.layers, hidden=self.hidden, intermediate=self.intermediate, heads=self.heads,
+    def dims(self) -> DecoderDims:
+        return DecoderDims(layers=self.layers, hidden=self.hidden, intermediate=self.intermediate, heads=self.heads,
                          kv_heads=self.kv_heads, head_dim=self.head_dim or self.hidden // self.heads,
                          vocab=self.vocab, tied=self.tied)
 

@@ -1,9 +1,10 @@
 """`anychip verify DIR`: checksums, the W4A8 checkpoint contract from the safetensors headers, then the values.
 
-The contract: a LlamaForCausalLM whose every decoder linear is stored exactly as `layout.linear_tensor_specs`
-says for the declared scheme; embedding, norms (and lm_head if present) BF16; config, tokenizer and weights
-of one model; a quantization_config that targets every Linear and ignores only lm_head. The value pass
-(values.py; skipped by `--fast`) then reads every scale, INT8-stored weight and BF16 tensor. The first violation
+The contract: a decoder with Llama's layer (layout.FAMILIES: Llama, Mistral, Qwen2, Qwen3) whose every decoder
+linear is stored exactly as `layout.linear_tensor_specs` says for the declared scheme; embedding, norms, the
+biases the family has (and lm_head if present) BF16; config, tokenizer and weights of one model; a
+quantization_config that targets every Linear and ignores only lm_head. The value pass (values.py; skipped by
+`--fast`) then reads every scale, INT8-stored weight and BF16 tensor. The first violation
 raises ContractError (or ManifestError / CheckpointFileError) naming the file, and the tensor where there is one.
 """
 
@@ -19,7 +20,14 @@ from typing import Any
 import torch
 
 from anychip.checkpoint.io import ST_CODES, TensorInfo, read_tensor, read_tensor_infos
-from anychip.checkpoint.layout import LlamaDims, TensorSpec, bf16_tensor_specs, linear_prefix, linear_tensor_specs
+from anychip.checkpoint.layout import (
+    DecoderDims,
+    TensorSpec,
+    bf16_tensor_specs,
+    check_architecture,
+    linear_prefix,
+    linear_tensor_specs,
+)
 from anychip.checkpoint.manifest import check_manifest, listed_files
 from anychip.checkpoint.model_dir import ModelDir
 from anychip.checkpoint.scheme import DECODER_LINEARS, IGNORED, ContractError, W4A8Scheme, scheme_from_config
@@ -33,7 +41,7 @@ class VerifyReport:
 
     path: Path
     architecture: str
-    dims: LlamaDims
+    dims: DecoderDims
     scheme: W4A8Scheme
     tokenizer_size: int | None
     linears_by_group_size: dict[int, int]
@@ -133,7 +141,7 @@ def _check_group_size(infos: dict[str, TensorInfo], prefix: str, n: int, k: int,
                             f"declares group size {declared}: config and weights disagree")
 
 
-def _check_tensors(infos: dict[str, TensorInfo], dims: LlamaDims,
+def _check_tensors(infos: dict[str, TensorInfo], dims: DecoderDims,
                    scheme: W4A8Scheme) -> tuple[Counter[int], dict[str, TensorSpec]]:
     """Every tensor the config implies, stored as the contract says, and nothing else; returns the linears per
     group size and the accepted tensors."""
@@ -165,8 +173,8 @@ def _check_tensors(infos: dict[str, TensorInfo], dims: LlamaDims,
                         raise ContractError(f"{info.file}: {spec.name} says {stored}, config.json implies "
                                             f"[{n}, {k}]")
                 expected[spec.name] = spec
-            bias = f"{prefix}.bias"
-            if bias in infos:
+            if linear in dims.biased:
+                bias = f"{prefix}.bias"
                 expected[bias] = TensorSpec(bias, torch.bfloat16, (n,))
                 _expect(infos, expected[bias], where)
             by_group[scheme.group_size] += 1
@@ -175,8 +183,11 @@ def _check_tensors(infos: dict[str, TensorInfo], dims: LlamaDims,
     extra = sorted(set(infos) - set(expected))
     if extra:
         name = extra[0]
-        hint = "not part of a W4A8 Llama checkpoint"
-        if name.startswith("model.layers."):
+        hint = "not part of a W4A8 checkpoint of this architecture"
+        if name.endswith("_proj.bias"):
+            hint = (f"a bias that config.json does not give this linear (biased linears of this model: "
+                    f"{', '.join(dims.biased) or 'none'}); the model would load without it")
+        elif name.startswith("model.layers."):
             layer = int(name.split(".")[2]) if name.split(".")[2].isdigit() else -1
             if layer >= dims.layers:
                 hint = f"config.json has num_hidden_layers={dims.layers}: config and weights disagree"
@@ -186,8 +197,8 @@ def _check_tensors(infos: dict[str, TensorInfo], dims: LlamaDims,
     return by_group, expected
 
 
-_LLAMA_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-_OPTIONAL_LLAMA_FIELDS = ("num_key_value_heads", "head_dim")
+_DECODER_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+_OPTIONAL_DECODER_FIELDS = ("num_key_value_heads", "head_dim")
 
 
 def _positive_int(v: object) -> bool:
@@ -196,9 +207,9 @@ def _positive_int(v: object) -> bool:
 
 def _read_config(cfg_path: Path) -> dict[str, Any]:
     config = ModelDir.open(cfg_path.parent).config  # ModelDirError (a ContractError) names the file and the fix
-    for key in _LLAMA_FIELDS + _OPTIONAL_LLAMA_FIELDS:
+    for key in _DECODER_FIELDS + _OPTIONAL_DECODER_FIELDS:
         value = config.get(key)
-        if not _positive_int(value) and (key in _LLAMA_FIELDS or value is not None):
+        if not _positive_int(value) and (key in _DECODER_FIELDS or value is not None):
             raise ContractError(f"{cfg_path}: {key}={value!r} is not a positive integer: restore the source "
                                 "model's config.json")
     return config
@@ -286,15 +297,13 @@ def verify_checkpoint(path: Path, expect_sha256: dict[str, str] | None = None, *
         check_manifest(path, expect_sha256)
     cfg_path = path / "config.json"
     config = _read_config(cfg_path)
-    archs = config.get("architectures") or []
-    if archs != ["LlamaForCausalLM"]:
-        raise ContractError(f"{cfg_path}: architectures {archs}, the W4A8 contract covers LlamaForCausalLM only")
+    architecture = check_architecture(config, str(cfg_path))
     check_quantization_scope(config.get("quantization_config"), str(cfg_path))
     try:
         scheme = scheme_from_config(config)
     except ContractError as exc:
         raise ContractError(f"{cfg_path}: {exc}") from None
-    dims = LlamaDims.from_config(config, where=str(cfg_path))
+    dims = DecoderDims.from_config(config, where=str(cfg_path))
     infos = read_tensor_infos(path)
     by_group, accepted = _check_tensors(infos, dims, scheme)
     tok = tokenizer_size(path)
@@ -316,7 +325,7 @@ def verify_checkpoint(path: Path, expect_sha256: dict[str, str] | None = None, *
     provenance = qc.get("anychip")
     synthetic = config.get("anychip_synthetic")
     return VerifyReport(
-        path=path, architecture=archs[0], dims=dims, scheme=scheme, tokenizer_size=tok,
+        path=path, architecture=architecture, dims=dims, scheme=scheme, tokenizer_size=tok,
         linears_by_group_size=dict(by_group), bytes_by_dtype=dict(bytes_by_dtype),
         total_bytes=sum((path / f).stat().st_size for f in files) + ((path / "SHA256SUMS").stat().st_size
                                                                       if (path / "SHA256SUMS").exists() else 0),
