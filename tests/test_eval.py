@@ -228,6 +228,55 @@ def test_compare_bf16_reads_the_recorded_source(tmp_path):
         runner.bf16_source(src)
 
 
+def test_settings_fit_the_shortest_model_context(tmp_path):
+    """A model whose config allows fewer positions than eval's 2048 gets sequences, and perplexity windows, that
+    fit it (vLLM refuses to start with a longer max_model_len); models with room, or no say, change nothing."""
+    dirs = []
+    for name, config in (("short", {"max_position_embeddings": 256}), ("long", {"max_position_embeddings": 8192}),
+                         ("unsaid", {})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        dirs.append(tmp_path / name)
+    base = runner.EvalSettings(limit=3)
+    fitted = runner.fit_context(base, dirs)
+    assert (fitted.max_len, fitted.window, fitted.stride, fitted.limit) == (255, 255, 127, 3)
+    assert runner.fit_context(base, dirs[1:]) == base
+    assert runner.fit_context(runner.EvalSettings(window=128, stride=32), dirs[:1]).window == 128
+
+
+@pytest.mark.slow
+def test_eval_through_vllm_on_a_model_with_a_short_context(tiny_llama, tmp_path, capsys):
+    """`anychip eval --compare-bf16` end to end on a W4A8 model (and its BF16 source) that allows 256 positions:
+    it used to fail at vLLM's start (max_model_len 2048 > 256)."""
+    from anychip.checkpoint.quantize import quantize_checkpoint
+    from anychip.checkpoint.scheme import W4A8Scheme
+    from anychip.cli import main
+
+    src = tiny_llama(hidden_size=128)
+    assert json.loads((src / "config.json").read_text())["max_position_embeddings"] == 256
+    w4a8 = quantize_checkpoint(src, tmp_path / "w4a8", W4A8Scheme(32))
+    data = tmp_path / "tasks"
+    data.mkdir()
+    (data / "toy.jsonl").write_text("".join(json.dumps({"context": " ".join(f"w{i % 97}" for i in range(300)),
+                                                        "choices": [" w3 w4", " w5"], "label": i % 2}) + "\n"
+                                            for i in range(4)))
+    text = tmp_path / "words.txt"
+    text.write_text(" ".join(f"w{(i * 7) % 97}" for i in range(700)))
+    out = tmp_path / "report.json"
+    assert main(["eval", str(w4a8), "--data", str(data), "--tasks", "toy,perplexity", "--text", str(text),
+                 "--compare-bf16", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert (report["settings"]["max_len"], report["settings"]["window"], report["settings"]["stride"]) == (255, 255,
+                                                                                                            127)
+    from transformers import AutoTokenizer
+
+    n_tokens = len(AutoTokenizer.from_pretrained(src).encode(text.read_text(), add_special_tokens=False))
+    assert n_tokens > 255  # several windows
+    assert report["tasks"]["toy"]["w4a8"]["n"] == 4
+    assert report["tasks"]["perplexity"]["w4a8"]["tokens"] == n_tokens - 1  # every token but the first, once
+    assert "context is 256 tokens" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_eval_default_model_through_vllm(default_model, tmp_path):
     """--limit 20 on commonsense_qa with the default BF16 model through vLLM, plus a short perplexity text."""

@@ -36,7 +36,9 @@ FAMILY_MODELS = {
     "qwen2": dict(architecture="Qwen2ForCausalLM", hidden_size=128),
     "qwen3": dict(architecture="Qwen3ForCausalLM", hidden_size=128, head_dim=64),  # q width 256 != hidden
 }
-TEXT = " ".join(f"w{(i * 37) % 97}" for i in range(48))  # words of the tiny models' tokenizer
+# token ids, not text: transformers reads a Qwen2/Qwen3 directory's tokenizer as Qwen2Tokenizer whatever it is, which
+# splits the tiny word-level vocabulary's text into a few tokens
+PROMPT_IDS = [(i * 37) % 97 for i in range(48)]
 
 
 def _extras(arch: str, config: dict) -> set[str]:
@@ -180,13 +182,14 @@ def test_each_family_serves_through_vllm_like_the_reference(family, name, mode, 
     out, cov = tmp_path / "out.json", tmp_path / "coverage.json"
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "ANYCHIP_COVERAGE": str(cov)}
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_runner.py"), str(dst), str(out),
-                           "--max-tokens", "2", "--prompt", TEXT, "--prompt-logprobs", "--max-model-len", "256",
-                           *(["--compile"] if mode == "compiled" else [])],
+                           "--max-tokens", "2", "--prompt-ids", ",".join(map(str, PROMPT_IDS)), "--prompt-logprobs",
+                           "--max-model-len", "256", *(["--compile"] if mode == "compiled" else [])],
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())
     assert result["quantization"] == "anychip-w4a8"
     row = result["outputs"][0]
+    assert row["prompt_token_ids"] == PROMPT_IDS
     ids = torch.tensor([row["prompt_token_ids"]])
     with torch.no_grad():
         logp = load_reference_model(dst)(ids).logits[0].float().log_softmax(-1)

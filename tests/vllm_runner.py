@@ -1,6 +1,6 @@
 """Runs vLLM's offline LLM in a fresh process for the plugin tests and prints one JSON line.
 
-usage: python tests/vllm_runner.py MODEL OUT.json [--max-tokens N] [--prompt TEXT ...]
+usage: python tests/vllm_runner.py MODEL OUT.json [--max-tokens N] [--prompt TEXT ...] [--prompt-ids 1,2,3 ...]
 Environment (ANYCHIP_*, VLLM_PLUGINS) comes from the caller.
 """
 
@@ -24,6 +24,8 @@ def main() -> None:  # a function: vLLM's worker processes re-import this file u
     p.add_argument("out")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--prompt", action="append", default=[])
+    p.add_argument("--prompt-ids", action="append", default=[], help="a prompt as comma-separated token ids "
+                   "(tokenizer-independent)")
     p.add_argument("--logprobs", type=int, default=0)
     p.add_argument("--compile", action="store_true", help="vLLM's default torch.compile mode instead of eager")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
@@ -40,7 +42,8 @@ def main() -> None:  # a function: vLLM's worker processes re-import this file u
     start_s = time.time() - t0
     params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True,
                             logprobs=a.logprobs or None, prompt_logprobs=0 if a.prompt_logprobs else None)
-    outs = llm.generate(a.prompt, params)
+    prompts = a.prompt + [{"prompt_token_ids": [int(t) for t in ids.split(",")]} for ids in a.prompt_ids]
+    outs = llm.generate(prompts, params)
     rows = []
     for o in outs:
         c = o.outputs[0]

@@ -187,6 +187,7 @@ def run_lm_eval(model: Path, task_names: list[str] | None, settings: runner.Eval
     with tempfile.TemporaryDirectory() as tmp:
         write_task_configs(names, Path(tmp))  # unknown task or missing lm-eval: fail before any engine starts
     models = runner.models_to_evaluate(model, compare_bf16)
+    settings = runner.fit_context(settings, list(models.values()))
     results = {label: evaluate_lm_eval_isolated(path, names, settings) for label, path in models.items()}
     lm_version = importlib.metadata.version("lm_eval")
     return runner.build_report(results, settings, {"harness": f"lm-eval {lm_version} (vllm backend)",

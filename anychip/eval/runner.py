@@ -13,7 +13,7 @@ import multiprocessing
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -164,6 +164,9 @@ def evaluate_engine(engine, label: str, task_files: list[Path], text: str | None
 
 def _perplexity(engine, text: str, settings: EvalSettings, label: str) -> dict[str, Any]:
     tokens = engine.encode(text)
+    if len(tokens) < 2:
+        raise EvalDataError(f"{label}: the perplexity text encodes to {len(tokens)} token(s) with this model's "
+                            "tokenizer: give a text it can read (--text FILE)")
     windows = rolling_windows(len(tokens), settings.window, settings.stride)
     lps = engine.token_logprobs([tokens[w.start:w.end] for w in windows], desc=f"{label} {PERPLEXITY}")
     nll = -sum(sum(lp[-w.n_scored:]) for lp, w in zip(lps, windows))
@@ -360,6 +363,32 @@ def targets_to_evaluate(model: Path, compare_bf16: bool, head_int8: bool = False
     return targets
 
 
+def model_context(model_dir: Path) -> int | None:
+    """The longest sequence a model directory's config.json allows (max_position_embeddings), None if unsaid."""
+    try:
+        value = ModelDir.open(model_dir).config.get("max_position_embeddings")
+    except ModelDirError:
+        return None
+    return int(value) if isinstance(value, int | float) and not isinstance(value, bool) and value >= 2 else None
+
+
+def fit_context(settings: EvalSettings, model_dirs: list[Path]) -> EvalSettings:
+    """`settings` with max_len below the shortest context of `model_dirs` (vLLM refuses a longer max_model_len, and
+    scores a sequence as a prompt plus one generated token: max_len + 1 positions), and the perplexity window and
+    stride shrunk to fit (stride at most half the window, as by default); the report's settings record what was
+    used, the same for every model of a report."""
+    contexts = [c for c in map(model_context, model_dirs) if c is not None]
+    if not contexts or min(contexts) > settings.max_len:
+        return settings
+    ctx = min(contexts)
+    max_len = ctx - 1
+    window = min(settings.window, max_len)
+    stride = min(settings.stride, max(1, window // 2))
+    print(f"anychip eval: the model's context is {ctx} tokens: sequences are cut to {max_len}, perplexity windows "
+          f"of {window} tokens with stride {stride}", file=sys.stderr)
+    return replace(settings, max_len=max_len, window=window, stride=stride)
+
+
 def run_eval(model: Path, task_names: list[str] | None, data: str | None, settings: EvalSettings,
              compare_bf16: bool, text_path: str | None, head_int8: bool = False,
              llama_cpp: list[str] | None = None) -> dict[str, Any]:
@@ -370,6 +399,7 @@ def run_eval(model: Path, task_names: list[str] | None, data: str | None, settin
     task_files, want_ppl = select_tasks(task_names, data_dir)
     text_file, text = load_text(text_path) if want_ppl else (None, None)
     targets = targets_to_evaluate(model, compare_bf16, head_int8, llama_cpp)
+    settings = fit_context(settings, [t.path for t in targets if t.path.is_dir()])
     # round-robin over engines, so that with --jobs 2 a vLLM model and a llama.cpp one share the machine
     kinds = [t.engine or settings.engine for t in targets]
     order = sorted(range(len(targets)), key=lambda i: kinds[:i].count(kinds[i]))
