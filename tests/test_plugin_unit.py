@@ -152,6 +152,30 @@ def test_recorder_counts_cpp_layers_in_the_kernel_per_phase():
                              "decode": {"forward_passes": 1, "tokens": 1}}
 
 
+def test_the_last_report_keeps_the_head_route_of_a_model_already_freed():
+    """The recorder holds the head and embedding by weak references. An engine that exits writes its last report
+    after the model is freed: that report must still name the head's route, read while the model was alive (seen
+    on the H200: tied Qwen2/Qwen3 models' reports said "head_route names no route", failing the strict check)."""
+    import gc
+
+    from anychip.kernels.policy import KernelPolicy
+    from anychip.vllm_plugin.recorder import Recorder
+
+    recorder = Recorder(None, KernelPolicy())
+    embed = torch.nn.Module()
+    embed.weight = torch.nn.Parameter(torch.zeros(8, 4, dtype=torch.bfloat16), requires_grad=False)
+    head = torch.nn.Module()
+    head.weight = embed.weight  # tied
+    recorder.note_embedding("model.embed_tokens", embed, is_head=False)
+    recorder.note_embedding("lm_head", head, is_head=True)
+    recorder.on_step("prefill", 3)  # the first step, model alive
+    del embed, head
+    gc.collect()
+    assert recorder.head_route() is None  # what the last report would have read
+    route = recorder.document()["head_route"]
+    assert route["layer"] == "lm_head" and route["tied_to"] == "model.embed_tokens" and route["route"]
+
+
 def test_report_never_pairs_a_layer_snapshot_with_counters_of_newer_layers(tmp_path):
     """The report thread writes while the model is still being built: a layer registered between the report's
     snapshot of the layers and its read of the kernel counters must wait for the next report (it once raised

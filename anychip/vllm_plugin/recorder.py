@@ -139,16 +139,27 @@ class Recorder:
         counter = self._counters[layer_id] if layer_id in self._counters else self._device_counter(layer_id)
         if counter is not None:  # the kernel counts (also at every CUDA-graph replay); nothing to count here
             if layer_id == self._first_layer and self.coverage.attention_backend is None:
-                self.coverage.attention_backend = compat.attention_backend_name()
+                self._first_forward()
             return counter
         forward_tokens = None
         if layer_id == self._first_layer:  # the first anychip linear of every forward pass
             self._phase, forward_tokens = compat.current_phase()
             forward_tokens = forward_tokens or tokens
             if self.coverage.attention_backend is None:
-                self.coverage.attention_backend = compat.attention_backend_name()
+                self._first_forward()
         self.coverage.record(layer_id, self._phase, tokens, forward_tokens)
         return None
+
+    def _first_forward(self) -> None:
+        """Once, in the first forward pass: the attention backend, and the output head's route."""
+        self.coverage.attention_backend = compat.attention_backend_name()
+        self._remember_head()
+
+    def _remember_head(self) -> None:
+        """Read the output head's route while the model is alive: the layers are held by weak references, dead by
+        the time an exiting engine writes its last report, which then keeps what was read here."""
+        with self._lock:
+            self.coverage.head_route = self.head_route() or self.coverage.head_route
 
     def _device_counter(self, layer_id: int) -> hooks.DeviceCounter | None:
         """The layer's row of its device's table, allocated at the first call (every layer is prepared by then,
@@ -187,6 +198,8 @@ class Recorder:
             self._kernel_counts.slot.fill_(hooks.SLOTS.index(phase))
         if self.coverage.attention_backend is None and runner is not None:
             self.coverage.attention_backend = compat.attention_backend_name(runner)
+        if self.coverage.head_route is None:
+            self._remember_head()
         if not self._heap_trimmed and phase != "warmup" and self._kernel_counts is not None:
             self._trim_after_start()
         self._device_dirty = True
@@ -204,7 +217,7 @@ class Recorder:
 
     def document(self) -> dict[str, Any]:
         with self._lock:
-            self.coverage.head_route = self.head_route()
+            self.coverage.head_route = self.head_route() or self.coverage.head_route  # the model may be gone
             for layer_id, what in hooks.fused_layers().items():
                 if layer_id < len(self.coverage.layers):
                     self.coverage.layers[layer_id].fused = tuple(sorted(what))
