@@ -117,8 +117,10 @@ class Recorder:
         layers = {name: ref() for name, ref in self._embeddings.items()}
         head = layers.get(self._head_name) if self._head_name else None
         others = [(name, layer) for name, layer in layers.items() if layer is not None and name != self._head_name]
-        if head is None and self._head_name is not None and len(others) == 1:
-            # vLLM ties a head by replacing it with the input embedding, which then computes the logits
+        if head is None and len(others) == 1:
+            # vLLM ties a head by replacing it with the input embedding, which then computes the logits: after
+            # building a head (noted, then dropped) or instead of building one (vLLM 0.26's Qwen2 and Qwen3: no
+            # head layer was ever created, so none was noted)
             tied_to, head = others[0]
         elif head is None:
             return None
@@ -130,7 +132,7 @@ class Recorder:
         prepared = getattr(head, "anychip_head", None)  # vllm_plugin/head.py: an anychip head route serves it
         route = prepared.route.id if prepared is not None else compat.head_gemm_route(head)
         quantized = prepared is not None and prepared.route.kind != "bf16"
-        return {"layer": self._head_name, "dtype": str(getattr(weight, "dtype", "unknown")).replace("torch.", ""),
+        return {"layer": self._head_name or "lm_head", "dtype": str(getattr(weight, "dtype", "unknown")).replace("torch.", ""),
                 "tied_to": tied_to, "quantized": quantized, "route": route,
                 "head": prepared.route.kind if prepared is not None else "bf16"}
 
