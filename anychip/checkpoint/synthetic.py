@@ -80,8 +80,8 @@ class SyntheticShape:
     @property
     def dims(self) -> DecoderDims:
         return DecoderDims(layers=self.layers, hidden=self.hidden, intermediate=self.intermediate, heads=self.heads,
-                         kv_heads=self.kv_heads, head_dim=self.head_dim or self.hidden // self.heads,
-                         vocab=self.vocab, tied=self.tied)
+                           kv_heads=self.kv_heads, head_dim=self.head_dim or self.hidden // self.heads,
+                           vocab=self.vocab, tied=self.tied)
 
     @property
     def dirname(self) -> str:

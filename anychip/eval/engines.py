@@ -64,8 +64,8 @@ class VllmEngine:
         self.max_len = max_len
         # a scored sequence of max_len tokens is a prompt of max_len plus the one token vLLM generates
         self.llm = offline.make_llm(model=str(model_dir), dtype="bfloat16", max_model_len=max_len + 1,
-                                    enforce_eager=True,
-                                    distributed_executor_backend="uni", gpu_memory_utilization=0.5, seed=0)
+                                    enforce_eager=True, distributed_executor_backend="uni",
+                                    gpu_memory_utilization=0.5, seed=0)
         self.tokenizer = self.llm.get_tokenizer()
         self.prefix_id = _prefix_id(self.tokenizer)
 

@@ -132,7 +132,8 @@ class Recorder:
         prepared = getattr(head, "anychip_head", None)  # vllm_plugin/head.py: an anychip head route serves it
         route = prepared.route.id if prepared is not None else compat.head_gemm_route(head)
         quantized = prepared is not None and prepared.route.kind != "bf16"
-        return {"layer": self._head_name or "lm_head", "dtype": str(getattr(weight, "dtype", "unknown")).replace("torch.", ""),
+        dtype = str(getattr(weight, "dtype", "unknown")).replace("torch.", "")
+        return {"layer": self._head_name or "lm_head", "dtype": dtype,
                 "tied_to": tied_to, "quantized": quantized, "route": route,
                 "head": prepared.route.kind if prepared is not None else "bf16"}
 
@@ -158,8 +159,8 @@ class Recorder:
         self._remember_head()
 
     def _remember_head(self) -> None:
-        """Read the output head's route while the model is alive: the layers are held by weak references, dead by
-        the time an exiting engine writes its last report, which then keeps what was read here."""
+        """Read the output head's route while the model is alive: the layers are held by weak references, which may
+        be dead when an exiting engine writes its last report; that report then keeps what was read here."""
         with self._lock:
             self.coverage.head_route = self.head_route() or self.coverage.head_route
 
