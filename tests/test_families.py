@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from anychip.checkpoint.layout import FAMILIES
 from anychip.checkpoint.quantize import quantize_checkpoint
 from anychip.checkpoint.scheme import ContractError, W4A8Scheme
+from anychip.checkpoint.torch_model import read_tensors
 from anychip.checkpoint.verify import verify_checkpoint
 from anychip.coverage import check
 
@@ -46,14 +46,6 @@ def _extras(arch: str, config: dict) -> set[str]:
     out = {f"model.layers.0.{lin}.bias" for lin in FAMILIES[arch].biases(config)}
     if FAMILIES[arch].head_norms:
         out |= {"model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight"}
-    return out
-
-
-def _tensors(directory: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as h:
-            out |= {k: h.get_tensor(k) for k in h.keys()}
     return out
 
 
@@ -93,7 +85,7 @@ def test_each_family_quantizes_with_its_own_bf16_tensors(family, name):
     assert extras or arch == "MistralForCausalLM"
     report = verify_checkpoint(dst)
     assert report.architecture == arch and report.num_linears == 7 * config["num_hidden_layers"]
-    source, stored = _tensors(src), _tensors(dst)
+    source, stored = read_tensors(src), read_tensors(dst)
     for name_ in extras:
         assert stored[name_].dtype == torch.bfloat16 and torch.equal(stored[name_], source[name_]), name_
 
@@ -105,13 +97,13 @@ def test_verify_wants_exactly_the_familys_tensors(family, name, tmp_path):
     config = json.loads((dst / "config.json").read_text())
     extra = sorted(_extras(config["architectures"][0], config))[0]
     missing = Path(shutil.copytree(dst, tmp_path / "missing"))
-    tensors = _tensors(missing)
+    tensors = read_tensors(missing)
     del tensors[extra]
     _rewrite(missing, tensors)
     with pytest.raises(ContractError, match=extra.replace(".", r"\.") + " is missing"):
         verify_checkpoint(missing)
     stray = Path(shutil.copytree(dst, tmp_path / "stray"))
-    tensors = _tensors(stray)
+    tensors = read_tensors(stray)
     n = tensors["model.layers.1.mlp.down_proj.weight_shape"].tolist()[0]
     if "model.layers.1.mlp.down_proj.bias" in tensors:  # llama with mlp_bias: every linear has one already
         config["mlp_bias"] = False
@@ -208,5 +200,5 @@ def test_the_tiny_writer_makes_each_family(tiny_llama):
         src = tiny_llama(**spec)
         config = json.loads((src / "config.json").read_text())
         assert config["architectures"] == [spec["architecture"]], name
-        assert _extras(spec["architecture"], config) <= set(_tensors(src)), name
+        assert _extras(spec["architecture"], config) <= set(read_tensors(src)), name
 

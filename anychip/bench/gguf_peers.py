@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from anychip.bench.peers import PeerUnavailable, check_gguf_matches, llama_cpp_available, smollm2_gguf
+from anychip.checkpoint.layout import DecoderDims
 from anychip.checkpoint.model_dir import ModelDir
 
 #: llama.cpp file types by name (llama.h LLAMA_FTYPE_MOSTLY_*).
@@ -66,7 +67,7 @@ def _template_matches(template: Path | None, config: dict[str, Any]) -> bool:
     return True
 
 
-def _metadata_from_config(writer: Any, bf16: Path, config: dict[str, Any]) -> None:
+def _metadata_from_config(writer: Any, bf16: Path, config: dict[str, Any], d: DecoderDims) -> None:
     """llama.cpp's hyperparameters and tokenizer, from config.json and the model's tokenizer files."""
     import gguf
     from gguf import vocab as gguf_vocab
@@ -76,19 +77,17 @@ def _metadata_from_config(writer: Any, bf16: Path, config: dict[str, Any]) -> No
     if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
         raise PeerUnavailable(f"{bf16.name}: rope scaling {rope} is not converted to GGUF here")
     theta = rope.get("rope_theta") or config.get("rope_theta") or 10000.0
-    hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-    head_dim = int(config.get("head_dim") or hidden // heads)
-    n_vocab = int(config["vocab_size"])
+    n_vocab = d.vocab
     writer.add_context_length(int(config.get("max_position_embeddings") or 2048))
-    writer.add_embedding_length(hidden)
-    writer.add_block_count(int(config["num_hidden_layers"]))
-    writer.add_feed_forward_length(int(config["intermediate_size"]))
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(int(config.get("num_key_value_heads") or heads))
-    writer.add_rope_dimension_count(head_dim)
-    if head_dim != hidden // heads:
-        writer.add_key_length(head_dim)
-        writer.add_value_length(head_dim)
+    writer.add_embedding_length(d.hidden)
+    writer.add_block_count(d.layers)
+    writer.add_feed_forward_length(d.intermediate)
+    writer.add_head_count(d.heads)
+    writer.add_head_count_kv(d.kv_heads)
+    writer.add_rope_dimension_count(d.head_dim)
+    if d.head_dim != d.hidden // d.heads:
+        writer.add_key_length(d.head_dim)
+        writer.add_value_length(d.head_dim)
     writer.add_rope_freq_base(float(theta))
     writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps") or 1e-6))
     writer.add_vocab_size(n_vocab)
@@ -133,6 +132,7 @@ def make_f32_gguf(bf16: Path, template: Path | None, dst: Path) -> Path:
         raise PeerUnavailable(f"{bf16.name} is {model_type}: no GGUF conversion here (one of "
                               f"{', '.join(GGUF_ARCHITECTURES)})")
     arch, interleave = GGUF_ARCHITECTURES[model_type]
+    d = DecoderDims.from_config(config, f"{bf16}/config.json")
     tmp = dst.with_suffix(".tmp")
     writer = gguf.GGUFWriter(str(tmp), arch)
     if arch == "llama" and _template_matches(template, config):
@@ -145,18 +145,17 @@ def make_f32_gguf(bf16: Path, template: Path | None, dst: Path) -> Path:
                                  f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
     else:
         writer.add_name(bf16.name)
-        _metadata_from_config(writer, bf16, config)
+        _metadata_from_config(writer, bf16, config, d)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     tensors: dict[str, Any] = {}
     for shard in sorted(bf16.glob("*.safetensors")):
         tensors.update(load_file(str(shard)))
-    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
     for name, t in tensors.items():
         w = t.float().numpy()
         if interleave and re.search(r"self_attn\.q_proj\.(weight|bias)$", name):
-            w = rotary_rows(w, heads)
+            w = rotary_rows(w, d.heads)
         elif interleave and re.search(r"self_attn\.k_proj\.(weight|bias)$", name):
-            w = rotary_rows(w, kv_heads)
+            w = rotary_rows(w, d.kv_heads)
         writer.add_tensor(gguf_name(name), np.ascontiguousarray(w))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -27,7 +27,8 @@ class ReferenceW4A8Linear(torch.nn.Module):
         return w4a8_linear_dynamic_ref(x, self.wq, self.scales, self.bias)
 
 
-def _tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+def read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a model directory's safetensors files, by name."""
     out: dict[str, torch.Tensor] = {}
     for shard in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(shard), framework="pt") as f:
@@ -40,7 +41,7 @@ def read_quantized_linears(model_dir: str | Path) -> tuple[dict[str, tuple[torch
                                                              dict[str, torch.Tensor]]:
     """({linear prefix: (wq (N, K) int8, scales (N, K // G))}, {other tensor name: tensor}) of a W4A8 directory,
     in either format."""
-    tensors = _tensors(Path(model_dir))
+    tensors = read_tensors(Path(model_dir))
     quantized = {name.rsplit(".", 1)[0] for name in tensors if name.endswith(".weight_scale")}
     linears = {}
     for prefix in sorted(quantized):
