@@ -78,8 +78,10 @@ def write_tiny_llama(directory: Path, seed: int = 0, tokenizer_size: int = 100,
     cls = getattr(transformers, architecture)
     model = cls(cls.config_class(**(TINY_DEFAULTS | overrides))).to(torch.bfloat16)
     with torch.no_grad():  # init std 0.02 is uniform across layers; vary it so groups differ in scale
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             p.mul_(torch.empty_like(p).uniform_(0.5, 2.0))
+            if name.endswith("norm.weight") and not p.any():  # Gemma's norms apply 1 + w, initialized w = 0
+                p.uniform_(-0.5, 0.5)
     model.save_pretrained(directory)
     _tiny_tokenizer(directory, tokenizer_size)
     return directory

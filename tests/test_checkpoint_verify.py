@@ -163,9 +163,14 @@ def test_weight_shape_disagrees_with_config(good, copy_dir):
 def test_wrong_architecture(good, copy_dir):
     d = copy_dir(good)
     config = json.loads((d / "config.json").read_text())
-    (d / "config.json").write_text(json.dumps(config | {"architectures": ["GemmaForCausalLM"]}))
+    (d / "config.json").write_text(json.dumps(config | {"architectures": ["Phi3ForCausalLM"]}))
     rehash(d)
-    with pytest.raises(ContractError, match=r"GemmaForCausalLM.*one of LlamaForCausalLM, MistralForCausalLM"):
+    with pytest.raises(ContractError, match=r"Phi3ForCausalLM.*one of LlamaForCausalLM, MistralForCausalLM"):
+        verify_checkpoint(d)
+    # Gemma 2's two norms around each block's output are missing
+    (d / "config.json").write_text(json.dumps(config | {"architectures": ["Gemma2ForCausalLM"]}))
+    rehash(d)
+    with pytest.raises(ContractError, match=r"model\.layers\.0\.pre_feedforward_layernorm\.weight is missing"):
         verify_checkpoint(d)
     # a supported family whose tensors the weights do not have: Qwen2's q/k/v biases are missing
     (d / "config.json").write_text(json.dumps(config | {"architectures": ["Qwen2ForCausalLM"]}))

@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from anychip.checkpoint.layout import FAMILIES
+from anychip.checkpoint.layout import FAMILIES, LLAMA_NORMS
 from anychip.checkpoint.quantize import quantize_checkpoint
 from anychip.checkpoint.scheme import ContractError, W4A8Scheme
 from anychip.checkpoint.torch_model import read_tensors
@@ -35,6 +35,12 @@ FAMILY_MODELS = {
     "mistral": dict(architecture="MistralForCausalLM", hidden_size=128),
     "qwen2": dict(architecture="Qwen2ForCausalLM", hidden_size=128),
     "qwen3": dict(architecture="Qwen3ForCausalLM", hidden_size=128, head_dim=64),  # q width 256 != hidden
+    "gemma": dict(architecture="GemmaForCausalLM", hidden_size=128, head_dim=32),
+    # a sliding-window layer (16 positions, shorter than the prompts) and a global one (Gemma 3: with its own rotary)
+    "gemma2": dict(architecture="Gemma2ForCausalLM", hidden_size=128, head_dim=32, sliding_window=16,
+                   layer_types=["sliding_attention", "full_attention"]),
+    "gemma3": dict(architecture="Gemma3ForCausalLM", hidden_size=128, head_dim=32, sliding_window=16,
+                   layer_types=["sliding_attention", "full_attention"]),
 }
 # token ids, not text: transformers reads a Qwen2/Qwen3 directory's tokenizer as Qwen2Tokenizer whatever it is, which
 # splits the tiny word-level vocabulary's text into a few tokens
@@ -44,6 +50,7 @@ PROMPT_IDS = [(i * 37) % 97 for i in range(48)]
 def _extras(arch: str, config: dict) -> set[str]:
     """The layer-0 BF16 tensors the family adds to Llama's."""
     out = {f"model.layers.0.{lin}.bias" for lin in FAMILIES[arch].biases(config)}
+    out |= {f"model.layers.0.{norm}.weight" for norm in FAMILIES[arch].norms if norm not in LLAMA_NORMS}
     if FAMILIES[arch].head_norms:
         out |= {"model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight"}
     return out
@@ -82,7 +89,7 @@ def test_each_family_quantizes_with_its_own_bf16_tensors(family, name):
     config = json.loads((src / "config.json").read_text())
     arch = config["architectures"][0]
     extras = _extras(arch, config)
-    assert extras or arch == "MistralForCausalLM"
+    assert extras or arch in ("MistralForCausalLM", "GemmaForCausalLM")
     report = verify_checkpoint(dst)
     assert report.architecture == arch and report.num_linears == 7 * config["num_hidden_layers"]
     source, stored = read_tensors(src), read_tensors(dst)
@@ -90,7 +97,7 @@ def test_each_family_quantizes_with_its_own_bf16_tensors(family, name):
         assert stored[name_].dtype == torch.bfloat16 and torch.equal(stored[name_], source[name_]), name_
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3", "llama-biased"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "llama-biased", "gemma2", "gemma3"])
 def test_verify_wants_exactly_the_familys_tensors(family, name, tmp_path):
     """A missing bias or head norm, and a bias the config does not give, are contract errors naming the tensor."""
     _, dst = family(name)
@@ -118,24 +125,30 @@ def test_verify_wants_exactly_the_familys_tensors(family, name, tmp_path):
 def test_other_architectures_are_refused_by_name(tiny_llama, copy_dir, tmp_path):
     src = copy_dir(tiny_llama())
     config = json.loads((src / "config.json").read_text())
-    (src / "config.json").write_text(json.dumps(config | {"architectures": ["GemmaForCausalLM"]}))
-    with pytest.raises(ContractError, match=r"GemmaForCausalLM.*LlamaForCausalLM, MistralForCausalLM, "
-                                            r"Qwen2ForCausalLM, Qwen3ForCausalLM"):
+    (src / "config.json").write_text(json.dumps(config | {"architectures": ["Phi3ForCausalLM"]}))
+    with pytest.raises(ContractError, match=r"Phi3ForCausalLM.*LlamaForCausalLM, MistralForCausalLM, "
+                                            r"Qwen2ForCausalLM, Qwen3ForCausalLM, GemmaForCausalLM, "
+                                            r"Gemma2ForCausalLM, Gemma3ForCausalLM"):
         quantize_checkpoint(src, tmp_path / "out", W4A8Scheme(32))
     (src / "config.json").write_text(json.dumps(config | {"architectures": ["Qwen3ForCausalLM"],
                                                           "attention_bias": True}))
     with pytest.raises(ContractError, match="o_proj bias"):
         quantize_checkpoint(src, tmp_path / "out", W4A8Scheme(32))
+    (src / "config.json").write_text(json.dumps(config | {"architectures": ["GemmaForCausalLM"],
+                                                          "attention_bias": True}))
+    with pytest.raises(ContractError, match="no attention biases"):
+        quantize_checkpoint(src, tmp_path / "out", W4A8Scheme(32))
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "gemma", "gemma2", "gemma3"])
 def test_gptq_smoothing_and_rotation_keep_each_familys_function(tiny_llama, name, tmp_path):
-    """GPTQ (with its default smoothing, which divides biases where it folds into a biased producer) and the
-    residual rotation run on the family's layer. The rotated BF16 model computes the source's function (measured:
-    max |d logprob| 0.005-0.008 over 40 positions; a bias rotated that should not be, or a head norm folded, gives
-    tenths); the GPTQ checkpoint, on the torch reference, stays near the BF16 model (measured KL 0.0015-0.0035 nats
-    a position; a bias or norm lost is about 1 nat on these models)."""
+    """GPTQ (with its default smoothing, which divides biases where it folds into a biased producer, and folds
+    into Gemma's 1 + w norms and its pre-MLP norm) and the residual rotation run on the family's layer. The
+    rotated BF16 model computes the source's function (measured: max |d logprob| 0.005-0.008 over 40 positions; a
+    bias rotated that should not be, or a head norm folded, gives tenths); Gemma 3, whose block outputs are
+    normalized, is refused a rotation. The GPTQ checkpoint, on the torch reference, stays near the BF16 model
+    (measured KL 0.0015-0.0035 nats a position; a bias or norm lost is about 1 nat on these models)."""
     from transformers import AutoModelForCausalLM
 
     from anychip.checkpoint.gptq import gptq_quantizer
@@ -146,8 +159,13 @@ def test_gptq_smoothing_and_rotation_keep_each_familys_function(tiny_llama, name
     ids = torch.tensor([[(i * 37) % 97 for i in range(40)]])
     with torch.no_grad():
         base = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()(ids).logits.log_softmax(-1)
-        rotated = AutoModelForCausalLM.from_pretrained(rotate_llama(src, tmp_path / "rot"), dtype=torch.float32)
-        assert float((rotated.eval()(ids).logits.log_softmax(-1) - base).abs().max()) < 0.05
+        if not FAMILIES[FAMILY_MODELS[name]["architecture"]].rotatable:
+            with pytest.raises(ContractError, match="without --rotate"):
+                rotate_llama(src, tmp_path / "rot")
+            assert not (tmp_path / "rot").exists()
+        else:
+            rotated = AutoModelForCausalLM.from_pretrained(rotate_llama(src, tmp_path / "rot"), dtype=torch.float32)
+            assert float((rotated.eval()(ids).logits.log_softmax(-1) - base).abs().max()) < 0.05
         text = tmp_path / "calib.txt"
         text.write_text(" ".join(f"w{(i * 7) % 97}" for i in range(2000)))
         scheme = W4A8Scheme(group_size=32)
@@ -158,6 +176,66 @@ def test_gptq_smoothing_and_rotation_keep_each_familys_function(tiny_llama, name
         out = load_reference_model(dst, torch.float32)(ids).logits.log_softmax(-1)
     kl = float((base.exp() * (base - out)).sum(-1).mean())
     assert kl < 0.03, kl
+
+
+@pytest.mark.parametrize("name", ["gemma", "gemma3", "qwen2"])
+def test_smoothing_folds_keep_the_layer_function(tiny_llama, name):
+    """Each smoothing point folded with random factors leaves the decoder layer's output as it was: into the
+    family's MLP norm (Gemma 3: pre_feedforward_layernorm, whose 1 + w must become (1 + w) / s, stored in BF16),
+    and a factor so large that the stored 1 + w would round to 0 leaves that channel alone."""
+    from transformers import AutoModelForCausalLM
+
+    from anychip.checkpoint.calibration import layer_inputs
+    from anychip.checkpoint.smooth import POINT_NAMES, apply_point, points_named
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama(**FAMILY_MODELS[name]), dtype=torch.float32).eval()
+    family = FAMILIES[FAMILY_MODELS[name]["architecture"]]
+    torch.manual_seed(0)
+    with torch.no_grad():
+        xs, kwargs = layer_inputs(model, torch.tensor([[(i * 37) % 97 for i in range(40)]]), torch.device("cpu"))
+        layer = model.model.layers[1]
+        before = layer(xs[0], **kwargs[1])
+        for point in points_named(POINT_NAMES, family):
+            k = layer.get_submodule(point.linears[0]).in_features if point.norm else \
+                layer.get_submodule(point.producer).out_features
+            s = torch.empty(k).uniform_(0.25, 4.0)
+            s[0] = 1e4
+            if point.norm:
+                old = layer.get_submodule(point.norm).weight.detach().clone()
+            changed = apply_point(layer, point, s)
+            if point.norm:
+                assert changed == [f"{point.norm}.weight"]
+                new = layer.get_submodule(point.norm).weight
+                assert not torch.equal(new[1:], old[1:]), point.name
+                assert torch.equal(new, new.bfloat16().float())  # what the checkpoint can hold
+                if point.norm_offset:  # 1 + w' = (1 + w) / 1e4 rounds w' to -1: the channel is left alone
+                    assert new[0] == old[0], point.name
+        after = layer(xs[0], **kwargs[1])
+    assert torch.allclose(after, before, atol=1e-4, rtol=1e-4), float((after - before).abs().max())
+    assert [p.norm for p in points_named(("attn_in", "mlp_in"), family)] == ["input_layernorm", family.mlp_norm]
+
+
+@pytest.mark.parametrize("name", list(FAMILY_MODELS))
+def test_calibration_replays_each_layer_with_its_own_arguments(tiny_llama, name):
+    """GPTQ runs the model layer by layer from captured inputs: each layer must get the arguments the model gives
+    it (Gemma 3's sliding-window and global layers get different masks and rotary tables), so replaying the
+    layers reproduces the model's forward. With layer 0's arguments for every layer, Gemma 3's global layer
+    would attend through a 16-token window."""
+    from transformers import AutoModelForCausalLM
+
+    from anychip.checkpoint.calibration import layer_inputs
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama(**FAMILY_MODELS[name]), dtype=torch.float32).eval()
+    batch = torch.tensor([[(i * 37 + j) % 97 for i in range(48)] for j in range(2)])
+    with torch.no_grad():
+        xs, kwargs = layer_inputs(model, batch, torch.device("cpu"))
+        assert len(xs) == 2 and len(kwargs) == len(model.model.layers)
+        for j, h in enumerate(xs):
+            for layer, kw in zip(model.model.layers, kwargs):
+                h = layer(h, **kw)
+                h = h[0] if isinstance(h, tuple) else h
+            want = model.model(batch[j:j + 1]).last_hidden_state
+            assert torch.allclose(model.model.norm(h), want, atol=1e-5), (name, j)
 
 
 @pytest.mark.slow

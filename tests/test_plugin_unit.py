@@ -190,6 +190,43 @@ def test_a_head_that_is_the_input_embedding_is_reported_tied():
     assert route["quantized"] is False and route["dtype"] == "bfloat16"
 
 
+def test_a_head_built_without_the_quantization_config_is_served_and_reported():
+    """vLLM 0.32's Gemma 2 computes its logits with an input embedding built with no quantization config, so the
+    plugin never sees it while the model is built. At the first logits (compat.install_logits_hook) the plugin
+    gives it an anychip head route on the CPU, and the report names that route, the head tied to the embedding
+    (named from the served model at the next step). A head that is already ours, or quantized, is left alone."""
+    from types import SimpleNamespace
+
+    from anychip.kernels.policy import KernelPolicy
+    from anychip.vllm_plugin import compat
+    from anychip.vllm_plugin.head import PREPARED, AnychipHeadMethod
+    from anychip.vllm_plugin.recorder import Recorder
+
+    recorder = Recorder(None, KernelPolicy())
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    embed = model.model.embed_tokens = torch.nn.Module()
+    embed.weight = torch.nn.Parameter(torch.randn(64, 32).bfloat16(), requires_grad=False)
+    embed.quant_method = compat.UnquantizedEmbeddingMethod()
+    recorder.on_logits(embed)
+    assert isinstance(embed.quant_method, AnychipHeadMethod) and hasattr(embed, PREPARED)
+    x = torch.randn(3, 32).bfloat16()
+    torch.testing.assert_close(embed.quant_method.apply(embed, x).float(), x.float() @ embed.weight.float().t(),
+                               rtol=1e-2, atol=1e-2)
+    recorder.coverage.attention_backend = "CPUAttentionBackend"  # the stub runner has no vLLM config to read
+    recorder.on_step("decode", 1, SimpleNamespace(get_model=lambda: model))
+    route = recorder.document()["head_route"]
+    assert route["layer"] == "lm_head" and route["tied_to"] == "model.embed_tokens"
+    assert route["route"] == getattr(embed, PREPARED).route.id and route["route"].startswith("cpu.head_bf16")
+    ours = embed.quant_method
+    recorder.on_logits(embed)
+    assert embed.quant_method is ours
+    quantized = torch.nn.Module()
+    quantized.quant_method = method = object()
+    recorder.on_logits(quantized)
+    assert quantized.quant_method is method and not hasattr(quantized, PREPARED)
+
+
 def test_report_never_pairs_a_layer_snapshot_with_counters_of_newer_layers(tmp_path):
     """The report thread writes while the model is still being built: a layer registered between the report's
     snapshot of the layers and its read of the kernel counters must wait for the next report (it once raised

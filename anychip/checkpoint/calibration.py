@@ -44,31 +44,54 @@ class Capture(Exception):
     """Raised by the first decoder layer's hook to stop the forward once its inputs are recorded."""
 
 
-def layer_inputs(model, batch: torch.Tensor, device: torch.device) -> tuple[list[torch.Tensor], dict]:
-    """Hidden states entering decoder layer 0 for each calibration sequence, and the keyword arguments the model
-    passes to its layers (rotary embeddings, mask), captured by running the model up to layer 0."""
+def layer_inputs(model, batch: torch.Tensor, device: torch.device) -> tuple[list[torch.Tensor], list[dict]]:
+    """Hidden states entering decoder layer 0 for each calibration sequence, and for each layer the keyword
+    arguments the model passes to it (rotary embeddings, mask: they differ between the sliding-window and global
+    layers of a model that has both, e.g. Gemma 3). The first sequence runs the model with every layer replaced
+    by one that records its arguments and passes its input on (the layers' weights stay where they are); the
+    others stop at layer 0 (all sequences have one length: the same arguments)."""
     layers = model.model.layers
     inputs: list[torch.Tensor] = []
-    kwargs: dict = {}
+    kwargs: list[dict] = [{} for _ in layers]
 
-    def hook(_module, args, kw):
+    def recorder(index: int):
+        def forward(*args, **kw):
+            hidden = args[0] if args else kw["hidden_states"]
+            if index == 0:
+                inputs.append(hidden.detach())
+            kwargs[index].update({k: v for k, v in kw.items() if k != "hidden_states"})
+            if index == len(layers) - 1:
+                raise Capture
+            return hidden
+        return forward
+
+    def first_input(_module, args, kw):
         inputs.append((args[0] if args else kw["hidden_states"]).detach())
-        if not kwargs:
-            kwargs.update({k: v for k, v in kw.items() if k != "hidden_states"})
         raise Capture
 
-    handle = layers[0].register_forward_pre_hook(hook, with_kwargs=True)
+    for i, layer in enumerate(layers):
+        layer.forward = recorder(i)  # an instance attribute: nn.Module.__call__ finds it before the class's
     try:
-        for row in batch:
+        try:
+            model(input_ids=batch[0][None].to(device), use_cache=False)
+        except Capture:
+            pass
+    finally:
+        for layer in layers:
+            del layer.forward
+    handle = layers[0].register_forward_pre_hook(first_input, with_kwargs=True)
+    try:
+        for row in batch[1:]:
             try:
                 model(input_ids=row[None].to(device), use_cache=False)
             except Capture:
                 pass
     finally:
         handle.remove()
-    kwargs["use_cache"] = False
-    kwargs.pop("past_key_values", None)
-    kwargs.pop("past_key_value", None)
+    for kw in kwargs:
+        kw["use_cache"] = False
+        kw.pop("past_key_values", None)
+        kw.pop("past_key_value", None)
     return inputs, kwargs
 
 

@@ -38,6 +38,7 @@ import torch
 from anychip.checkpoint.blocktune import tune_layer
 from anychip.checkpoint.calibration import (HessianHooks, InputSample, calibration_batch, forward_all,
                                             generated_batch, layer_inputs)
+from anychip.checkpoint.layout import Family, family_of
 from anychip.checkpoint.scales import SCALE_SEARCHES, search_scales
 from anychip.checkpoint.scheme import W4A8Scheme
 from anychip.checkpoint.smooth import DEFAULT_ALPHAS, POINT_NAMES, apply_point, points_named, search_point
@@ -324,11 +325,11 @@ class GPTQResult:
     tuning: list[dict[str, Any]] = field(default_factory=list)
 
 
-def _smooth_layer(layer, xs: list[torch.Tensor], kwargs: dict, scheme: W4A8Scheme, config: GPTQConfig
-                  ) -> tuple[dict[str, float | None], list[str]]:
+def _smooth_layer(layer, xs: list[torch.Tensor], kwargs: dict, scheme: W4A8Scheme, config: GPTQConfig,
+                  family: Family) -> tuple[dict[str, float | None], list[str]]:
     """Search and fold the smoothing factors of one (float) layer; returns {point: alpha} and the changed
     layer-relative BF16 tensor names."""
-    points = points_named(config.smooth)
+    points = points_named(config.smooth, family)
     tokens = sum(x.shape[-2] for x in xs)
     hooks = InputSample({p.linears[0]: layer.get_submodule(p.linears[0]) for p in points},
                          max(1, tokens // config.smooth_rows))
@@ -344,8 +345,8 @@ def _smooth_layer(layer, xs: list[torch.Tensor], kwargs: dict, scheme: W4A8Schem
     return record, changed
 
 
-def _quantize_layer(layer, xs: list[torch.Tensor], kwargs: dict, scheme: W4A8Scheme,
-                    config: GPTQConfig) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
+def _quantize_layer(layer, xs: list[torch.Tensor], kwargs: dict, scheme: W4A8Scheme, config: GPTQConfig,
+                    family: Family) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
     """GPTQ every linear of one layer in place (weights replaced by their dequantized INT4 values); returns the
     (wq, scales) and the quantized layer's output for each batch of xs."""
     linears = {name: m for name, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
@@ -357,7 +358,7 @@ def _quantize_layer(layer, xs: list[torch.Tensor], kwargs: dict, scheme: W4A8Sch
     stages = [s for s in stages if s]
     out, outputs = {}, None
     for stage in stages:
-        tail = _MlpTail(layer) if stage is stages[-1] and stage[-1] == DOWN else None
+        tail = _MlpTail(layer, family) if stage is stages[-1] and stage[-1] == DOWN else None
         hooks = HessianHooks({name: linears[name] for name in stage})
         forward_all(layer, xs, kwargs, hooks)
         for name in stage:
@@ -379,23 +380,26 @@ DOWN = "mlp.down_proj"
 
 
 class _MlpTail:
-    """Records, during the forward that collects down_proj's Hessian, the residual stream entering
-    post_attention_layernorm and down_proj's input; once down_proj is quantized the layer's output is
-    residual + down_proj(input), exactly what LlamaDecoderLayer computes, without another forward."""
+    """Records, during the forward that collects down_proj's Hessian, the residual stream entering the MLP's norm
+    and down_proj's input; once down_proj is quantized the layer's output is residual + down_proj(input) (through
+    the family's post-MLP norm where it has one), exactly what the decoder layer computes, without another
+    forward."""
 
-    def __init__(self, layer) -> None:
+    def __init__(self, layer, family: Family) -> None:
         self.residual: list[torch.Tensor] = []
         self.inputs: list[torch.Tensor] = []
+        self.post = layer.get_submodule(family.post_mlp_norm) if family.post_mlp_norm else None
         # Registered before HessianHooks: pre-hooks run in order, and HessianHooks stops the forward at down_proj.
         self._handles = [
-            layer.post_attention_layernorm.register_forward_pre_hook(lambda _m, a: self.residual.append(a[0])),
+            layer.get_submodule(family.mlp_norm).register_forward_pre_hook(lambda _m, a: self.residual.append(a[0])),
             layer.get_submodule(DOWN).register_forward_pre_hook(lambda _m, a: self.inputs.append(a[0])),
         ]
 
     def outputs(self, down: torch.nn.Module) -> list[torch.Tensor]:
         for h in self._handles:
             h.remove()
-        return [r + down(x) for r, x in zip(self.residual, self.inputs)]
+        post = self.post or (lambda y: y)
+        return [r + post(down(x)) for r, x in zip(self.residual, self.inputs)]
 
 
 def run_gptq(src: str | Path, scheme: W4A8Scheme, calibration: str | Path | None = None,
@@ -432,6 +436,7 @@ def run_gptq(src: str | Path, scheme: W4A8Scheme, calibration: str | Path | None
         source = text_path.name
         batch = calibration_batch(tokenizer, text_path.read_text(encoding="utf-8"), config.samples, config.seq_len,
                                   config.seed)
+    family = family_of(model.config.to_dict())
     layers = model.model.layers
     # Everything but the decoder layers moves to the device now; each layer visits it in fp32 when its turn comes.
     model.model.embed_tokens.to(dev)
@@ -442,26 +447,26 @@ def run_gptq(src: str | Path, scheme: W4A8Scheme, calibration: str | Path | None
         f"refit {config.refit}, block tuning {config.tune_steps or 'off'}, on {dev}")
     result = GPTQResult(weights={})
     with torch.inference_mode():
-        xs, kwargs = layer_inputs(model, batch, dev)
-        kwargs = {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else
-                  tuple(t.float() for t in v) if isinstance(v, tuple) else v for k, v in kwargs.items()}
+        xs, layer_kwargs = layer_inputs(model, batch, dev)
+        layer_kwargs = _as_float(layer_kwargs)
         # Sequences go through each layer in batches (fewer, larger matmuls); kwargs broadcast over the batch.
         xs = [torch.cat(xs[i:i + LAYER_BATCH]).float() for i in range(0, len(xs), LAYER_BATCH)]
         floats = list(xs) if config.tune_steps else None  # the float model's hidden states: tuning's targets
         for li, layer in enumerate(layers):
+            kwargs = layer_kwargs[li]
             layer.to(dev, torch.float32)
             prefix = f"model.layers.{li}."
             if floats is not None:
                 floats = [_first(layer(x, **kwargs)) for x in floats]
             if config.smooth:
-                record, changed = _smooth_layer(layer, xs, kwargs, scheme, config)
+                record, changed = _smooth_layer(layer, xs, kwargs, scheme, config, family)
                 result.smoothing.append(record)
                 for name in changed:
                     result.dense[prefix + name] = layer.get_parameter(name).detach().to("cpu", torch.bfloat16)
             layer_in = xs
             originals = {name: m.weight.detach().clone() for name, m in layer.named_modules()
                          if isinstance(m, torch.nn.Linear)} if floats is not None else {}
-            weights, xs = _quantize_layer(layer, xs, kwargs, scheme, config)  # the next layer sees it quantized
+            weights, xs = _quantize_layer(layer, xs, kwargs, scheme, config, family)  # the next layer: quantized
             if floats is not None:
                 weights, xs, outcome = tune_layer(layer, weights, originals, layer_in, floats, kwargs,
                                                   scheme.group_size, config.tune_steps, config.tune_batch,
@@ -478,6 +483,23 @@ def run_gptq(src: str | Path, scheme: W4A8Scheme, calibration: str | Path | None
                              f"{'kept' if t['kept'] else 'GPTQ kept'})") if t["mse_gptq"] > 0 else ""
                 log(f"layer {li + 1}/{len(layers)} quantized{tuned}")
     return result
+
+
+def _as_float(layer_kwargs: list[dict]) -> list[dict]:
+    """Each layer's keyword arguments with floating tensors (alone or in tuples) in fp32; layers that shared a
+    tensor share its fp32 copy."""
+    made: dict[int, Any] = {}
+
+    def conv(v):
+        if isinstance(v, tuple):
+            return tuple(conv(t) for t in v)
+        if torch.is_tensor(v) and v.is_floating_point():
+            if id(v) not in made:
+                made[id(v)] = (v, v.float())  # holds v so its id stays unique
+            return made[id(v)][1]
+        return v
+
+    return [{k: conv(v) for k, v in kw.items()} for kw in layer_kwargs]
 
 
 def _first(output) -> torch.Tensor:

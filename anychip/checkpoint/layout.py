@@ -55,13 +55,45 @@ def _qwen3_biases(config: dict[str, Any]) -> tuple[str, ...]:
     return ()
 
 
+def _attention_biases(config: dict[str, Any]) -> tuple[str, ...]:
+    """Gemma 2 and 3's `attention_bias`: q, k, v and o (in transformers' model and vLLM's alike); no MLP bias."""
+    return _ATTN_IN + ("self_attn.o_proj",) if config.get("attention_bias") else ()
+
+
+def _gemma_biases(config: dict[str, Any]) -> tuple[str, ...]:
+    if config.get("attention_bias"):
+        raise ContractError("GemmaForCausalLM with attention_bias=true: vLLM's Gemma has no attention biases where "
+                            "transformers' has them, so this model would not serve as it was trained")
+    return ()
+
+
+#: The RMSNorms of a Llama layer: before attention, before the MLP.
+LLAMA_NORMS = ("input_layernorm", "post_attention_layernorm")
+#: Gemma 3's "sandwich" norms: each block's output is normalized too before it joins the residual stream.
+SANDWICH_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                  "post_feedforward_layernorm")
+
+
 @dataclass(frozen=True)
 class Family:
-    """A decoder architecture whose layer is Llama's (RMSNorm, rotary GQA attention, SwiGLU MLP, the same tensor
-    names) up to which linears carry a bias and whether q and k get a per-head RMSNorm (`head_norms`)."""
+    """A decoder architecture whose layer has Llama's linears (q, k, v, o, gate, up, down under the same names,
+    rotary GQA attention, a gated MLP whose output is linear in up_proj) and differs in:
+
+    - `biases`: which linears carry a bias, given config.json;
+    - `head_norms`: a per-head RMSNorm on q and k (Qwen3, Gemma 3);
+    - `norms`: the layer's RMSNorms; `mlp_norm` is the one whose output gate/up read (its input is the residual
+      stream), `post_mlp_norm` one applied to down_proj's output before it joins the residual (Gemma 3);
+    - `norm_offset`: the norm multiplies by (offset + weight): Gemma's RMSNorm stores w and applies 1 + w;
+    - `rotatable`: whether a residual rotation (rotate.py) keeps the function: not with norms inside the
+      residual branches, whose per-channel weights do not commute with a rotation."""
 
     biases: Callable[[dict[str, Any]], tuple[str, ...]]
     head_norms: bool = False
+    norms: tuple[str, ...] = LLAMA_NORMS
+    mlp_norm: str = "post_attention_layernorm"
+    post_mlp_norm: str | None = None
+    norm_offset: float = 0.0
+    rotatable: bool = True
 
 
 #: The architectures anychip quantizes and verifies, by config.json's `architectures` entry.
@@ -70,14 +102,30 @@ FAMILIES: dict[str, Family] = {
     "MistralForCausalLM": Family(lambda config: ()),
     "Qwen2ForCausalLM": Family(lambda config: _ATTN_IN),  # q, k, v always biased, o never
     "Qwen3ForCausalLM": Family(_qwen3_biases, head_norms=True),
+    # Gemma: GELU-tanh gated MLP, (1 + w) RMSNorms, the embedding scaled by sqrt(hidden) (the runtimes' business)
+    "GemmaForCausalLM": Family(_gemma_biases, norm_offset=1.0, rotatable=False),
+    # Gemma 2 and text-only Gemma 3 (model_type gemma3_text): sandwich norms, sliding-window and global layers;
+    # Gemma 2's logit soft-capping and Gemma 3's q/k norms
+    "Gemma2ForCausalLM": Family(_attention_biases, norms=SANDWICH_NORMS, mlp_norm="pre_feedforward_layernorm",
+                                post_mlp_norm="post_feedforward_layernorm", norm_offset=1.0, rotatable=False),
+    "Gemma3ForCausalLM": Family(_attention_biases, head_norms=True, norms=SANDWICH_NORMS,
+                                mlp_norm="pre_feedforward_layernorm", post_mlp_norm="post_feedforward_layernorm",
+                                norm_offset=1.0, rotatable=False),
 }
+
+
+def family_of(config: dict[str, Any]) -> Family:
+    """The Family config.json names (a plain Llama when it names none: check_architecture refuses those)."""
+    archs = config.get("architectures")
+    family = FAMILIES.get(archs[0]) if isinstance(archs, list) and len(archs) == 1 else None
+    return family or FAMILIES["LlamaForCausalLM"]
 
 
 def check_architecture(config: dict[str, Any], where: str = "config.json") -> str:
     """The one supported architecture config.json names; ContractError otherwise."""
     archs = config.get("architectures")
     if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in FAMILIES:
-        raise ContractError(f"{where}: architectures {archs}: anychip covers decoders with Llama's layer, one of "
+        raise ContractError(f"{where}: architectures {archs}: anychip covers decoders with Llama's linears, one of "
                             f"{', '.join(FAMILIES)}")
     return archs[0]
 
@@ -85,7 +133,8 @@ def check_architecture(config: dict[str, Any], where: str = "config.json") -> st
 @dataclass(frozen=True)
 class DecoderDims:
     """The dimensions of a decoder's config.json that fix every tensor shape, and the family's extra tensors:
-    `biased` lists the linears (DECODER_LINEARS names) that carry a BF16 bias, `head_norms` the Qwen3 q/k norms.
+    `biased` lists the linears (DECODER_LINEARS names) that carry a BF16 bias, `head_norms` the q/k norms,
+    `norms` the RMSNorms of every layer.
     A config naming no supported architecture reads as a plain Llama (check_architecture refuses it)."""
 
     layers: int
@@ -98,12 +147,11 @@ class DecoderDims:
     tied: bool
     biased: tuple[str, ...] = ()
     head_norms: bool = False
+    norms: tuple[str, ...] = LLAMA_NORMS
 
     @classmethod
     def from_config(cls, config: dict[str, Any], where: str = "config.json") -> DecoderDims:
-        archs = config.get("architectures")
-        family = FAMILIES.get(archs[0]) if isinstance(archs, list) and len(archs) == 1 else None
-        family = family or FAMILIES["LlamaForCausalLM"]
+        family = family_of(config)
         try:
             hidden = int(config["hidden_size"])
             heads = int(config["num_attention_heads"])
@@ -118,6 +166,7 @@ class DecoderDims:
                 tied=bool(config.get("tie_word_embeddings", False)),
                 biased=family.biases(config),
                 head_norms=family.head_norms,
+                norms=family.norms,
             )
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, ContractError):
@@ -186,7 +235,7 @@ def bf16_tensor_specs(dims: DecoderDims) -> list[TensorSpec]:
     lm_head)."""
     specs = [TensorSpec("model.embed_tokens.weight", torch.bfloat16, (dims.vocab, dims.hidden))]
     for i in range(dims.layers):
-        for norm in ("input_layernorm", "post_attention_layernorm"):
+        for norm in dims.norms:
             specs.append(TensorSpec(f"model.layers.{i}.{norm}.weight", torch.bfloat16, (dims.hidden,)))
         if dims.head_norms:
             for norm in ("self_attn.q_norm", "self_attn.k_norm"):

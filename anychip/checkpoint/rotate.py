@@ -23,7 +23,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from anychip.checkpoint.io import copy_side_files, weight_files
-from anychip.checkpoint.layout import check_architecture
+from anychip.checkpoint.layout import FAMILIES, check_architecture
+from anychip.checkpoint.scheme import ContractError
 
 _READS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 _READS_MLP = ("mlp.gate_proj", "mlp.up_proj")
@@ -55,7 +56,10 @@ def rotate_llama(src: str | Path, dst: str | Path, seed: int = 0) -> Path:
     config = json.loads((src / "config.json").read_text())
     # Every supported family's residual stream is Llama's: q/k/v biases act after the rotated input, Qwen3's q/k
     # norms on each head's output; only biases of o_proj / down_proj (which write the stream) rotate.
-    check_architecture(config, f"{src}/config.json")
+    arch = check_architecture(config, f"{src}/config.json")
+    if not FAMILIES[arch].rotatable:
+        raise ContractError(f"{src}/config.json: {arch} normalizes each block's output before the residual add; "
+                            "a residual rotation would change the model's function (quantize it without --rotate)")
     dst.mkdir(parents=True, exist_ok=False)
     tensors: dict[str, torch.Tensor] = {}  # rotated in place, tensor by tensor: the model is held once
     for f in weight_files(src):

@@ -11,6 +11,8 @@ run time). The four points of a Llama decoder layer:
     mlp_in    post_attention_layernorm.weight / s   -> gate_proj, up_proj columns * s
     mlp_out   up_proj rows (and bias) / s            -> down_proj columns * s (silu(gate) * up is linear in up)
 
+In a family whose MLP reads another norm (Gemma 3's pre_feedforward_layernorm) mlp_in folds into that one; a
+norm that multiplies by (1 + w) (Gemma's) gets w' with 1 + w' = (1 + w) / s (`points_named(..., family)`).
 The embedding, the final norm and the head are never touched, so tied embeddings stay tied. The norm weights are
 BF16 tensors of the checkpoint that then differ from the BF16 source; `anychip quantize` records which.
 
@@ -21,10 +23,11 @@ group scales and per-token INT8 activations: the arithmetic the checkpoint will 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from anychip.checkpoint.layout import FAMILIES, Family
 from anychip.checkpoint.rtn import group_scales, quantize_with_scales
 from anychip.kernels.reference import quantize_activations_ref
 
@@ -38,6 +41,7 @@ class SmoothPoint:
     linears: tuple[str, ...]
     norm: str | None = None
     producer: str | None = None
+    norm_offset: float = 0.0  # the norm multiplies by (norm_offset + weight)
 
 
 POINTS: tuple[SmoothPoint, ...] = (
@@ -51,11 +55,18 @@ DEFAULT_ALPHAS: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
 _FLOOR = 1e-5  # channel statistics below this are treated as this (dead channels get a finite factor)
 
 
-def points_named(names: tuple[str, ...]) -> tuple[SmoothPoint, ...]:
+def points_named(names: tuple[str, ...], family: Family = FAMILIES["LlamaForCausalLM"]) -> tuple[SmoothPoint, ...]:
+    """The points called `names`, with the family's norms: which one feeds the MLP, and its (offset + w) form."""
     unknown = [n for n in names if n not in POINT_NAMES]
     if unknown:
         raise ValueError(f"smoothing points {unknown}: use some of {', '.join(POINT_NAMES)}")
-    return tuple(p for p in POINTS if p.name in names)
+    out = []
+    for p in POINTS:
+        if p.name in names:
+            if p.norm is not None:
+                p = replace(p, norm=family.mlp_norm if p.name == "mlp_in" else p.norm, norm_offset=family.norm_offset)
+            out.append(p)
+    return tuple(out)
 
 
 def channel_tie(layer: torch.nn.Module, point: SmoothPoint) -> torch.Tensor | None:
@@ -128,10 +139,15 @@ def apply_point(layer: torch.nn.Module, point: SmoothPoint, s: torch.Tensor) -> 
     changed: list[str] = []
     if point.norm is not None:
         norm = layer.get_submodule(point.norm)
-        old = norm.weight.data.float()
-        new = (old / s).to(torch.bfloat16).float()  # the checkpoint stores it in BF16: fold what it will hold
-        s_k = torch.where(new != 0, old / torch.where(new != 0, new, torch.ones_like(new)), torch.ones_like(new))
-        norm.weight.data = new.to(norm.weight.dtype)
+        c = point.norm_offset
+        old = norm.weight.data.float() + c  # what the norm multiplies by
+        new = (old / s - c).to(torch.bfloat16).float() + c  # the checkpoint stores w in BF16: fold what it will hold
+        # a channel whose stored factor would round to 0 or change sign keeps its weight (and s = 1)
+        keep = (new == 0) | (new * old <= 0)
+        new = torch.where(keep, old, new)
+        s_k = old / torch.where(keep, torch.ones_like(new), new)
+        s_k = torch.where(keep, torch.ones_like(s_k), s_k)
+        norm.weight.data = (new - c).to(norm.weight.dtype)
         changed.append(f"{point.norm}.weight")
     else:
         producer = layer.get_submodule(point.producer)

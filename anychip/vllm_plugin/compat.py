@@ -80,7 +80,7 @@ __all__ = [
     "GroupQuantScaleParameter", "ModelWeightParameter", "PackedvLLMParameter", "VocabParallelEmbedding",
     "get_forward_context", "is_forward_context_available", "register_quantization_config",
     "verify_group_size_divides_partition", "vllm_version", "current_phase", "attention_backend_name",
-    "head_gemm_route", "install_step_hook", "on_cpu", "ParallelLMHead", "UnquantizedEmbeddingMethod", "step_phase",
+    "head_gemm_route", "install_logits_hook", "install_step_hook", "on_cpu", "release_cpu_gemm", "runner_model", "ParallelLMHead", "UnquantizedEmbeddingMethod", "step_phase",
     "tensor_parallel", "tp_device_group", "LinearBase", "UnquantizedLinearMethod", "should_ignore_layer",
 ]
 
@@ -172,6 +172,54 @@ def install_step_hook(on_step: Callable[[str, int, Any], None]) -> bool:
 
 
 _step_hook: Callable[[str, int, Any], None] | None = None
+
+
+def install_logits_hook(on_head: Callable[[Any], None]) -> bool:
+    """Call on_head(lm_head) whenever vLLM's LogitsProcessor computes logits, with the module the model passes
+    as its head: a ParallelLMHead, or the input embedding of a model class that builds no head (vLLM 0.32's
+    Gemma 2, 0.26's tied Qwen2 / Qwen3), possibly one built without asking the quantization config. The logits
+    are computed outside the compiled graph, so this runs in Python at every call. Once a process; False when
+    this vLLM has no LogitsProcessor.forward(lm_head, hidden_states, ...)."""
+    global _logits_hook
+    if _logits_hook is not None:
+        _logits_hook = on_head
+        return True
+    try:
+        from vllm.model_executor.layers.logits_processor import LogitsProcessor
+    except ImportError:
+        return False
+    original = LogitsProcessor.forward
+
+    def forward(self: Any, lm_head: Any, *args: Any, **kwargs: Any) -> Any:
+        if _logits_hook is not None:
+            _logits_hook(lm_head)
+        return original(self, lm_head, *args, **kwargs)
+
+    LogitsProcessor.forward = functools.wraps(original)(forward)
+    _logits_hook = on_head
+    return True
+
+
+_logits_hook: Callable[[Any], None] | None = None
+
+
+def runner_model(runner: Any) -> Any:
+    """The nn.Module a model runner serves (CUDA-graph and compile wrappers taken off), or None."""
+    import torch
+
+    model = runner.get_model() if hasattr(runner, "get_model") else getattr(runner, "model", None)
+    for _ in range(4):
+        if isinstance(model, torch.nn.Module) or not hasattr(model, "unwrap"):
+            break
+        model = model.unwrap()
+    return model if isinstance(model, torch.nn.Module) else None
+
+
+def release_cpu_gemm(layer: Any) -> None:
+    """Drop what vLLM's CPU GEMM dispatch prepared for an unquantized layer (`cpu_linear`, a closure that may hold a
+    packed copy of the weight) once another method computes with the layer."""
+    if hasattr(layer, "cpu_linear"):
+        del layer.cpu_linear
 
 
 def attention_backend_name(model_runner: Any = None) -> str | None:

@@ -43,3 +43,17 @@ def head_method(layer: Any, prefix: str, policy: KernelPolicy) -> AnychipHeadMet
     if not isinstance(layer, compat.ParallelLMHead) or not compat.on_cpu():
         return None
     return AnychipHeadMethod(select_head(policy), policy, prefix)
+
+
+def adopt_head(layer: Any, policy: KernelPolicy) -> bool:
+    """Serve with an anychip head route an unquantized CPU head that vLLM built without asking the quantization
+    config, so head_method never saw it (vLLM 0.32's Gemma 2 computes its logits with the input embedding, made
+    with no quantization config). Called (compat.install_logits_hook) when vLLM first computes logits with the
+    layer: its warm-up, before any request. True when it took the layer over."""
+    if not compat.on_cpu() or type(getattr(layer, "quant_method", None)) is not compat.UnquantizedEmbeddingMethod:
+        return False  # not a CPU engine, already ours, or a quantized head
+    method = AnychipHeadMethod(select_head(policy), policy, "lm_head")
+    method.process_weights_after_loading(layer)
+    compat.release_cpu_gemm(layer)
+    layer.quant_method = method
+    return True

@@ -28,6 +28,7 @@ from anychip.coverage import Coverage, LayerRoute, platform_summary, rank_path, 
 from anychip.kernels import hooks, machine, routes
 from anychip.kernels.policy import KernelPolicy
 from anychip.vllm_plugin import compat
+from anychip.vllm_plugin.head import PREPARED, adopt_head
 
 logger = logging.getLogger("anychip")
 FLUSH_SECONDS = 0.5  # how often the report thread looks for news
@@ -53,6 +54,9 @@ class Recorder:
         self._first_layer: int | None = None
         self._embeddings: dict[str, weakref.ref] = {}  # prefix -> VocabParallelEmbedding / ParallelLMHead
         self._head_name: str | None = None
+        # the module vLLM last computed logits with (compat.install_logits_hook), and its name in the model
+        self._used_head: weakref.ref | None = None
+        self._used_name: str | None = None
         self._stop = threading.Event()
         self._tables: dict[torch.device, _DeviceTable] = {}
         self._counters: dict[int, hooks.DeviceCounter | None] = {}  # layer id -> its row (None: counted here)
@@ -67,6 +71,7 @@ class Recorder:
         self._last_step = self._last_write = float("-inf")  # time.monotonic() of the last model step, write
         self._heap_trimmed = False
         hooks.install(self.on_call)
+        compat.install_logits_hook(self.on_logits)
         if path is not None:
             thread = threading.Thread(target=self._flush_loop, name="anychip-coverage", daemon=True)
             thread.start()
@@ -113,15 +118,38 @@ class Recorder:
             if is_head:
                 self._head_name = prefix
 
+    def on_logits(self, lm_head: Any) -> None:
+        """Before vLLM computes logits with `lm_head` (compat.install_logits_hook): at its first time, an unquantized
+        CPU head that the quantization config never saw gets an anychip head route (adopt_head), and the
+        module is kept as the head the report names when none was noted while the model was built."""
+        if getattr(lm_head, "_anychip_logits_seen", False):
+            return
+        lm_head._anychip_logits_seen = True
+        if adopt_head(lm_head, self.policy):
+            logger.info("anychip: the output head vLLM built without the quantization config runs on %s",
+                        getattr(lm_head, PREPARED).route.id)
+        with self._lock:
+            self._used_head = weakref.ref(lm_head)
+
     def head_route(self) -> dict[str, Any] | None:
         layers = {name: ref() for name, ref in self._embeddings.items()}
         head = layers.get(self._head_name) if self._head_name else None
         others = [(name, layer) for name, layer in layers.items() if layer is not None and name != self._head_name]
+        used = self._used_head() if self._used_head is not None else None
+        layer_name = self._head_name or "lm_head"
         if head is None and len(others) == 1:
             # vLLM ties a head by replacing it with the input embedding, which then computes the logits: after
             # building a head (noted, then dropped) or instead of building one (vLLM 0.26's Qwen2 and Qwen3: no
             # head layer was ever created, so none was noted)
             tied_to, head = others[0]
+        elif head is None and used is not None:
+            # nothing noted: the model built its head (or the embedding that computes its logits) without the
+            # quantization config (vLLM 0.32's Gemma 2); it is known from the logits it computed
+            head = used
+            if isinstance(used, compat.ParallelLMHead):
+                layer_name, tied_to = self._used_name or layer_name, None
+            else:  # the input embedding itself
+                tied_to = self._used_name or "embed_tokens"
         elif head is None:
             return None
         else:
@@ -129,11 +157,11 @@ class Recorder:
             tied_to = next((name for name, other in others
                             if weight is not None and getattr(other, "weight", None) is weight), None)
         weight = getattr(head, "weight", None)
-        prepared = getattr(head, "anychip_head", None)  # vllm_plugin/head.py: an anychip head route serves it
+        prepared = getattr(head, PREPARED, None)  # vllm_plugin/head.py: an anychip head route serves it
         route = prepared.route.id if prepared is not None else compat.head_gemm_route(head)
         quantized = prepared is not None and prepared.route.kind != "bf16"
         dtype = str(getattr(weight, "dtype", "unknown")).replace("torch.", "")
-        return {"layer": self._head_name or "lm_head", "dtype": dtype,
+        return {"layer": layer_name, "dtype": dtype,
                 "tied_to": tied_to, "quantized": quantized, "route": route,
                 "head": prepared.route.kind if prepared is not None else "bf16"}
 
@@ -157,6 +185,14 @@ class Recorder:
         """Once, in the first forward pass: the attention backend, and the output head's route."""
         self.coverage.attention_backend = compat.attention_backend_name()
         self._remember_head()
+
+    def _name_used_head(self, runner: Any) -> None:
+        """The name in the served model of the module logits were computed with (once; "" when not found)."""
+        used, model = self._used_head(), compat.runner_model(runner)
+        name = next((n for n, m in model.named_modules() if m is used), "") if used is not None and model else ""
+        with self._lock:
+            self._used_name = name
+            self.coverage.head_route = None  # read again, with the name
 
     def _remember_head(self) -> None:
         """Read the output head's route while the model is alive: the layers are held by weak references, which may
@@ -201,6 +237,8 @@ class Recorder:
             self._kernel_counts.slot.fill_(hooks.SLOTS.index(phase))
         if self.coverage.attention_backend is None and runner is not None:
             self.coverage.attention_backend = compat.attention_backend_name(runner)
+        if self._used_name is None and self._used_head is not None and runner is not None:
+            self._name_used_head(runner)
         if self.coverage.head_route is None:
             self._remember_head()
         if not self._heap_trimmed and phase != "warmup" and self._kernel_counts is not None:
