@@ -395,6 +395,12 @@ def test_a_crash_mid_run_keeps_the_rows_measured_before_it(tiny_llama, tmp_path,
     broken = latency.System("vllm-w8a8", "vllm", "W8A8", build=lambda: (_ for _ in ()).throw(OSError("disk full")))
     row = latency.run_system(broken, argparse.Namespace(pp=8, tg=4, reps=1, wait_idle=0), tmp_path)
     assert row["status"] == "failed" and "OSError: disk full" in row["error"]
+    # a peer the model cannot have (found when its checkpoint is made: a Gemma model has no GGUF conversion here)
+    # is a skipped row that says why, as the peers left out when the plan is made
+    unconvertible = latency.System("llama.cpp-q4_0", "llama.cpp", "Q4_0", build=lambda: (_ for _ in ()).throw(
+        peers.PeerUnavailable("bf16 is gemma3_text: no GGUF conversion here")))
+    row = latency.run_system(unconvertible, argparse.Namespace(pp=8, tg=4, reps=1, wait_idle=0), tmp_path)
+    assert row["status"] == "skipped" and "gemma3_text" in row["reason"]
 
     systems = [latency.System("vllm-bf16", "vllm", "BF16"), latency.System("vllm-w8a8", "vllm", "W8A8")]
     monkeypatch.setattr(latency, "plan_systems", lambda md, peers, device: systems)

@@ -103,3 +103,15 @@ def test_llama_cpp_reads_the_converted_model_like_transformers(bpe_llama):
     print(f"max |logit difference| {np.abs(theirs - ours).max():.2e}, logits up to {np.abs(ours).max():.2f}")
     assert np.abs(theirs - ours).max() < 2e-3 * max(1.0, np.abs(ours).max())
     assert llama_cpp_quantized(bpe_llama, "Q4_0").stat().st_size > 0  # llama.cpp's quantizer takes it
+
+
+def test_a_family_llama_cpp_is_not_converted_for_is_refused_by_name(tiny_llama, tmp_path):
+    """Gemma models quantize and serve, but this converter writes Llama/Mistral/Qwen GGUFs only: refused with the
+    model type (the bench then shows a skipped llama.cpp row), nothing written."""
+    from anychip.bench.gguf_peers import make_f32_gguf
+    from anychip.bench.peers import PeerUnavailable
+
+    src = tiny_llama(architecture="Gemma3ForCausalLM", hidden_size=128, head_dim=32)
+    with pytest.raises(PeerUnavailable, match="gemma3_text: no GGUF conversion here"):
+        make_f32_gguf(src, None, tmp_path / "model.F32.gguf")
+    assert not list(tmp_path.iterdir())

@@ -23,6 +23,7 @@ import numpy as np
 from anychip.bench.peers import PeerUnavailable, check_gguf_matches, llama_cpp_available, smollm2_gguf
 from anychip.checkpoint.layout import DecoderDims
 from anychip.checkpoint.model_dir import ModelDir
+from anychip.errors import AnychipError
 
 #: llama.cpp file types by name (llama.h LLAMA_FTYPE_MOSTLY_*).
 FTYPES = {"Q4_0": 2, "Q8_0": 7}
@@ -197,6 +198,6 @@ def llama_cpp_quantized(bf16: Path, ftype: str, threads: int = 2) -> Path:
     tmp = out.with_suffix(".tmp")
     rc = llama_cpp.llama_model_quantize(str(f32).encode(), str(tmp).encode(), ctypes.byref(params))
     if rc != 0:
-        raise PeerUnavailable(f"llama_model_quantize({f32.name} -> {ftype}) failed with code {rc}")
+        raise AnychipError(f"llama_model_quantize({f32.name} -> {ftype}) failed with code {rc}")
     tmp.replace(out)
     return out

@@ -300,6 +300,8 @@ def run_system(system: System, args: argparse.Namespace, workdir: Path) -> dict[
         return dict(row, status="skipped", reason=system.skipped)
     try:
         model = system.build()
+    except peers.PeerUnavailable as exc:  # e.g. a model the GGUF conversion does not take: known before any run
+        return dict(row, status="skipped", reason=str(exc))
     except AnychipError as exc:
         return dict(row, status="failed", error=f"could not build its checkpoint: {exc}")
     except Exception as exc:  # a peer's own tooling failing (a converter, a library) fails its row, not the bench
