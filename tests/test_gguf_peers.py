@@ -26,7 +26,8 @@ FAMILIES = {"LlamaForCausalLM": {}, "MistralForCausalLM": {}, "Qwen2ForCausalLM"
             "Gemma2ForCausalLM": {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8,
                                   "layer_types": ["sliding_attention", "full_attention"]},
             "Gemma3ForCausalLM": {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8,
-                                  "num_hidden_layers": 6, "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}}
+                                  "num_hidden_layers": 6,
+                                  "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

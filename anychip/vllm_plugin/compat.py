@@ -80,7 +80,8 @@ __all__ = [
     "GroupQuantScaleParameter", "ModelWeightParameter", "PackedvLLMParameter", "VocabParallelEmbedding",
     "get_forward_context", "is_forward_context_available", "register_quantization_config",
     "verify_group_size_divides_partition", "vllm_version", "current_phase", "attention_backend_name",
-    "head_gemm_route", "install_logits_hook", "install_step_hook", "on_cpu", "release_cpu_gemm", "runner_model", "ParallelLMHead", "UnquantizedEmbeddingMethod", "step_phase",
+    "head_gemm_route", "install_logits_hook", "install_step_hook", "on_cpu", "release_cpu_gemm", "runner_model",
+    "ParallelLMHead", "UnquantizedEmbeddingMethod", "step_phase",
     "tensor_parallel", "tp_device_group", "LinearBase", "UnquantizedLinearMethod", "should_ignore_layer",
 ]
 
