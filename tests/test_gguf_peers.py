@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,10 @@ BOS = "<|endoftext|>"
 
 
 FAMILIES = {"LlamaForCausalLM": {}, "MistralForCausalLM": {}, "Qwen2ForCausalLM": {},
+            # Llama 3.1's rope scaling (a rope_freqs tensor), strong here: most frequencies divided by 4
+            "Llama3-rope": {"architecture": "LlamaForCausalLM", "head_dim": 16,
+                            "rope_scaling": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                                             "high_freq_factor": 2.0, "original_max_position_embeddings": 8}},
             "Qwen3ForCausalLM": {"head_dim": 32},
             # Gemma: the layer types, window and attention scale llama.cpp assumes (every 2nd / 6th layer global)
             "GemmaForCausalLM": {"head_dim": 16},
@@ -47,11 +52,12 @@ def bpe_llama(request, tmp_path_factory) -> Path:
     text = (Path(__file__).resolve().parents[1] / "anychip" / "data" / "kjv_mark.txt").read_text()[:20000]
     tok.train_from_iterator([text], trainer)
     torch.manual_seed(0)
-    cls = getattr(transformers, request.param)
+    spec = dict(FAMILIES[request.param])
+    cls = getattr(transformers, spec.pop("architecture", request.param))
     config = cls.config_class(**(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=320,
                                       tie_word_embeddings=True, max_position_embeddings=256, rope_theta=50000.0)
-                                 | FAMILIES[request.param]))
+                                 | spec))
     model = cls(config)
     with torch.no_grad():  # biases and norms start at 0 / 1: give them values a misplaced tensor would show
         for name, p in model.named_parameters():
@@ -90,7 +96,11 @@ def test_a_model_without_a_shipped_gguf_converts_from_its_config_and_tokenizer(b
     assert value("tokenizer.ggml.bos_token_id") == tokens.index(BOS) and value("tokenizer.ggml.merges")
     tensors = {t.name: t for t in reader.tensors}
     source = load_file(str(bpe_llama / "model.safetensors"))
-    assert "output.weight" not in tensors and len(tensors) == len(source)  # tied: no output tensor
+    assert "output.weight" not in tensors  # tied: no output tensor
+    assert len(tensors) == len(source) + ("rope_freqs.weight" in tensors)
+    if "rope_scaling" in FAMILIES[re.sub(r"\d+$", "", bpe_llama.parent.name)]:  # frequencies over 4 but the highest
+        factors = np.asarray(tensors["rope_freqs.weight"].data)
+        assert factors.shape == (8,) and factors[0] < 4 and np.allclose(factors[1:], 4.0)
     q = source["model.layers.1.self_attn.q_proj.weight"].float().numpy()
     stored = np.asarray(tensors["blk.1.attn_q.weight"].data).reshape(q.shape)
     assert np.array_equal(stored, rotary_rows(q, 4) if interleave else q)  # F32, in llama.cpp's rotary order

@@ -80,12 +80,14 @@ def _template_matches(template: Path | None, config: dict[str, Any]) -> bool:
     return True
 
 
-def _metadata_from_config(writer: Any, bf16: Path, config: dict[str, Any], d: DecoderDims) -> None:
-    """llama.cpp's hyperparameters and tokenizer, from config.json and the model's tokenizer files."""
+def _metadata_from_config(writer: Any, bf16: Path, config: dict[str, Any], d: DecoderDims,
+                          scaled_ok: bool = False) -> None:
+    """llama.cpp's hyperparameters and tokenizer, from config.json and the model's tokenizer files; `scaled_ok`:
+    rope scaling is carried by a rope_freqs tensor (llama.cpp's llama architecture)."""
     import gguf
     from gguf import vocab as gguf_vocab
 
-    theta = _rope_theta(bf16, config)
+    theta = _rope_theta(bf16, config, scaled_ok=scaled_ok)
     n_vocab = d.vocab
     writer.add_context_length(int(config.get("max_position_embeddings") or 2048))
     writer.add_embedding_length(d.hidden)
@@ -129,16 +131,46 @@ def _metadata_from_config(writer: Any, bf16: Path, config: dict[str, Any], d: De
     gguf_vocab.SpecialVocab(bf16, load_merges=vocab.tokenizer_model == "gpt2", n_vocab=n_vocab).add_to_gguf(writer)
 
 
-def _rope_theta(bf16: Path, config: dict[str, Any], layer_type: str = "full_attention") -> float:
-    """The rotary base of the model's (global) layers; PeerUnavailable for rope scaling. transformers 5 writes
-    rope_parameters {rope_theta, rope_type}, per layer type for models with sliding-window layers ({"full_attention":
-    {...}, "sliding_attention": {...}}); older configs rope_theta and rope_scaling."""
+def _rope_parameters(config: dict[str, Any], layer_type: str = "full_attention") -> tuple[float, str, dict]:
+    """(rotary base, rope type, the parameters) of the model's (global) layers. transformers 5 writes
+    rope_parameters {rope_theta, rope_type, ...}, per layer type for models with sliding-window layers
+    ({"full_attention": {...}, "sliding_attention": {...}}); older configs rope_theta and rope_scaling."""
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if isinstance(rope.get(layer_type), dict):
         rope = rope[layer_type]
-    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+    kind = rope.get("rope_type", rope.get("type")) or "default"
+    return float(rope.get("rope_theta") or config.get("rope_theta") or 10000.0), kind, rope
+
+
+def _rope_theta(bf16: Path, config: dict[str, Any], layer_type: str = "full_attention",
+                scaled_ok: bool = False) -> float:
+    """The rotary base; PeerUnavailable for rope scaling unless `scaled_ok` (then rope_freq_factors carries it)."""
+    theta, kind, rope = _rope_parameters(config, layer_type)
+    if kind != "default" and not scaled_ok:
         raise PeerUnavailable(f"{bf16.name}: rope scaling {rope} is not converted to GGUF here")
-    return float(rope.get("rope_theta") or config.get("rope_theta") or 10000.0)
+    return theta
+
+
+def rope_freq_factors(bf16: Path, config: dict[str, Any], d: DecoderDims) -> np.ndarray | None:
+    """llama.cpp's `rope_freqs` tensor for a model whose rope scaling only rescales each rotary frequency (Llama
+    3.1's "llama3", "linear"): per frequency, the unscaled inverse frequency over the scaled one, as transformers
+    computes both; llama.cpp divides each frequency by it. None without scaling; PeerUnavailable for a scaling
+    that also changes the attention's magnitude (YaRN, LongRoPE) or varies with the sequence length."""
+    theta, kind, rope = _rope_parameters(config)
+    if kind == "default":
+        return None
+    import torch
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if kind not in ("llama3", "linear"):
+        raise PeerUnavailable(f"{bf16.name}: rope scaling {rope} is not converted to GGUF here (llama3 and linear "
+                              "are)")
+    scaled, attention = ROPE_INIT_FUNCTIONS[kind](AutoConfig.from_pretrained(bf16, local_files_only=True), "cpu")
+    if float(attention) != 1.0 or scaled.numel() != d.head_dim // 2:
+        raise PeerUnavailable(f"{bf16.name}: rope scaling {rope} changes more than the frequencies")
+    base = 1.0 / theta ** (torch.arange(0, d.head_dim, 2, dtype=torch.int64).float() / d.head_dim)
+    return (base / scaled.float()).numpy().astype(np.float32)
 
 
 def _gemma_metadata(writer: Any, bf16: Path, config: dict[str, Any], d: DecoderDims, arch: str) -> None:
@@ -207,8 +239,10 @@ def make_f32_gguf(bf16: Path, template: Path | None, dst: Path) -> Path:
         writer.add_name(bf16.name)
         if arch.startswith("gemma"):  # first: whether llama.cpp runs the model as it is
             _gemma_metadata(writer, bf16, config, d, arch)
-        _metadata_from_config(writer, bf16, config, d)
+        _metadata_from_config(writer, bf16, config, d, scaled_ok=arch == "llama")
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    if arch == "llama" and (factors := rope_freq_factors(bf16, config, d)) is not None:
+        writer.add_tensor("rope_freqs.weight", factors)
     sandwich = arch in ("gemma2", "gemma3")
     tensors: dict[str, Any] = {}
     for shard in sorted(bf16.glob("*.safetensors")):
