@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(target="anychip.checkpoint.prepare:cmd_prepare")
 
     s = sub.add_parser("quantize", help="quantize a BF16 decoder directory (Llama, Mistral, Qwen2, Qwen3, "
-                                        "Gemma 1-3) to W4A8 (compressed-tensors)")
+                                        "Granite, Gemma 1-3) to W4A8 (compressed-tensors)")
     s.add_argument("src", help="BF16 Hugging Face model directory")
     s.add_argument("dst", help="output directory (written atomically)")
     s.add_argument("--group-size", type=int, default=128, choices=[128, 64, 32])

@@ -35,6 +35,9 @@ FAMILY_MODELS = {
     "mistral": dict(architecture="MistralForCausalLM", hidden_size=128),
     "qwen2": dict(architecture="Qwen2ForCausalLM", hidden_size=128),
     "qwen3": dict(architecture="Qwen3ForCausalLM", hidden_size=128, head_dim=64),  # q width 256 != hidden
+    # the multipliers far from 1, so that one left out of GPTQ's layer replay or the GGUF shows
+    "granite": dict(architecture="GraniteForCausalLM", hidden_size=128, embedding_multiplier=6.0,
+                    residual_multiplier=0.3, attention_multiplier=0.05, logits_scaling=4.0),
     "gemma": dict(architecture="GemmaForCausalLM", hidden_size=128, head_dim=32),
     # a sliding-window layer (16 positions, shorter than the prompts) and a global one (Gemma 3: with its own rotary)
     "gemma2": dict(architecture="Gemma2ForCausalLM", hidden_size=128, head_dim=32, sliding_window=16,
@@ -89,7 +92,7 @@ def test_each_family_quantizes_with_its_own_bf16_tensors(family, name):
     config = json.loads((src / "config.json").read_text())
     arch = config["architectures"][0]
     extras = _extras(arch, config)
-    assert extras or arch in ("MistralForCausalLM", "GemmaForCausalLM")
+    assert extras or arch in ("MistralForCausalLM", "GemmaForCausalLM", "GraniteForCausalLM")
     report = verify_checkpoint(dst)
     assert report.architecture == arch and report.num_linears == 7 * config["num_hidden_layers"]
     source, stored = read_tensors(src), read_tensors(dst)
@@ -127,8 +130,8 @@ def test_other_architectures_are_refused_by_name(tiny_llama, copy_dir, tmp_path)
     config = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps(config | {"architectures": ["Phi3ForCausalLM"]}))
     with pytest.raises(ContractError, match=r"Phi3ForCausalLM.*LlamaForCausalLM, MistralForCausalLM, "
-                                            r"Qwen2ForCausalLM, Qwen3ForCausalLM, GemmaForCausalLM, "
-                                            r"Gemma2ForCausalLM, Gemma3ForCausalLM"):
+                                            r"Qwen2ForCausalLM, Qwen3ForCausalLM, GraniteForCausalLM, "
+                                            r"GemmaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM"):
         quantize_checkpoint(src, tmp_path / "out", W4A8Scheme(32))
     (src / "config.json").write_text(json.dumps(config | {"architectures": ["Qwen3ForCausalLM"],
                                                           "attention_bias": True}))
@@ -141,7 +144,7 @@ def test_other_architectures_are_refused_by_name(tiny_llama, copy_dir, tmp_path)
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3", "gemma", "gemma2", "gemma3"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "granite", "gemma", "gemma2", "gemma3"])
 def test_gptq_smoothing_and_rotation_keep_each_familys_function(tiny_llama, name, tmp_path):
     """GPTQ (with its default smoothing, which divides biases where it folds into a biased producer, and folds
     into Gemma's 1 + w norms and its pre-MLP norm) and the residual rotation run on the family's layer. The
@@ -176,6 +179,27 @@ def test_gptq_smoothing_and_rotation_keep_each_familys_function(tiny_llama, name
         out = load_reference_model(dst, torch.float32)(ids).logits.log_softmax(-1)
     kl = float((base.exp() * (base - out)).sum(-1).mean())
     assert kl < 0.03, kl
+
+
+@pytest.mark.parametrize("name", list(FAMILY_MODELS))
+def test_gptq_layer_outputs_are_the_quantized_layers_outputs(tiny_llama, name):
+    """GPTQ hands the next layer the quantized layer's outputs without another forward (residual + the MLP's
+    output, through Gemma's post-MLP norm, times Granite's residual multiplier): they must be what the layer with
+    its quantized weights computes."""
+    from transformers import AutoModelForCausalLM
+
+    from anychip.checkpoint.calibration import layer_inputs
+    from anychip.checkpoint.gptq import DEFAULT_GPTQ, _quantize_layer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama(**FAMILY_MODELS[name]), dtype=torch.float32).eval()
+    family = FAMILIES[FAMILY_MODELS[name]["architecture"]]
+    with torch.no_grad():
+        xs, kwargs = layer_inputs(model, torch.tensor([[(i * 37) % 97 for i in range(40)]]), torch.device("cpu"))
+        xs = [model.model.layers[0](xs[0], **kwargs[0])]  # layer 1's input
+        layer = model.model.layers[1]
+        _, outs = _quantize_layer(layer, xs, kwargs[1], W4A8Scheme(32), DEFAULT_GPTQ, family)
+        want = layer(xs[0], **kwargs[1])
+    assert torch.allclose(outs[0], want, atol=1e-5, rtol=1e-5), float((outs[0] - want).abs().max())
 
 
 @pytest.mark.parametrize("name", ["gemma", "gemma3", "qwen2"])

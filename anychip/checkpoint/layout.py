@@ -84,6 +84,9 @@ class Family:
     - `norms`: the layer's RMSNorms; `mlp_norm` is the one whose output gate/up read (its input is the residual
       stream), `post_mlp_norm` one applied to down_proj's output before it joins the residual (Gemma 3);
     - `norm_offset`: the norm multiplies by (offset + weight): Gemma's RMSNorm stores w and applies 1 + w;
+    - `residual_multiplier`: each block's output is scaled before the residual add by the decoder layer's
+      `residual_multiplier` (Granite; also embedding, attention and logit multipliers, which no quantizer step
+      touches);
     - `rotatable`: whether a residual rotation (rotate.py) keeps the function: not with norms inside the
       residual branches, whose per-channel weights do not commute with a rotation."""
 
@@ -93,6 +96,7 @@ class Family:
     mlp_norm: str = "post_attention_layernorm"
     post_mlp_norm: str | None = None
     norm_offset: float = 0.0
+    residual_multiplier: bool = False
     rotatable: bool = True
 
 
@@ -102,6 +106,8 @@ FAMILIES: dict[str, Family] = {
     "MistralForCausalLM": Family(lambda config: ()),
     "Qwen2ForCausalLM": Family(lambda config: _ATTN_IN),  # q, k, v always biased, o never
     "Qwen3ForCausalLM": Family(_qwen3_biases, head_norms=True),
+    # Granite: Llama's layer and biases, scalar multipliers (a rotation passes them)
+    "GraniteForCausalLM": Family(_llama_biases, residual_multiplier=True),
     # Gemma: GELU-tanh gated MLP, (1 + w) RMSNorms, the embedding scaled by sqrt(hidden) (the runtimes' business)
     "GemmaForCausalLM": Family(_gemma_biases, norm_offset=1.0, rotatable=False),
     # Gemma 2 and text-only Gemma 3 (model_type gemma3_text): sandwich norms, sliding-window and global layers;

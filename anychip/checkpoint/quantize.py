@@ -1,4 +1,4 @@
-"""`anychip quantize SRC DST`: a BF16 decoder directory (Llama, Mistral, Qwen2, Qwen3, Gemma 1-3) -> a W4A8
+"""`anychip quantize SRC DST`: a BF16 decoder directory (Llama, Mistral, Qwen2, Qwen3, Granite, Gemma 1-3) -> a
 compressed-tensors directory, tensor by tensor.
 
 The pipeline (read a source tensor, quantize it, write it) is shared by every method: a method only supplies a

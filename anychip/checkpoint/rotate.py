@@ -57,9 +57,12 @@ def rotate_llama(src: str | Path, dst: str | Path, seed: int = 0) -> Path:
     # Every supported family's residual stream is Llama's: q/k/v biases act after the rotated input, Qwen3's q/k
     # norms on each head's output; only biases of o_proj / down_proj (which write the stream) rotate.
     arch = check_architecture(config, f"{src}/config.json")
-    if not FAMILIES[arch].rotatable:
-        raise ContractError(f"{src}/config.json: {arch} normalizes each block's output before the residual add; "
-                            "a residual rotation would change the model's function (quantize it without --rotate)")
+    family = FAMILIES[arch]
+    if not family.rotatable:
+        why = "its RMSNorms apply 1 + w" + (", and each block's output is normalized before the residual add (a "
+                                            "rotation does not pass through that norm)" if family.post_mlp_norm else "")
+        raise ContractError(f"{src}/config.json: {arch}: {why}; the residual rotation is not done for it (quantize it "
+                            "without --rotate)")
     dst.mkdir(parents=True, exist_ok=False)
     tensors: dict[str, torch.Tensor] = {}  # rotated in place, tensor by tensor: the model is held once
     for f in weight_files(src):

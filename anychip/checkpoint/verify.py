@@ -1,6 +1,6 @@
 """`anychip verify DIR`: checksums, the W4A8 checkpoint contract from the safetensors headers, then the values.
 
-The contract: a decoder with Llama's linears (layout.FAMILIES: Llama, Mistral, Qwen2, Qwen3, Gemma 1-3) whose every
+The contract: a decoder with Llama's linears (layout.FAMILIES: Llama, Mistral, Qwen2, Qwen3, Granite, Gemma 1-3) whose
 linear is stored exactly as `layout.linear_tensor_specs` says for the declared scheme; embedding, norms, the
 biases the family has (and lm_head if present) BF16; config, tokenizer and weights of one model; a
 quantization_config that targets every Linear and ignores only lm_head. The value pass (values.py; skipped by
