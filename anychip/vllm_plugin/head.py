@@ -49,7 +49,9 @@ def adopt_head(layer: Any, policy: KernelPolicy) -> bool:
     """Serve with an anychip head route an unquantized CPU head that vLLM built without asking the quantization
     config, so head_method never saw it (vLLM 0.32's Gemma 2 computes its logits with the input embedding, made
     with no quantization config). Called (compat.install_logits_hook) when vLLM first computes logits with the
-    layer: its warm-up, before any request. True when it took the layer over."""
+    layer: with vLLM 0.32 on the CPU that is the first request's first step (engine start computes none), which
+    then also pays the route's preparation (the BF16 route reads the weight in place; `--head int8` quantizes
+    it). True when it took the layer over."""
     if not compat.on_cpu() or type(getattr(layer, "quant_method", None)) is not compat.UnquantizedEmbeddingMethod:
         return False  # not a CPU engine, already ours, or a quantized head
     method = AnychipHeadMethod(select_head(policy), policy, "lm_head")

@@ -54,7 +54,7 @@ class Recorder:
         self._first_layer: int | None = None
         self._embeddings: dict[str, weakref.ref] = {}  # prefix -> VocabParallelEmbedding / ParallelLMHead
         self._head_name: str | None = None
-        # the module vLLM last computed logits with (compat.install_logits_hook), and its name in the model
+        # the module vLLM first computed logits with (compat.install_logits_hook), and its name in the model
         self._used_head: weakref.ref | None = None
         self._used_name: str | None = None
         self._stop = threading.Event()
