@@ -69,7 +69,7 @@ def _gemma_biases(config: dict[str, Any]) -> tuple[str, ...]:
 
 #: The RMSNorms of a Llama layer: before attention, before the MLP.
 LLAMA_NORMS = ("input_layernorm", "post_attention_layernorm")
-#: Gemma 3's "sandwich" norms: each block's output is normalized too before it joins the residual stream.
+#: Gemma 2 and 3's "sandwich" norms: each block's output is normalized too before it joins the residual stream.
 SANDWICH_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                   "post_feedforward_layernorm")
 
@@ -82,7 +82,7 @@ class Family:
     - `biases`: which linears carry a bias, given config.json;
     - `head_norms`: a per-head RMSNorm on q and k (Qwen3, Gemma 3);
     - `norms`: the layer's RMSNorms; `mlp_norm` is the one whose output gate/up read (its input is the residual
-      stream), `post_mlp_norm` one applied to down_proj's output before it joins the residual (Gemma 3);
+      stream), `post_mlp_norm` one applied to down_proj's output before it joins the residual (Gemma 2 / 3);
     - `norm_offset`: the norm multiplies by (offset + weight): Gemma's RMSNorm stores w and applies 1 + w;
     - `residual_multiplier`: each block's output is scaled before the residual add by the decoder layer's
       `residual_multiplier` (Granite; also embedding, attention and logit multipliers, which no quantizer step
