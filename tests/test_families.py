@@ -144,7 +144,7 @@ def test_other_architectures_are_refused_by_name(tiny_llama, copy_dir, tmp_path)
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3", "granite", "gemma", "gemma2", "gemma3"])
+@pytest.mark.parametrize("name", list(FAMILY_MODELS))
 def test_gptq_smoothing_and_rotation_keep_each_familys_function(tiny_llama, name, tmp_path):
     """GPTQ (with its default smoothing, which divides biases where it folds into a biased producer, and folds
     into Gemma's 1 + w norms and its pre-MLP norm) and the residual rotation run on the family's layer. The
