@@ -1,15 +1,15 @@
 """The llama.cpp peers' GGUF conversion for a model that ships no GGUF (anychip/bench/gguf_peers.py): the metadata
-and vocabulary come from config.json and the model's own tokenizer. Tiny random Llama, Mistral, Qwen2 (biases) and
-Qwen3 (q/k norms, head_dim 32 with hidden 64) models with a byte-level BPE tokenizer trained here; the read-back
-runs everywhere (the `gguf` package), llama.cpp's own load and logits only where llama-cpp-python is installed
-(measured here: max |logit difference| 1.4e-4 to 5.2e-4 against transformers in fp32, logits up to 0.7-1.3; with
-Q/K rows in the other rotary order, 0.14-0.61)."""
+and vocabulary come from config.json and the model's own tokenizer. Tiny random models of every family anychip
+quantizes (Llama, a Llama with llama3 rope scaling, Mistral, Qwen2 with biases, Qwen3 with q/k norms, Granite,
+Gemma 1-3) with a byte-level BPE tokenizer trained here; the read-back runs everywhere (the `gguf` package),
+llama.cpp's own load and logits only where llama-cpp-python is installed (measured here: max |logit difference|
+4e-5 to 5.2e-4 against transformers in fp32, 1.1e-3 / 2.7e-3 for Gemma 3 / 2; with Q/K rows in the other rotary
+order, 0.14-0.61)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import re
 from pathlib import Path
 
 import numpy as np
@@ -100,7 +100,7 @@ def test_a_model_without_a_shipped_gguf_converts_from_its_config_and_tokenizer(b
     source = load_file(str(bpe_llama / "model.safetensors"))
     assert "output.weight" not in tensors  # tied: no output tensor
     assert len(tensors) == len(source) + ("rope_freqs.weight" in tensors)
-    if "rope_scaling" in FAMILIES[re.sub(r"\d+$", "", bpe_llama.parent.name)]:  # frequencies over 4 but the highest
+    if (config.get("rope_parameters") or {}).get("rope_type") == "llama3":  # frequencies over 4 but the highest
         factors = np.asarray(tensors["rope_freqs.weight"].data)
         assert factors.shape == (8,) and factors[0] < 4 and np.allclose(factors[1:], 4.0)
     q = source["model.layers.1.self_attn.q_proj.weight"].float().numpy()
@@ -132,7 +132,7 @@ def test_llama_cpp_reads_the_converted_model_like_transformers(bpe_llama):
     # llama.cpp keeps K and V in F16; Gemma 2 / 3 normalize each attention output (scale-free, so its relative
     # F16 error reaches the residual stream): measured 1.1e-3 and 2.7e-3 on logits up to 0.7 there, 4e-5 to 5e-4
     # for the other families; a norm stored without Gemma's + 1 or under another norm's name moves them by tenths
-    sandwich = bpe_llama.parent.name.startswith(("Gemma2", "Gemma3"))
+    sandwich = json.loads((bpe_llama / "config.json").read_text())["model_type"] in ("gemma2", "gemma3_text")
     assert np.abs(theirs - ours).max() < (5e-3 if sandwich else 2e-3) * max(1.0, np.abs(ours).max())
     assert llama_cpp_quantized(bpe_llama, "Q4_0").stat().st_size > 0  # llama.cpp's quantizer takes it
 

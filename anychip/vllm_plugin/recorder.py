@@ -258,7 +258,7 @@ class Recorder:
 
     def document(self) -> dict[str, Any]:
         with self._lock:
-            self.coverage.head_route = self.head_route() or self.coverage.head_route  # the model may be gone
+            self._remember_head()  # or keep what was read while the model was alive
             for layer_id, what in hooks.fused_layers().items():
                 if layer_id < len(self.coverage.layers):
                     self.coverage.layers[layer_id].fused = tuple(sorted(what))
