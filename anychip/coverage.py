@@ -77,6 +77,9 @@ class Coverage:
         self.tensor_parallel: dict[str, int] = {"rank": 0, "world_size": 1}
         self.model: str | None = None
         self.attention_backend: str | None = None
+        # on vLLM's CPU backend: how many attention layers call vLLM's kernels from anychip's C++ op, how many keep
+        # vLLM's Python ops, and whether Inductor writes the compiled forward's wrapper in C++
+        self.attention_calls: dict[str, Any] | None = None
         self.head_route: dict[str, Any] | None = None
         self.layers: list[LayerRoute] = []
         self.phases: dict[str, Counter] = {}
@@ -129,6 +132,7 @@ class Coverage:
                 "phases": {p: {"forward_passes": c["forward_passes"], "tokens": c["tokens"]}
                            for p, c in self.phases.items()},
                 "attention_backend": self.attention_backend,
+                "attention_calls": self.attention_calls,
                 "route_stats": self.route_stats(),
                 "head_route": self.head_route,
                 "layers": {layer.name: layer.to_json() for layer in self.layers},

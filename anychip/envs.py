@@ -57,6 +57,9 @@ ANYCHIP_API_KEY = "ANYCHIP_API_KEY"
 #: "0" keeps vLLM's RMSNorm kernels apart from the W4A8 linears after them (vllm_plugin/fusion.py; default: fused
 #: where the route computes the norm itself).
 ANYCHIP_FUSE_NORM = "ANYCHIP_FUSE_NORM"
+#: "0" leaves vLLM's CPU attention to vLLM's Python ops; by default the plugin calls the same vLLM kernels from C++
+#: (anychip::cpu_attention) for a W4A8 model on vLLM's CPU backend (vllm_plugin/cpu_attention.py).
+ANYCHIP_CPU_ATTENTION = "ANYCHIP_CPU_ATTENTION"
 #: "1" also moves SiluAndMul into the down projection's kernels (off by default: not shown faster on a GPU yet).
 ANYCHIP_FUSE_SILU = "ANYCHIP_FUSE_SILU"
 #: "0" keeps the registry from picking route cpu.amx_int8 (AMX-INT8 prefill tiles, csrc/w4a8_amx.h) on CPUs that
@@ -112,6 +115,10 @@ def allow_untested_vllm() -> bool:
 
 def fuse_norm() -> bool:
     return _flag(ANYCHIP_FUSE_NORM, True)
+
+
+def cpu_attention() -> bool:
+    return _flag(ANYCHIP_CPU_ATTENTION, True)
 
 
 def fuse_silu() -> bool:

@@ -2,8 +2,8 @@
 
 One binary serves every CPU of an architecture (the SIMD paths carry function-level target attributes and are
 chosen at run time), but the build is still cached per CPU-feature set, torch version and csrc/ hash under the
-build folder of the kernel policy (KernelPolicy.build_dir), so a cache shared between machines (NFS home, container image) never hands one CPU a
-binary compiled and tested on another.
+build folder of the kernel policy (KernelPolicy.build_dir), so a cache shared between machines (NFS home, container
+image) never hands one CPU a binary compiled and tested on another.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from anychip.kernels import machine
 CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "w4a8_cpu.cpp"  # includes cpu_common.h and quantize_act.h
 HEAD_SOURCE = CSRC / "head_cpu.cpp"  # the output head; registers torch.ops.anychip.head_* from C++
+ATTENTION_SOURCE = CSRC / "attention_cpu.cpp"  # vLLM's CPU attention step from C++ (vllm_plugin/cpu_attention.py)
 DEFAULT_BUILD_DIR = Path.home() / ".cache" / "anychip" / "torch_extensions"
 _module: ModuleType | None = None  # the loaded extension (process lifetime, like any imported module)
 
@@ -54,7 +55,7 @@ def _build(build_dir: Path) -> ModuleType:
     try:
         return cpp_extension.load(
             name="anychip_w4a8_cpu",
-            sources=[str(SOURCE), str(HEAD_SOURCE)],
+            sources=[str(SOURCE), str(HEAD_SOURCE), str(ATTENTION_SOURCE)],
             build_directory=str(build),
             extra_cflags=["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno"],
             extra_ldflags=["-fopenmp"],

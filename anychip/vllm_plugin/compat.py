@@ -53,6 +53,7 @@ VLLM_TESTED = check_vllm_version(getattr(vllm, "__version__", "unknown"), envs.a
 # Public extension points and the compressed-tensors machinery we subclass.
 from vllm.distributed.utils import verify_group_size_divides_partition  # noqa: E402
 from vllm.forward_context import get_forward_context, is_forward_context_available  # noqa: E402
+from vllm.model_executor.layers.attention.attention import Attention  # noqa: E402
 from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod  # noqa: E402
 from vllm.model_executor.layers.quantization import register_quantization_config  # noqa: E402
 from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (  # noqa: E402
@@ -76,11 +77,13 @@ from vllm.model_executor.parameter import (  # noqa: E402
 )
 
 __all__ = [
-    "BasevLLMParameter", "ChannelQuantScaleParameter", "CompressedTensorsConfig", "CompressedTensorsScheme",
+    "Attention", "BasevLLMParameter", "ChannelQuantScaleParameter", "CompressedTensorsConfig",
+    "CompressedTensorsScheme",
     "GroupQuantScaleParameter", "ModelWeightParameter", "PackedvLLMParameter", "VocabParallelEmbedding",
     "get_forward_context", "is_forward_context_available", "register_quantization_config",
     "verify_group_size_divides_partition", "vllm_version", "current_phase", "attention_backend_name",
-    "head_gemm_route", "install_logits_hook", "install_step_hook", "on_cpu", "release_cpu_gemm", "runner_model",
+    "head_gemm_route", "install_cpu_model_hook", "install_logits_hook", "install_step_hook", "on_cpu",
+    "release_cpu_gemm", "runner_model",
     "ParallelLMHead", "UnquantizedEmbeddingMethod", "step_phase",
     "tensor_parallel", "tp_device_group", "LinearBase", "UnquantizedLinearMethod", "should_ignore_layer",
 ]
@@ -173,6 +176,37 @@ def install_step_hook(on_step: Callable[[str, int, Any], None]) -> bool:
 
 
 _step_hook: Callable[[str, int, Any], None] | None = None
+
+
+def install_cpu_model_hook(on_model: Callable[[Any, Any], None]) -> bool:
+    """Call on_model(model, vllm_config) when one of vLLM's CPU model runners has built and loaded its model, before
+    anything runs it (engine start compiles and warms it up later). Once a process; False when this process's
+    platform is not vLLM's CPU one or its vLLM has no CPU model runner."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    patched = False
+    for module_name in ("vllm.v1.worker.cpu_model_runner", "vllm.v1.worker.cpu.model_runner"):
+        try:
+            runner = importlib.import_module(module_name).CPUModelRunner
+        except (ImportError, AttributeError):
+            continue
+        original = runner.load_model
+        if getattr(original, "_anychip_hooked", False):
+            patched = True
+            continue
+
+        def load_model(self: Any, *args: Any, _original: Callable = original, **kwargs: Any) -> Any:
+            result = _original(self, *args, **kwargs)
+            on_model(self.model, self.vllm_config)
+            return result
+
+        load_model = functools.wraps(original)(load_model)
+        load_model._anychip_hooked = True  # type: ignore[attr-defined]
+        runner.load_model = load_model
+        patched = True
+    return patched
 
 
 def install_logits_hook(on_head: Callable[[Any], None]) -> bool:

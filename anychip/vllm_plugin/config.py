@@ -12,7 +12,7 @@ from compressed_tensors.quantization import QuantizationArgs
 
 from anychip.errors import AnychipError
 from anychip.formats import FORMATS
-from anychip.vllm_plugin import compat
+from anychip.vllm_plugin import compat, cpu_attention
 from anychip.vllm_plugin.head import head_method
 from anychip.vllm_plugin.recorder import get_recorder
 from anychip.vllm_plugin.scheme import AnychipW4A8Scheme, ForeignScheme
@@ -63,6 +63,8 @@ class AnychipW4A8Config(compat.CompressedTensorsConfig):
 
     def get_quant_method(self, layer: Any, prefix: str) -> Any:
         method = super().get_quant_method(layer, prefix)
+        if isinstance(layer, compat.Attention):
+            cpu_attention.note_attention_layer(layer)
         if isinstance(layer, compat.LinearBase) and isinstance(method, compat.UnquantizedLinearMethod):
             # a linear the checkpoint leaves unquantized: listed too, so the report covers every linear
             ignored = compat.should_ignore_layer(prefix, ignore=self.ignore,

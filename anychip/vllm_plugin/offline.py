@@ -28,11 +28,13 @@ def version() -> str:
 
 
 def compile_mode(llm: LLM, eager: bool) -> str:
-    """How the engine runs the model: "eager" or "compiled (<mode>, <backend>)"."""
+    """How the engine runs the model: "eager" or "compiled (<mode>, <backend>[, C++ wrapper])"; the C++ wrapper as
+    the engine's config says, which an engine in this process shares (cpu_attention.note_attention_layer)."""
     if eager:
         return "eager"
     cc = llm.llm_engine.vllm_config.compilation_config
-    return f"compiled ({cc.mode.name}, {cc.backend})"
+    wrapper = ", C++ wrapper" if cc.inductor_compile_config.get("cpp_wrapper") else ""
+    return f"compiled ({cc.mode.name}, {cc.backend}{wrapper})"
 
 
 def cuda_graph_tokens(llm: LLM) -> int:

@@ -1,0 +1,181 @@
+// vLLM's CPU attention step for one decoder layer, called from C++ (no Python per call):
+//   anychip::cpu_attention(Tensor query, Tensor? key, Tensor? value, Tensor(a!) output, Tensor layer) -> ()
+//       query (T, H, D), key / value (T, Hkv, D), output (T, H, Dv): vLLM's Attention.forward views
+// It makes the two calls vLLM's Python ops make (vllm::unified_kv_cache_update, then
+// vllm::unified_attention_with_output with the CPU backend): `_C::cpu_attn_reshape_and_cache` writes the step's keys
+// and values into the layer's cache, `_C::cpu_attention_with_kv_cache` attends; same kernels, same arguments, so
+// the same bits. What those Python ops look up at every call (the layer's cache and constants, the step's metadata)
+// is handed over ahead: the layer's once (attn_register_layer), the step's once a forward (attn_set_group for each
+// metadata group, attn_set_state).  vLLM's kernels are found through the dispatcher by name, at the first call.
+
+#include <torch/extension.h>
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace anychip {
+namespace {
+
+struct AttnLayer {
+  at::Tensor key_cache, value_cache;  // views of the layer's (blocks, Hkv, 2 * block, D) cache, as vLLM chunks it
+  double scale = 1.0, softcap = 0.0, k_scale = 1.0, v_scale = 1.0;
+  int64_t sliding_window = -1, group = -1;
+  c10::optional<at::Tensor> alibi, sinks;
+  std::string isa, kv_cache_dtype;
+  bool registered = false;
+};
+
+struct AttnGroup {  // one attention-metadata object of the step (one KV-cache group)
+  int64_t num_tokens = 0;  // num_actual_tokens
+  bool causal = true, set = false;
+  at::Tensor query_start_loc, seq_lens, block_table, scheduler_metadata;
+  c10::optional<at::Tensor> dynamic_causal, slot_mapping;
+};
+
+// kUnset: no forward the plugin prepared is running (a call then is an error: vLLM's path would have found its
+// context); kNoMetadata: a forward without attention metadata (vLLM's warm-up and profiling runs: the ops return
+// at once, as vLLM's do); kReady: the groups hold this step's metadata.
+enum State : int64_t { kUnset = 0, kNoMetadata = 1, kReady = 2 };
+
+struct Registry {
+  std::mutex mu;  // registration and step setting come from Python; the op reads under the GIL-free dispatcher
+  std::vector<AttnLayer> layers;
+  std::vector<AttnGroup> groups;
+  State state = kUnset;
+};
+
+Registry& registry() {
+  static Registry r;
+  return r;
+}
+
+const c10::OperatorHandle& vllm_op(const char* name) {
+  auto handle = c10::Dispatcher::singleton().findOp({name, ""});
+  TORCH_CHECK(handle.has_value(), "anychip cpu_attention: vLLM's op ", name,
+              " is not registered (import vLLM's CPU ops first; anychip installs this path only on vLLM's CPU "
+              "backend)");
+  return *handle;
+}
+
+const c10::OperatorHandle& reshape_and_cache_op() {
+  static const c10::OperatorHandle h = vllm_op("_C::cpu_attn_reshape_and_cache");
+  return h;
+}
+
+const c10::OperatorHandle& attention_op() {
+  static const c10::OperatorHandle h = vllm_op("_C::cpu_attention_with_kv_cache");
+  return h;
+}
+
+c10::IValue opt(const c10::optional<at::Tensor>& t) { return t.has_value() ? c10::IValue(*t) : c10::IValue(); }
+
+void cpu_attention(const at::Tensor& query, const c10::optional<at::Tensor>& key,
+                   const c10::optional<at::Tensor>& value, const at::Tensor& output, const at::Tensor& layer_id) {
+  Registry& r = registry();
+  const int64_t id = layer_id.item<int64_t>();
+  AttnLayer layer;
+  AttnGroup group;
+  {
+    std::lock_guard<std::mutex> lock(r.mu);
+    TORCH_CHECK(r.state != kUnset, "anychip cpu_attention: called outside a forward pass prepared by anychip's "
+                "vLLM plugin (its forward-context hook did not run); set ANYCHIP_CPU_ATTENTION=0 to serve with "
+                "vLLM's own attention path");
+    if (r.state == kNoMetadata) return;
+    TORCH_CHECK(id >= 0 && id < static_cast<int64_t>(r.layers.size()) && r.layers[id].registered,
+                "anychip cpu_attention: layer ", id, " was not registered");
+    layer = r.layers[id];
+    TORCH_CHECK(layer.group >= 0 && layer.group < static_cast<int64_t>(r.groups.size()) && r.groups[layer.group].set,
+                "anychip cpu_attention: layer ", id, " has no attention metadata for this step");
+    group = r.groups[layer.group];
+  }
+  if (key.has_value() && value.has_value() && group.slot_mapping.has_value()) {
+    torch::jit::Stack s{*key, *value, layer.key_cache, layer.value_cache, *group.slot_mapping, layer.isa,
+                        layer.k_scale, layer.v_scale, layer.kv_cache_dtype};
+    reshape_and_cache_op().callBoxed(&s);
+  }
+  const int64_t n = group.num_tokens;
+  torch::jit::Stack s{query.narrow(0, 0, n), layer.key_cache, layer.value_cache, output.narrow(0, 0, n),
+                      group.query_start_loc, group.seq_lens, layer.scale, group.causal, opt(layer.alibi),
+                      layer.sliding_window, group.block_table, layer.softcap, group.scheduler_metadata,
+                      opt(layer.sinks), opt(group.dynamic_causal), layer.k_scale, layer.v_scale,
+                      layer.kv_cache_dtype};
+  attention_op().callBoxed(&s);
+}
+
+void cpu_attention_meta(const at::Tensor&, const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&,
+                        const at::Tensor&, const at::Tensor&) {}
+
+// kv_cache: the layer's (blocks, Hkv, block, 2 * D) tensor, viewed and split as vLLM's CPU backend does.
+void attn_register_layer(int64_t id, const at::Tensor& kv_cache, double scale, const c10::optional<at::Tensor>& alibi,
+                         int64_t sliding_window, double softcap, const c10::optional<at::Tensor>& sinks,
+                         double k_scale, double v_scale, c10::string_view isa, c10::string_view kv_cache_dtype) {
+  TORCH_CHECK(id >= 0, "attn_register_layer: negative layer id ", id);
+  TORCH_CHECK(kv_cache.dim() == 4, "attn_register_layer: the KV cache must be (blocks, Hkv, block, 2 * D), got ",
+              kv_cache.sizes());
+  const int64_t blocks = kv_cache.size(0), heads = kv_cache.size(1), block = kv_cache.size(2);
+  auto halves = kv_cache.view({blocks, heads, block * 2, -1}).chunk(2, 2);
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  if (static_cast<int64_t>(r.layers.size()) <= id) r.layers.resize(id + 1);
+  AttnLayer& l = r.layers[id];
+  const int64_t group = l.group;
+  l = AttnLayer{halves[0], halves[1], scale, softcap, k_scale, v_scale, sliding_window, group, alibi, sinks,
+                std::string(isa), std::string(kv_cache_dtype), true};
+}
+
+void attn_set_layer_groups(const std::vector<int64_t>& groups) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  if (r.layers.size() < groups.size()) r.layers.resize(groups.size());
+  for (size_t i = 0; i < groups.size(); ++i) r.layers[i].group = groups[i];
+}
+
+void attn_set_group(int64_t g, int64_t num_tokens, bool causal, const at::Tensor& query_start_loc,
+                    const at::Tensor& seq_lens, const at::Tensor& block_table, const at::Tensor& scheduler_metadata,
+                    const c10::optional<at::Tensor>& dynamic_causal, const c10::optional<at::Tensor>& slot_mapping) {
+  TORCH_CHECK(g >= 0, "attn_set_group: negative group ", g);
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  if (static_cast<int64_t>(r.groups.size()) <= g) r.groups.resize(g + 1);
+  r.groups[g] = AttnGroup{num_tokens, causal, true, query_start_loc, seq_lens, block_table, scheduler_metadata,
+                          dynamic_causal, slot_mapping};
+}
+
+// Sets the state (0 unset, 1 no metadata, 2 ready) and returns the previous one; leaving `ready` drops the
+// step's tensors.
+int64_t attn_set_state(int64_t state) {
+  TORCH_CHECK(state >= kUnset && state <= kReady, "attn_set_state: unknown state ", state);
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  const int64_t previous = r.state;
+  r.state = static_cast<State>(state);
+  if (state != kReady) {
+    for (auto& g : r.groups) g = AttnGroup{};
+  }
+  return previous;
+}
+
+}  // namespace
+}  // namespace anychip
+
+TORCH_LIBRARY_FRAGMENT(anychip, m) {
+  m.def("cpu_attention(Tensor query, Tensor? key, Tensor? value, Tensor(a!) output, Tensor layer) -> ()");
+  m.def("attn_register_layer(int id, Tensor kv_cache, float scale, Tensor? alibi, int sliding_window, float softcap, "
+        "Tensor? sinks, float k_scale, float v_scale, str isa, str kv_cache_dtype) -> ()");
+  m.def("attn_set_layer_groups(int[] groups) -> ()");
+  m.def("attn_set_group(int group, int num_tokens, bool causal, Tensor query_start_loc, Tensor seq_lens, "
+        "Tensor block_table, Tensor scheduler_metadata, Tensor? dynamic_causal, Tensor? slot_mapping) -> ()");
+  m.def("attn_set_state(int state) -> int");
+  m.impl("attn_register_layer", &anychip::attn_register_layer);
+  m.impl("attn_set_layer_groups", &anychip::attn_set_layer_groups);
+  m.impl("attn_set_group", &anychip::attn_set_group);
+  m.impl("attn_set_state", &anychip::attn_set_state);
+}
+
+TORCH_LIBRARY_IMPL(anychip, CPU, m) { m.impl("cpu_attention", &anychip::cpu_attention); }
+
+TORCH_LIBRARY_IMPL(anychip, Meta, m) { m.impl("cpu_attention", &anychip::cpu_attention_meta); }

@@ -1,0 +1,89 @@
+"""vLLM's CPU attention called from anychip's C++ op (vllm_plugin/cpu_attention.py, csrc/attention_cpu.cpp).
+
+The op makes the calls vLLM's Python attention ops make, to the same kernels with the same arguments, so a model
+served with it must give the same bits as with vLLM's path: the slow test serves tiny models both ways through
+vLLM's compiled CPU engine (with the path on, also with Inductor's C++ wrapper, which the plugin turns on when
+every attention layer is on the path) and compares every logprob exactly. A Gemma 2 model with a sliding-window
+layer shorter than the prompt and a global one makes two metadata groups a step. The fast tests check the op's
+states without vLLM: outside a forward pass the plugin prepared it refuses; in vLLM's warm-up (no metadata) it
+leaves the output alone, as vLLM's ops do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from anychip.checkpoint.quantize import quantize_checkpoint
+from anychip.checkpoint.scheme import W4A8Scheme
+from anychip.kernels import cpu_ext
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = {
+    "llama": dict(hidden_size=128),
+    "gemma2": dict(architecture="Gemma2ForCausalLM", hidden_size=128, head_dim=32, sliding_window=16,
+                   layer_types=["sliding_attention", "full_attention"]),
+}
+PROMPT_IDS = [(i * 37) % 97 for i in range(48)]
+UNSET, NO_METADATA, READY = 0, 1, 2
+
+
+@pytest.fixture
+def ops():
+    cpu_ext.load()
+    previous = torch.ops.anychip.attn_set_state(UNSET)
+    yield torch.ops.anychip
+    torch.ops.anychip.attn_set_state(previous)
+
+
+def _call(ops) -> torch.Tensor:
+    q = torch.randn(3, 4, 32, dtype=torch.bfloat16)
+    out = torch.full((3, 4, 32), 7.0, dtype=torch.bfloat16)
+    ops.cpu_attention(q, None, None, out, torch.tensor([0]))
+    return out
+
+
+def test_outside_a_prepared_forward_the_op_refuses(ops):
+    with pytest.raises(RuntimeError, match="ANYCHIP_CPU_ATTENTION=0"):
+        _call(ops)
+
+
+def test_without_metadata_the_op_leaves_the_output_alone(ops):
+    ops.attn_set_state(NO_METADATA)
+    assert torch.equal(_call(ops), torch.full((3, 4, 32), 7.0, dtype=torch.bfloat16))
+
+
+def test_a_layer_never_registered_is_an_error(ops):
+    assert ops.attn_set_state(READY) == UNSET
+    with pytest.raises(RuntimeError, match="was not registered"):
+        ops.cpu_attention(torch.zeros(1, 4, 32), None, None, torch.zeros(1, 4, 32), torch.tensor([10_000]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MODELS))
+def test_served_logprobs_are_the_same_bits_as_vllms_attention_path(tiny_llama, name, tmp_path):
+    model = quantize_checkpoint(tiny_llama(**MODELS[name]), tmp_path / "w4a8", W4A8Scheme(32))
+    layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
+    runs = {}
+    for on in ("1", "0"):
+        out, cov = tmp_path / f"out{on}.json", tmp_path / f"coverage{on}.json"
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "ANYCHIP_COVERAGE": str(cov), "ANYCHIP_CPU_ATTENTION": on}
+        proc = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_runner.py"), str(model), str(out),
+                               "--max-tokens", "16", "--logprobs", "3", "--prompt-logprobs", "--compile",
+                               "--prompt-ids", ",".join(map(str, PROMPT_IDS)), "--prompt-ids", "5,6,7",
+                               "--max-model-len", "256"], env=env, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        runs[on] = json.loads(out.read_text())["outputs"], json.loads(cov.read_text())
+    (on_rows, on_cov), (off_rows, off_cov) = runs["1"], runs["0"]
+    assert on_cov["attention_calls"] == {"from_cpp": layers, "python": 0, "cpp_wrapper": True}
+    assert off_cov["attention_calls"] is None
+    for a, b in zip(on_rows, off_rows, strict=True):
+        assert a["token_ids"] == b["token_ids"] and len(a["token_ids"]) == 16
+        assert a["prompt_logprobs"] == b["prompt_logprobs"]  # exact: same kernels, same arguments
+        assert a["logprobs"] == b["logprobs"]
