@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -40,16 +41,17 @@ BACKEND_IMPL = "CPUAttentionBackendImpl"
 
 
 class _Registry:
-    """The layers whose attention runs through anychip::cpu_attention, by id (their index here)."""
+    """The layers whose attention runs through anychip::cpu_attention, by id (their index here), for the process:
+    weakly, so a model that is gone leaves nothing alive behind it."""
 
     def __init__(self) -> None:
-        self.layers: list[Any] = []  # Attention modules
+        self.layers: list[weakref.ref] = []  # Attention modules
         self.names: list[str] = []
         self.caches: list[Any] = []  # the kv_cache tensor each was registered with (None: not yet)
-        self.groups: list[int] | None = None  # layer id -> metadata group, as last sent
+        self.groups: list[int] | None = None  # layer id -> metadata group, as last sent (-1: not in this pass)
 
     def add(self, layer: Any) -> int:
-        self.layers.append(layer)
+        self.layers.append(weakref.ref(layer))
         self.names.append(layer.layer_name)
         self.caches.append(None)
         self.groups = None
@@ -249,8 +251,13 @@ def _publish(ctx: Any) -> int:
     reg = _registry
     keys: dict[tuple[int, int], int] = {}
     groups: list[int] = []
-    for i, (layer, name) in enumerate(zip(reg.layers, reg.names)):
-        md, slot = metadata[name], slots.get(name)
+    for i, (ref, name) in enumerate(zip(reg.layers, reg.names)):
+        layer, md = ref(), metadata.get(name)
+        if layer is None or md is None:  # gone, or a layer of another model in this process: not in this pass
+            reg.caches[i] = None
+            groups.append(-1)
+            continue
+        slot = slots.get(name)
         key = (id(md), id(slot))
         g = keys.get(key)
         if g is None:
