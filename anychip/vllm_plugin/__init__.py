@@ -15,19 +15,12 @@ def register() -> None:
     if _registered:
         return
     from anychip.kernels.machine import request_amx_tiles
-    from anychip.vllm_plugin import compat, fusion
-    from anychip.vllm_plugin.config import AnychipW4A8Config  # noqa: F401  (registers on import)
+    from anychip.vllm_plugin import cpu_attention, fusion
+    from anychip.vllm_plugin.config import AnychipW4A8Config  # registers on import
 
     request_amx_tiles()  # before any attention runs: see there
     fusion.install()  # RMSNorm (SiluAndMul) -> W4A8 linear, among vLLM's compile passes
-    compat.install_cpu_model_hook(_on_cpu_model)  # vLLM's CPU attention from C++ for W4A8 models
+    # vLLM's CPU attention from C++, for the models this plugin's quantization config serves
+    cpu_attention.install(lambda config: isinstance(getattr(config, "quant_config", None), AnychipW4A8Config))
     _registered = True
 
-
-def _on_cpu_model(model: object, vllm_config: object) -> None:
-    """A model vLLM's CPU runner loaded: a W4A8 one served by this plugin gets anychip's CPU attention calls."""
-    from anychip.vllm_plugin import cpu_attention
-    from anychip.vllm_plugin.config import AnychipW4A8Config
-
-    if isinstance(getattr(vllm_config, "quant_config", None), AnychipW4A8Config):
-        cpu_attention.adopt(model, vllm_config)

@@ -27,12 +27,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from anychip import envs
+from anychip.vllm_plugin import compat
 
 log = logging.getLogger(__name__)
 
@@ -59,16 +60,29 @@ class _Registry:
 
 
 _registry = _Registry()
-_hooked = False
+_hooked = False  # the forward-context hook
+_model_hook = False  # the CPU model runner's load hook: without it no layer is adopted, so no C++ wrapper either
+
+
+def install(serves: Callable[[Any], bool]) -> bool:
+    """Have vLLM's CPU model runners hand every model they load to `adopt` where `serves(vllm_config)` (the plugin
+    serves its quantization config); once a process, from the plugin's registration. False where this process's
+    platform is not vLLM's CPU one."""
+    global _model_hook
+
+    def on_model(model: torch.nn.Module, vllm_config: Any) -> None:
+        if serves(vllm_config):
+            adopt(model, vllm_config)
+
+    _model_hook = _model_hook or compat.install_cpu_model_hook(on_model)
+    return _model_hook
 
 
 def ineligible(layer: Any, vllm_config: Any) -> str | None:
     """Why `layer` keeps vLLM's attention path, or None when anychip::cpu_attention computes what it would."""
     from vllm.v1.attention.backend import AttentionType
 
-    from anychip.vllm_plugin.compat import Attention
-
-    if type(layer) is not Attention:
+    if type(layer) is not compat.Attention:
         return f"{type(layer).__name__} is not vLLM's plain Attention"
     if type(layer.impl).__name__ != BACKEND_IMPL:
         return f"backend {type(layer.impl).__name__}"
@@ -136,7 +150,7 @@ def note_attention_layer(layer: Any) -> None:
     from vllm.config.compilation import CompilationMode
     from vllm.platforms import current_platform
 
-    if not envs.cpu_attention() or not current_platform.is_cpu():
+    if not envs.cpu_attention() or not current_platform.is_cpu() or not _model_hook:
         return
     vllm_config = get_current_vllm_config()
     compilation = vllm_config.compilation_config
