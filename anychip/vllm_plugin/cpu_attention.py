@@ -42,8 +42,9 @@ BACKEND_IMPL = "CPUAttentionBackendImpl"
 
 
 class _Registry:
-    """The layers whose attention runs through anychip::cpu_attention, by id (their index here), for the process:
-    weakly, so a model that is gone leaves nothing alive behind it."""
+    """The layers whose attention runs through anychip::cpu_attention, by id (their index here), for the process;
+    held weakly, so the registry keeps no model's modules alive (a registered KV cache stays held, here and by the C++
+    op, until that layer is registered again)."""
 
     def __init__(self) -> None:
         self.layers: list[weakref.ref] = []  # Attention modules
