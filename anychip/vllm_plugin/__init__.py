@@ -23,4 +23,3 @@ def register() -> None:
     # vLLM's CPU attention from C++, for the models this plugin's quantization config serves
     cpu_attention.install(lambda config: isinstance(getattr(config, "quant_config", None), AnychipW4A8Config))
     _registered = True
-

@@ -154,12 +154,8 @@ def install_step_hook(on_step: Callable[[str, int, Any], None]) -> bool:
     if _step_hook is not None:
         _step_hook = on_step
         return True
-    patched = False
-    for module_name in ("vllm.v1.worker.gpu.model_runner", "vllm.v1.worker.gpu_model_runner"):
-        try:
-            runner = importlib.import_module(module_name).GPUModelRunner
-        except (ImportError, AttributeError):
-            continue
+    runners = _classes("GPUModelRunner", "vllm.v1.worker.gpu.model_runner", "vllm.v1.worker.gpu_model_runner")
+    for runner in runners:
         original = runner.execute_model
 
         def execute_model(self: Any, scheduler_output: Any, *args: Any, _original: Callable = original,
@@ -169,10 +165,9 @@ def install_step_hook(on_step: Callable[[str, int, Any], None]) -> bool:
             return _original(self, scheduler_output, *args, **kwargs)
 
         runner.execute_model = functools.wraps(original)(execute_model)
-        patched = True
-    if patched:
+    if runners:
         _step_hook = on_step
-    return patched
+    return bool(runners)
 
 
 _step_hook: Callable[[str, int, Any], None] | None = None
@@ -180,33 +175,44 @@ _step_hook: Callable[[str, int, Any], None] | None = None
 
 def install_cpu_model_hook(on_model: Callable[[Any, Any], None]) -> bool:
     """Call on_model(model, vllm_config) when one of vLLM's CPU model runners has built and loaded its model, before
-    anything runs it (engine start compiles and warms it up later). Once a process; False when this process's
-    platform is not vLLM's CPU one or its vLLM has no CPU model runner."""
+    anything runs it (engine start compiles and warms it up later). Once a process, as install_step_hook; False when
+    this process's platform is not vLLM's CPU one or its vLLM has no CPU model runner."""
+    global _model_hook
+    if _model_hook is not None:
+        _model_hook = on_model
+        return True
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
         return False
-    patched = False
-    for module_name in ("vllm.v1.worker.cpu_model_runner", "vllm.v1.worker.cpu.model_runner"):
-        try:
-            runner = importlib.import_module(module_name).CPUModelRunner
-        except (ImportError, AttributeError):
-            continue
+    runners = _classes("CPUModelRunner", "vllm.v1.worker.cpu_model_runner", "vllm.v1.worker.cpu.model_runner")
+    for runner in runners:
         original = runner.load_model
-        if getattr(original, "_anychip_hooked", False):
-            patched = True
-            continue
 
         def load_model(self: Any, *args: Any, _original: Callable = original, **kwargs: Any) -> Any:
             result = _original(self, *args, **kwargs)
-            on_model(self.model, self.vllm_config)
+            if _model_hook is not None:
+                _model_hook(self.model, self.vllm_config)
             return result
 
-        load_model = functools.wraps(original)(load_model)
-        load_model._anychip_hooked = True  # type: ignore[attr-defined]
-        runner.load_model = load_model
-        patched = True
-    return patched
+        runner.load_model = functools.wraps(original)(load_model)
+    if runners:
+        _model_hook = on_model
+    return bool(runners)
+
+
+_model_hook: Callable[[Any, Any], None] | None = None
+
+
+def _classes(name: str, *modules: str) -> list[type]:
+    """Class `name` of each of `modules` that this vLLM has (releases move and drop model runners)."""
+    found = []
+    for module_name in modules:
+        try:
+            found.append(getattr(importlib.import_module(module_name), name))
+        except (ImportError, AttributeError):
+            continue
+    return found
 
 
 def install_logits_hook(on_head: Callable[[Any], None]) -> bool:

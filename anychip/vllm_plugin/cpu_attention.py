@@ -25,6 +25,7 @@ refuses it (their layer-name argument is a Python object).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import weakref
 from collections.abc import Callable, Iterator
@@ -75,7 +76,7 @@ def install(serves: Callable[[Any], bool]) -> bool:
         if serves(vllm_config):
             adopt(model, vllm_config)
 
-    _model_hook = _model_hook or compat.install_cpu_model_hook(on_model)
+    _model_hook = compat.install_cpu_model_hook(on_model)
     return _model_hook
 
 
@@ -183,8 +184,10 @@ _SCHEMAS = {
 }
 
 
+@functools.cache
 def _schemas_match() -> bool:
-    """Whether vLLM's two CPU attention kernels take exactly the arguments the C++ op passes."""
+    """Whether vLLM's two CPU attention kernels take exactly the arguments the C++ op passes (once a process: the
+    model build asks at every attention layer)."""
     for name, expected in _SCHEMAS.items():
         try:
             schema = str(getattr(torch.ops._C, name).default._schema)
