@@ -121,6 +121,7 @@ def test_group_dots_exact(isa: str, case: tuple) -> None:
     wq, sw = _weights(n, k, g, seed=n)
     xq, _ = quantize_activations_ref(_acts(m, k, torch.float32, seed=k))
     xq[0, :g] = -127  # extremes: the largest |dot| a group can reach
+    xq[-1, -g:] = 127  # with the last row's 7s: the largest same-sign int16 pair sums (AVX2 widens every 32 k)
     p = prepare_w4a8(wq, sw, g, packed=False, route=isa)
     dots = torch.ops.anychip.w4a8_group_dots(xq, p.weight, p.scales, n, k, g, isa)
     assert dots.dtype == torch.int32 and dots.shape == (m, n, k // g)
