@@ -203,7 +203,9 @@ def bench_shape(
 
 
 def _call(x: torch.Tensor, p: PreparedW4A8) -> torch.Tensor:
-    """The op as vLLM's compiled graph calls it (the OpOverload itself, no Python wrapper around it)."""
+    """The op's OpOverload, called from Python with no wrapper around it: as vLLM's compiled graph calls it with
+    Inductor's Python wrapper. Each call carries a few µs of Python and dispatcher time that a graph with the C++
+    wrapper (vLLM's CPU engines under the plugin) does not pay, which weighs on the smallest shapes."""
     return _OP(x, p.weight, p.scales, None, p.n, p.k, p.group_size, p.route.id, None)
 
 
@@ -356,7 +358,8 @@ def markdown_run(run: dict[str, object]) -> list[str]:
             f"| {_fmt(r, 'vs_dyn4bit', '')} | {r['weight_gbs']} | {r['gops']} |"
         )
     if run.get("decode_rows"):
-        lines += ["", "M=1, every linear of a decode step (the op as vLLM's compiled graph calls it):", "",
+        lines += ["", "M=1, every linear of a decode step (the op called from Python, as a graph with Inductor's Python wrapper "
+                  "calls it: a few µs a call more than from the C++ wrapper):", "",
                   "| model | layer | K | N | anychip | w4a16 | bf16 | xw4a16 | xbf16 | weight GB/s | of read bandwidth |",
                   "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
         for r in run["decode_rows"]:  # type: ignore[union-attr]
