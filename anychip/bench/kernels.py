@@ -358,8 +358,8 @@ def markdown_run(run: dict[str, object]) -> list[str]:
             f"| {_fmt(r, 'vs_dyn4bit', '')} | {r['weight_gbs']} | {r['gops']} |"
         )
     if run.get("decode_rows"):
-        lines += ["", "M=1, every linear of a decode step (the op called from Python, as a graph with Inductor's Python wrapper "
-                  "calls it: a few µs a call more than from the C++ wrapper):", "",
+        lines += ["", "M=1, every linear of a decode step (the op called from Python, as a graph with Inductor's "
+                  "Python wrapper calls it: a few µs a call more than from the C++ wrapper):", "",
                   "| model | layer | K | N | anychip | w4a16 | bf16 | xw4a16 | xbf16 | weight GB/s | of read bandwidth |",
                   "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
         for r in run["decode_rows"]:  # type: ignore[union-attr]
