@@ -43,7 +43,7 @@ def _layer(add: bool, extra_user: bool = False):
             y, res = add_rms(x, r, nw, EPS, None)
         else:
             y, res = rms(x, nw, EPS, None), r
-        out = torch.ops.anychip.w4a8_linear.default(y, w, s, None, N, K, G, routes.REFERENCE.id, lid)
+        out = torch.ops.anychip.w4a8_linear.default(y, w, s, None, N, K, G, routes.REFERENCE.code, lid)
         return (out, res, y.sum()) if extra_user else (out, res * 2)
 
     return piece
@@ -84,7 +84,7 @@ def test_left_alone_where_it_cannot_fuse() -> None:
 def test_only_routes_that_compute_the_norm_are_fused() -> None:
     assert routes.get("cuda.triton").fuses_norm
     assert [r for r in routes.route_ids() if routes.get(r).fuses_norm] == ["cuda.triton"]
-    assert fusion.route_fuses("cuda.triton") and not fusion.route_fuses(routes.REFERENCE.id)
+    assert fusion.route_fuses("cuda.triton") and not fusion.route_fuses(routes.REFERENCE.code)
     assert not fusion.route_fuses("no.such.route")
 
 
@@ -92,23 +92,23 @@ def test_the_op_off_the_fusing_routes_is_the_norm_then_the_linear() -> None:
     """On a route that does not fuse (every CPU route), the fused op computes vLLM's norm, then calls the linear's
     own op: the same numbers as the pair."""
     x, r, nw, w, s, lid = _inputs(2)
-    y, res = torch.ops.anychip.w4a8_linear_norm.default(x, r, nw, EPS, w, s, None, N, K, G, routes.REFERENCE.id, lid)
+    y, res = torch.ops.anychip.w4a8_linear_norm.default(x, r, nw, EPS, w, s, None, N, K, G, routes.REFERENCE.code, lid)
     normed, res_ref = torch.ops.vllm_ir.fused_add_rms_norm.default(x, r, nw, EPS, None)
     assert torch.equal(res, res_ref)
-    assert torch.equal(y, torch.ops.anychip.w4a8_linear.default(normed, w, s, None, N, K, G, routes.REFERENCE.id,
+    assert torch.equal(y, torch.ops.anychip.w4a8_linear.default(normed, w, s, None, N, K, G, routes.REFERENCE.code,
                                                                  lid))
     y1, empty = torch.ops.anychip.w4a8_linear_norm.default(x, None, nw, EPS, w, s, None, N, K, G,
-                                                           routes.REFERENCE.id, lid)
+                                                           routes.REFERENCE.code, lid)
     assert empty.numel() == 0
     assert torch.equal(y1, torch.ops.anychip.w4a8_linear.default(torch.ops.vllm_ir.rms_norm.default(x, nw, EPS, None),
-                                                                  w, s, None, N, K, G, routes.REFERENCE.id, lid))
+                                                                  w, s, None, N, K, G, routes.REFERENCE.code, lid))
 
 
 def _silu_piece():
     def piece(y, w, s, lid):
         d = y.shape[-1] // 2
         x = torch.nn.functional.silu(y[..., :d]) * y[..., d:]
-        return torch.ops.anychip.w4a8_linear.default(x, w, s, None, N, K, G, routes.REFERENCE.id, lid)
+        return torch.ops.anychip.w4a8_linear.default(x, w, s, None, N, K, G, routes.REFERENCE.code, lid)
 
     return piece
 
@@ -141,7 +141,7 @@ def test_silu_and_mul_left_alone() -> None:
     def swapped(y, w, s, lid):  # silu of the upper half: not SiluAndMul
         d = y.shape[-1] // 2
         x = torch.nn.functional.silu(y[..., d:]) * y[..., :d]
-        return torch.ops.anychip.w4a8_linear.default(x, w, s, None, N, K, G, routes.REFERENCE.id, lid)
+        return torch.ops.anychip.w4a8_linear.default(x, w, s, None, N, K, G, routes.REFERENCE.code, lid)
 
     for piece, fuses in ((_silu_piece(), lambda route: False), (swapped, lambda route: True)):
         gm = make_fx(piece, tracing_mode="fake")(*inputs)
@@ -169,13 +169,13 @@ def test_passes_find_their_pairs_in_inductor_post_grad_graphs() -> None:
     x, r, nw, w, s, lid = _inputs()
     w2, s2, lid2 = _linear_args(9)  # gate/up: N = 2K
     wq = torch.randint(-8, 8, (2 * K, K), dtype=torch.int8, generator=torch.Generator().manual_seed(9))
-    up = prepare_w4a8(wq, torch.rand(2 * K, K // G) * 0.02 + 0.001, G, packed=False, route=routes.REFERENCE.id)
+    up = prepare_w4a8(wq, torch.rand(2 * K, K // G) * 0.02 + 0.001, G, packed=False, route=routes.REFERENCE.code)
 
     def block(x, r, nw, wu, su, wd, sd):
         h, res = torch.ops.vllm_ir.fused_add_rms_norm.default(x, r, nw, EPS, None)
-        y = torch.ops.anychip.w4a8_linear.default(h, wu, su, None, 2 * K, K, G, routes.REFERENCE.id, lid)
+        y = torch.ops.anychip.w4a8_linear.default(h, wu, su, None, 2 * K, K, G, routes.REFERENCE.code, lid)
         a = torch.nn.functional.silu(y[..., :K]) * y[..., K:]
-        return torch.ops.anychip.w4a8_linear.default(a, wd, sd, None, N, K, G, routes.REFERENCE.id, lid2), res
+        return torch.ops.anychip.w4a8_linear.default(a, wd, sd, None, N, K, G, routes.REFERENCE.code, lid2), res
 
     args = (x, r, nw, up.weight, up.scales, w2, s2)
     want = block(*args)

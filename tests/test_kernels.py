@@ -123,7 +123,7 @@ def test_group_dots_exact(isa: str, case: tuple) -> None:
     xq[0, :g] = -127  # extremes: the largest |dot| a group can reach
     xq[-1, -g:] = 127  # with the last row's 7s: the largest same-sign int16 pair sums (AVX2 widens every 32 k)
     p = prepare_w4a8(wq, sw, g, packed=False, route=isa)
-    dots = torch.ops.anychip.w4a8_group_dots(xq, p.weight, p.scales, n, k, g, isa)
+    dots = torch.ops.anychip.w4a8_group_dots(xq, p.weight, p.scales, n, k, g, p.route.code)
     assert dots.dtype == torch.int32 and dots.shape == (m, n, k // g)
     expected = group_dot_ref(xq, wq, g) if m * n * k <= 1 << 24 else _group_dots64(xq, wq, g).to(torch.int32)
     assert torch.equal(dots, expected)
@@ -149,8 +149,8 @@ def test_amx_tile_is_the_avx512_tile(m: int, k: int, n: int, g: int) -> None:
     xq[0, :g] = -127
     p = prepare_w4a8(wq, sw, g, packed=False, route="cpu.amx_int8")
     assert p.route.id == "cpu.amx_int8"
-    got = {route: (torch.ops.anychip.w4a8_linear(x, p.weight, p.scales, None, n, k, g, route, None),
-                   torch.ops.anychip.w4a8_group_dots(xq, p.weight, p.scales, n, k, g, route))
+    got = {route: (torch.ops.anychip.w4a8_linear(x, p.weight, p.scales, None, n, k, g, routes.get(route).code, None),
+                   torch.ops.anychip.w4a8_group_dots(xq, p.weight, p.scales, n, k, g, routes.get(route).code))
            for route in ("cpu.amx_int8", "cpu.avx512_vnni")}
     amx, avx = got["cpu.amx_int8"], got["cpu.avx512_vnni"]
     assert torch.equal(amx[0], avx[0]) and torch.equal(amx[1], avx[1])
@@ -167,7 +167,7 @@ def test_linear_exact_with_power_of_two_scales(isa: str) -> None:
     xq, _ = quantize_activations_ref(_acts(m, k, torch.float32, seed=4))
     sx = 2.0 ** -torch.randint(0, 4, (m, 1)).float()
     p = prepare_w4a8(wq, sw, g, packed=False, route=isa)
-    y = torch.ops.anychip.w4a8_linear_q(xq, sx, p.weight, p.scales, None, n, k, g, isa, None, torch.float32)
+    y = torch.ops.anychip.w4a8_linear_q(xq, sx, p.weight, p.scales, None, n, k, g, p.route.code, None, torch.float32)
     ref = (group_dot_ref(xq, wq, g).double() * sw.double()).sum(2) * sx.double()
     assert torch.equal(y.double(), ref)
 
@@ -311,7 +311,7 @@ def test_kernel_counts_skip_layers_outside_the_table() -> None:
         for layer in (-1, 1, 2, 99):
             w4a8_linear(x, p, layer_id=layer)
         xq, sx = torch.ops.anychip.quantize_act(x)
-        torch.ops.anychip.w4a8_linear_q(xq, sx, p.weight, p.scales, None, n, k, g, p.route.id, ops.layer_tensor(0),
+        torch.ops.anychip.w4a8_linear_q(xq, sx, p.weight, p.scales, None, n, k, g, p.route.code, ops.layer_tensor(0),
                                          torch.float32)
         table.slot.fill_(7)  # not a slot: not counted
         w4a8_linear(x, p, layer_id=1)
@@ -341,32 +341,36 @@ def test_python_routes_go_through_the_same_op_and_notify() -> None:
 
 
 def test_ops_keep_routing_strict() -> None:
-    """An id the C++ kernels do not serve goes to its route object, which refuses what it cannot serve: never
-    another route."""
+    """A route code the C++ kernels do not serve goes to its route object, which refuses what it cannot serve:
+    never another route."""
     k, n, g = 576, 17, 32
     wq, sw = _weights(n, k, g, seed=15)
     p = prepare_w4a8(wq, sw, g, packed=False)
     x = _acts(2, k, torch.float32, seed=8)
     args = (p.weight, p.scales, None, n, k, g)
     with pytest.raises(NoKernelRoute, match="CUDA route cuda.triton"):
-        torch.ops.anychip.w4a8_linear(x, *args, "cuda.triton", None)
-    with pytest.raises(NoKernelRoute, match="unknown kernel route 'no_such_route'"):
-        torch.ops.anychip.w4a8_linear(x, *args, "no_such_route", None)
-    # an alias reaches the same C++ kernel through its route object
-    alias = p.route.aliases[0]
-    assert torch.equal(torch.ops.anychip.w4a8_linear(x, *args, alias, None), w4a8_linear(x, p))
+        torch.ops.anychip.w4a8_linear(x, *args, routes.get("cuda.triton").code, None)
+    with pytest.raises(NoKernelRoute, match="unknown kernel route 999"):
+        torch.ops.anychip.w4a8_linear(x, *args, 999, None)
+    with pytest.raises(NoKernelRoute, match="unknown kernel route -1"):
+        torch.ops.anychip.w4a8_linear(x, *args, -1, None)
+    assert torch.equal(torch.ops.anychip.w4a8_linear(x, *args, p.route.code, None), w4a8_linear(x, p))
     missing = [r for r in routes.ROUTES if getattr(r, "counts_in_kernel", False) and r.id not in ISAS]
     for route in missing:  # a C++ route this CPU lacks is refused by the C++ kernel, naming the route
         with pytest.raises(RuntimeError, match=f"lacks ISA .*{route.id}"):
-            torch.ops.anychip.w4a8_linear(x, *args, route.id, None)
+            torch.ops.anychip.w4a8_linear(x, *args, route.code, None)
 
 
 def test_cpp_route_ids_match_the_python_routes() -> None:
-    """The C++ kernels map a route id to an ISA code: the same pairs the Python routes declare."""
+    """The ops take a route's code: the C++ kernels serve codes 0..len(route_ids) - 1 as their ISA codes, the same
+    pairs the Python routes declare, and every other route has a code of its own outside that range."""
     cpp = cpu_ext.load().route_ids()
     ours = [r for r in routes.ROUTES if getattr(r, "counts_in_kernel", False)]
     assert sorted(r.id for r in ours) == sorted(cpp)
     assert all(cpp[r.code] == r.id for r in ours)
+    assert len({r.code for r in routes.ROUTES}) == len(routes.ROUTES)
+    assert all(r.code >= 64 for r in routes.ROUTES if r not in ours)
+    assert all(routes.get(r.code) is r for r in routes.ROUTES)
 
 
 @pytest.mark.parametrize("op", ["quantize_act", "w4a8_linear", "w4a8_linear_q", "w4a8_group_dots"])

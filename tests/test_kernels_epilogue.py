@@ -33,7 +33,7 @@ def test_rounded_outputs_equal_the_fp32_output_rounded(isa: str, m: int, n: int,
     p = prepare_w4a8(wq, sw, g, packed=False, route=isa)
 
     def out(dtype: torch.dtype) -> torch.Tensor:
-        return torch.ops.anychip.w4a8_linear_q(xq, sx, p.weight, p.scales, bias, n, k, g, isa, None, dtype)
+        return torch.ops.anychip.w4a8_linear_q(xq, sx, p.weight, p.scales, bias, n, k, g, p.route.code, None, dtype)
 
     y32 = out(torch.float32)
     assert y32.abs().max() > 0
@@ -60,7 +60,7 @@ def test_outputs_do_not_depend_on_the_thread_count(isa: str, m: int) -> None:
         outs = []
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            outs.append(torch.ops.anychip.w4a8_linear(x, p.weight, p.scales, None, n, k, g, isa, None))
+            outs.append(torch.ops.anychip.w4a8_linear(x, p.weight, p.scales, None, n, k, g, p.route.code, None))
     finally:
         torch.set_num_threads(previous)
     assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))

@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed (CUDA builds of torch ship it)")
 
 from anychip.formats import pack_int4  # noqa: E402
-from anychip.kernels import hooks, ops  # noqa: E402
+from anychip.kernels import hooks, ops, routes  # noqa: E402
 from anychip.kernels.gpu import launch, unavailable_reason  # noqa: E402
 from anychip.kernels.prepare import prepare_w4a8, w4a8_linear  # noqa: E402
 from anychip.kernels.reference import (group_dot_ref, quantize_activations_ref, rms_norm_ref,  # noqa: E402
@@ -96,7 +96,7 @@ def test_group_dots_extremes_through_op() -> None:
     xq[1::2] = -127
     s = torch.ones(n, k // g)
     p = prepare_w4a8(q.to(DEV), s.to(DEV), g, packed=False)
-    got = OPS.w4a8_group_dots(xq.to(DEV), p.weight, p.scales, n, k, g, p.route.id)
+    got = OPS.w4a8_group_dots(xq.to(DEV), p.weight, p.scales, n, k, g, p.route.code)
     assert torch.equal(got.cpu(), group_dot_ref(xq, q, g))
     assert got.abs().max().item() == 127 * 8 * g
 
@@ -192,9 +192,9 @@ def test_norm_inside_the_kernels(m: int, residual: bool) -> None:
         else:
             x, r = activations(m, k, torch.bfloat16, seed=m).to(DEV), activations(m, k, torch.bfloat16, seed=2).to(DEV)
         r = r if residual else None
-        y, rout = OPS.w4a8_linear_norm(x, r, nw, 1e-5, p.weight, p.scales, None, n, k, g, p.route.id, None)
+        y, rout = OPS.w4a8_linear_norm(x, r, nw, 1e-5, p.weight, p.scales, None, n, k, g, p.route.code, None)
         normed, r_ref = rms_norm_ref(x, nw, 1e-5, r)
-        want = OPS.w4a8_linear(normed, p.weight, p.scales, None, n, k, g, p.route.id, None)
+        want = OPS.w4a8_linear(normed, p.weight, p.scales, None, n, k, g, p.route.code, None)
         assert torch.equal(rout, r_ref) if residual else rout.numel() == 0
         if integers:
             assert torch.equal(y, want)
@@ -203,7 +203,7 @@ def test_norm_inside_the_kernels(m: int, residual: bool) -> None:
     counter = hooks.DeviceCounter(torch.zeros((len(hooks.SLOTS), 2), dtype=torch.int64, device=DEV),
                                   torch.zeros(1, dtype=torch.int32, device=DEV))
     with hooks.observing(lambda layer, tokens: counter):  # the fused op counts its layer's call on the device
-        OPS.w4a8_linear_norm(x, r, nw, 1e-5, p.weight, p.scales, None, n, k, g, p.route.id, ops.layer_tensor(0))
+        OPS.w4a8_linear_norm(x, r, nw, 1e-5, p.weight, p.scales, None, n, k, g, p.route.code, ops.layer_tensor(0))
     torch.cuda.synchronize()
     assert counter.cell[0].tolist() == [1, m]
 
@@ -217,15 +217,15 @@ def test_silu_and_mul_inside_the_kernels(m: int) -> None:
     q, s = weights(n, k, g, seed=m + 1)
     p = prepare_w4a8(q.to(DEV), s.to(DEV).bfloat16(), g, packed=False)
     y2 = activations(m, 2 * k, torch.bfloat16, seed=m).to(DEV)
-    got = OPS.w4a8_linear_silu_mul(y2, p.weight, p.scales, None, n, k, g, p.route.id, None)
+    got = OPS.w4a8_linear_silu_mul(y2, p.weight, p.scales, None, n, k, g, p.route.code, None)
     xq, sx = launch.pre_quantize(y2, launch.SiluMul(), k)
     assert torch.equal(got, launch.w4a8_linear_q(xq, sx, p.weight, p.scales, None, n, k, g, torch.bfloat16))
-    want = OPS.w4a8_linear(silu_and_mul_ref(y2), p.weight, p.scales, None, n, k, g, p.route.id, None)
+    want = OPS.w4a8_linear(silu_and_mul_ref(y2), p.weight, p.scales, None, n, k, g, p.route.code, None)
     assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
     counter = hooks.DeviceCounter(torch.zeros((len(hooks.SLOTS), 2), dtype=torch.int64, device=DEV),
                                   torch.zeros(1, dtype=torch.int32, device=DEV))
     with hooks.observing(lambda layer, tokens: counter):
-        OPS.w4a8_linear_silu_mul(y2, p.weight, p.scales, None, n, k, g, p.route.id, ops.layer_tensor(0))
+        OPS.w4a8_linear_silu_mul(y2, p.weight, p.scales, None, n, k, g, p.route.code, ops.layer_tensor(0))
     torch.cuda.synchronize()
     assert counter.cell[0].tolist() == [1, m]
 
@@ -238,7 +238,7 @@ def test_linear_op_matches_reference(m: int, k: int, n: int, g: int, has_bias: b
     p = prepare_w4a8(pack_int4(q).to(DEV), s.to(DEV), g, packed=True)
     assert p.route.kernel == "triton" and p.route.device == "cuda" and p.weight.is_cuda
     y = OPS.w4a8_linear(x.to(DEV), p.weight, p.scales, None if bias is None else bias.to(DEV), n, k, g,
-                        p.route.id, None)
+                        p.route.code, None)
     assert y.dtype == dtype and y.shape == (m, n)
     xq, sx = quantize_activations_ref(x)
     assert_close(y, w4a8_linear_ref(xq, sx, q, s, bias, out_dtype=torch.float64))
@@ -281,7 +281,7 @@ class _Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         p = self.p
         y = torch.ops.anychip.w4a8_linear(x, self.weight, self.scales, self.bias, p.n, p.k, p.group_size,
-                                          p.route.id, self.layer_id)
+                                          p.route.code, self.layer_id)
         return torch.nn.functional.silu(y) * 2
 
 
@@ -304,11 +304,11 @@ def test_direct_launches_are_the_jit_launches(monkeypatch, residual: bool) -> No
         # contiguous; a row stride not divisible by 16; rows starting off the 16-byte alignment
         for x in (activations(m, k, torch.bfloat16, seed=m).to(DEV), base[:, :k], base[:, 1:k + 1]):
             r = torch.randn(m, k, device=DEV, dtype=torch.bfloat16) if residual else None
-            got = [OPS.w4a8_linear(x, p.weight, p.scales, None, n, k, g, p.route.id, None),
-                   *OPS.w4a8_linear_norm(x, r, nw, 1e-5, p.weight, p.scales, None, n, k, g, p.route.id, None)]
+            got = [OPS.w4a8_linear(x, p.weight, p.scales, None, n, k, g, p.route.code, None),
+                   *OPS.w4a8_linear_norm(x, r, nw, 1e-5, p.weight, p.scales, None, n, k, g, p.route.code, None)]
             direct.set_enabled(False)
-            want = [OPS.w4a8_linear(x, p.weight, p.scales, None, n, k, g, p.route.id, None),
-                    *OPS.w4a8_linear_norm(x, r, nw, 1e-5, p.weight, p.scales, None, n, k, g, p.route.id, None)]
+            want = [OPS.w4a8_linear(x, p.weight, p.scales, None, n, k, g, p.route.code, None),
+                    *OPS.w4a8_linear_norm(x, r, nw, 1e-5, p.weight, p.scales, None, n, k, g, p.route.code, None)]
             direct.set_enabled(True)
             assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     launched = {kernel.fn.__name__: len(d._entries) for kernel, d in launch._DIRECT.items()}
@@ -328,7 +328,7 @@ def test_direct_launches_call_launch_hooks(monkeypatch) -> None:
     p = prepare_w4a8(q.to(DEV), s.to(DEV).bfloat16(), g, packed=False)
     x = activations(5, k, torch.bfloat16, seed=5).to(DEV)
     monkeypatch.setitem(direct._SETTINGS, "enabled", True)
-    OPS.w4a8_linear(x, p.weight, p.scales, None, n, k, g, p.route.id, None)  # the JIT's launch, kept for later
+    OPS.w4a8_linear(x, p.weight, p.scales, None, n, k, g, p.route.code, None)  # the JIT's launch, kept for later
     names: list[str] = []
 
     def hook(meta) -> None:
@@ -343,7 +343,7 @@ def test_direct_launches_call_launch_hooks(monkeypatch) -> None:
         undo = lambda: None  # noqa: E731
     try:
         for _ in range(3):
-            OPS.w4a8_linear(x, p.weight, p.scales, None, n, k, g, p.route.id, None)
+            OPS.w4a8_linear(x, p.weight, p.scales, None, n, k, g, p.route.code, None)
     finally:
         undo()
     torch.cuda.synchronize()
@@ -402,7 +402,7 @@ def test_reference_route_and_wrong_route_on_cuda() -> None:
     xq, sx = quantize_activations_ref(x)
     assert_close(w4a8_linear(x.to(DEV), ref), w4a8_linear_ref(xq, sx, q, s, None, out_dtype=torch.float64))
     with pytest.raises(NoKernelRoute, match="CPU route"):
-        OPS.w4a8_linear(x.to(DEV), ref.weight, ref.scales, None, n, k, g, "avx2", None)
+        OPS.w4a8_linear(x.to(DEV), ref.weight, ref.scales, None, n, k, g, routes.get("avx2").code, None)
 
 
 def test_device_counter_counts_every_graph_replay() -> None:

@@ -22,7 +22,7 @@ for k, n, g in [(576, 960, 64), (1536, 200, 128), (256, 17, 32)]:
     p = prepare_w4a8(torch.randint(-8, 8, (n, k), dtype=torch.int8), torch.rand(n, k // g), g, packed=False, route=isa)
     for m in list(range(1, 41)) + [63, 64, 65, 127, 300, 513]:
         for x in (torch.randn(m, k, dtype=torch.bfloat16), torch.randn(m, 2 * k)[:, :k]):
-            torch.ops.anychip.w4a8_linear(x, p.weight, p.scales, None, n, k, g, isa, None)
+            torch.ops.anychip.w4a8_linear(x, p.weight, p.scales, None, n, k, g, p.route.code, None)
 print("ok")
 """
 

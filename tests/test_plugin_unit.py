@@ -134,7 +134,7 @@ def test_recorder_counts_cpp_layers_in_the_kernel_per_phase():
     recorder = Recorder(None, KernelPolicy())
     name = "model.layers.0.mlp.down_proj"
     scheme, layer = _prepared_g64_layer(recorder, name)
-    assert routes.get(scheme.route_id).counts_in_kernel
+    assert routes.get(scheme.route_code).counts_in_kernel
     notified: list[tuple[int, int]] = []
     hooks.install(lambda layer_id, tokens: notified.append((layer_id, tokens)))
     x = torch.randn(3, 256, dtype=torch.bfloat16)

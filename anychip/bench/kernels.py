@@ -206,7 +206,7 @@ def _call(x: torch.Tensor, p: PreparedW4A8) -> torch.Tensor:
     """The op's OpOverload, called from Python with no wrapper around it: as vLLM's compiled graph calls it with
     Inductor's Python wrapper. Each call carries a few µs of Python and dispatcher time that a graph with the C++
     wrapper (vLLM's CPU engines under the plugin) does not pay, which weighs on the smallest shapes."""
-    return _OP(x, p.weight, p.scales, None, p.n, p.k, p.group_size, p.route.id, None)
+    return _OP(x, p.weight, p.scales, None, p.n, p.k, p.group_size, p.route.code, None)
 
 
 def bench_decode_shape(model: str, layer: str, k: int, n: int, llc: int, budget_s: float, read_gbs: float,

@@ -67,7 +67,7 @@ def bench_shape(m: int, k: int, n: int, g: int) -> dict[str, object]:
     w4_bytes = prepared.weight.numel() + prepared.scales.numel() * prepared.scales.element_size()
     preps = [prepared] + [prepare_w4a8(q, s, g, packed=False, policy=policy) for _ in range(_copies(w4_bytes) - 1)]
     ops = torch.ops.anychip
-    row["w4a8_ms"] = graph_ms([lambda p=p: ops.w4a8_linear(x, p.weight, p.scales, None, n, k, g, p.route.id, None)
+    row["w4a8_ms"] = graph_ms([lambda p=p: ops.w4a8_linear(x, p.weight, p.scales, None, n, k, g, p.route.code, None)
                                for p in preps])
     from anychip.kernels.gpu import launch
 
@@ -79,7 +79,7 @@ def bench_shape(m: int, k: int, n: int, g: int) -> dict[str, object]:
                                                                         g, out) for p in preps])
     else:
         row["w4a8_gemm_ms"] = graph_ms([lambda p=p: ops.w4a8_linear_q(xq, sx, p.weight, p.scales, None, n, k, g,
-                                                                      p.route.id, None, torch.bfloat16)
+                                                                      p.route.code, None, torch.bfloat16)
                                         for p in preps])
     row["w4a8_config"] = str(launch.config_for(m, n, k, g, x.device))
     del preps, prepared

@@ -3,22 +3,24 @@ torch.compile traces them as opaque calls.
 
     anychip::quantize_act(Tensor x) -> (Tensor xq, Tensor sx)
     anychip::w4a8_linear(Tensor x, Tensor weight, Tensor scales, Tensor? bias, int n, int k, int group_size,
-                         str route, Tensor? layer_id) -> Tensor
+                         int route, Tensor? layer_id) -> Tensor
     anychip::w4a8_linear_q(Tensor xq, Tensor sx, Tensor weight, Tensor scales, Tensor? bias, int n, int k,
-                           int group_size, str route, Tensor? layer_id, ScalarType out_dtype) -> Tensor
+                           int group_size, int route, Tensor? layer_id, ScalarType out_dtype) -> Tensor
     anychip::w4a8_linear_norm(Tensor x, Tensor? residual, Tensor norm_weight, float eps, Tensor weight,
-                              Tensor scales, Tensor? bias, int n, int k, int group_size, str route,
+                              Tensor scales, Tensor? bias, int n, int k, int group_size, int route,
                               Tensor? layer_id) -> (Tensor y, Tensor residual_out)
         the linear of vLLM's RMSNorm of x (fused_add_rms_norm when a residual is given: residual_out = x + residual,
         else an empty tensor), the norm inside the kernels on routes that fuse it (the plugin's graph pass,
         vllm_plugin/fusion.py, puts it where vLLM's graph has a norm feeding one W4A8 linear)
     anychip::w4a8_linear_silu_mul(Tensor x, Tensor weight, Tensor scales, Tensor? bias, int n, int k, int group_size,
-                                  str route, Tensor? layer_id) -> Tensor
+                                  int route, Tensor? layer_id) -> Tensor
         the linear of vLLM's SiluAndMul of x (M, 2K), inside the kernels on routes that fuse it
-    anychip::w4a8_group_dots(Tensor xq, Tensor weight, Tensor scales, int n, int k, int group_size, str route)
+    anychip::w4a8_group_dots(Tensor xq, Tensor weight, Tensor scales, int n, int k, int group_size, int route)
                              -> Tensor   (debug: the exact (M, N, K/G) int32 group sums)
 
-`route` is the id of the route the weights were prepared for (prepare.prepare_w4a8). `layer_id` is the coverage
+`route` is the op code (Route.code) of the route the weights were prepared for (prepare.prepare_w4a8): an int, not
+the route's id, because Inductor's C++ wrapper calls an op whose arguments are all tensors and numbers through its C
+shim, and boxes any other into an IValue stack (a third more wrapper code to compile). `layer_id` is the coverage
 recorder's id of the layer as a (1,) int64 CPU tensor (`layer_tensor`), or None: not counted. A tensor, not an int:
 vLLM compiles the pieces of its piecewise graph once for all layers only when the pieces are the same graph, and an
 int argument is a different constant in every layer's piece (each of a 42-layer model's pieces compiled anew).
@@ -28,7 +30,7 @@ preparing a C++ route does): they run this extension's routes without any Python
 coverage table (hooks.py) and quantize the input inside the GEMV, once for a merged qkv or gate_up layer. Every
 other route (the torch reference, arm.kleidiai, cuda.triton) goes through the Python implementation below, which
 calls hooks.notify(layer id, tokens) and hands the call to the route object: on CUDA directly, on a CPU through the
-op's twin `<op>_torch`, which the C++ kernel calls for a route id it does not know.
+op's twin `<op>_torch`, which the C++ kernel calls for a route code it does not implement.
 """
 
 from __future__ import annotations
@@ -41,16 +43,16 @@ from anychip.kernels.routes.base import NoKernelRoute, Route
 _SCHEMAS = {
     "quantize_act": "(Tensor x) -> (Tensor, Tensor)",
     "w4a8_linear": "(Tensor x, Tensor weight, Tensor scales, Tensor? bias, int n, int k, int group_size, "
-    "str route, Tensor? layer_id) -> Tensor",
+    "int route, Tensor? layer_id) -> Tensor",
     "w4a8_linear_q": "(Tensor xq, Tensor sx, Tensor weight, Tensor scales, Tensor? bias, int n, int k, "
-    "int group_size, str route, Tensor? layer_id, ScalarType out_dtype) -> Tensor",
+    "int group_size, int route, Tensor? layer_id, ScalarType out_dtype) -> Tensor",
     "w4a8_linear_norm": "(Tensor x, Tensor? residual, Tensor norm_weight, float eps, Tensor weight, Tensor scales, "
-    "Tensor? bias, int n, int k, int group_size, str route, Tensor? layer_id) -> (Tensor, Tensor)",
+    "Tensor? bias, int n, int k, int group_size, int route, Tensor? layer_id) -> (Tensor, Tensor)",
     "w4a8_linear_silu_mul": "(Tensor x, Tensor weight, Tensor scales, Tensor? bias, int n, int k, int group_size, "
-    "str route, Tensor? layer_id) -> Tensor",
-    "w4a8_group_dots": "(Tensor xq, Tensor weight, Tensor scales, int n, int k, int group_size, str route) -> Tensor",
+    "int route, Tensor? layer_id) -> Tensor",
+    "w4a8_group_dots": "(Tensor xq, Tensor weight, Tensor scales, int n, int k, int group_size, int route) -> Tensor",
 }
-ROUTED = ("w4a8_linear", "w4a8_linear_q", "w4a8_group_dots")  # the ops that take a route id (and have a twin)
+ROUTED = ("w4a8_linear", "w4a8_linear_q", "w4a8_group_dots")  # the ops that take a route code (and have a twin)
 TWIN = "_torch"  # anychip::<op>_torch: the route objects' Python implementation (csrc/w4a8_cpu.cpp calls it)
 
 _LIB = torch.library.Library("anychip", "FRAGMENT")  # process lifetime, like every torch op registry
@@ -71,8 +73,8 @@ def _layer_index(layer_id: torch.Tensor | None) -> int:
     return -1 if layer_id is None else int(layer_id.item())
 
 
-def _route(route_id: str, device: torch.device) -> Route:
-    route = routes.get(route_id)
+def _route(code: int, device: torch.device) -> Route:
+    route = routes.get(code)
     if route.device not in ("any", device.type):
         raise NoKernelRoute(f"these weights were prepared for the {route.device.upper()} route {route.id} but the "
                             f"input is on {device}: prepare them from {device.type} tensors, or move the input")

@@ -49,4 +49,4 @@ def w4a8_linear(
     p = prepared
     if isinstance(layer_id, int):
         layer_id = ops.layer_tensor(layer_id)
-    return torch.ops.anychip.w4a8_linear(x, p.weight, p.scales, bias, p.n, p.k, p.group_size, p.route.id, layer_id)
+    return torch.ops.anychip.w4a8_linear(x, p.weight, p.scales, bias, p.n, p.k, p.group_size, p.route.code, layer_id)

@@ -75,15 +75,16 @@ def _fake_call(op: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
         return op(*vals, **kwargs)
 
 
-def _route_has(route_id: str, capability: str) -> bool:
+def _route_has(route: int | str, capability: str) -> bool:
+    """Whether the route of this op code (the linear's `route` argument) or id has the capability."""
     try:
-        return getattr(routes.get(route_id), capability)
-    except Exception:  # an unknown id: not ours to fuse
+        return getattr(routes.get(route), capability)
+    except Exception:  # an unknown route: not ours to fuse
         return False
 
 
-def route_fuses(route_id: str) -> bool:
-    return _route_has(route_id, "fuses_norm")
+def route_fuses(route: int | str) -> bool:
+    return _route_has(route, "fuses_norm")
 
 
 class _Pair:
@@ -98,7 +99,7 @@ def _pair(linear: fx.Node, targets: tuple[Any, Any], fuses: Callable[[str], bool
     rms, add_rms = targets
     lin = _bound(linear)
     out = lin.get("x")
-    if not isinstance(out, fx.Node) or len(out.users) != 1 or not fuses(lin.get("route", "")):
+    if not isinstance(out, fx.Node) or len(out.users) != 1 or not fuses(lin.get("route", -1)):
         return None
     if out.target is rms:
         norm, add = out, False
@@ -200,18 +201,18 @@ def _ancestors(node: fx.Node, stop: fx.Node) -> list[fx.Node]:
     return seen
 
 
-def route_fuses_silu(route_id: str) -> bool:
-    return _route_has(route_id, "fuses_silu_mul")
+def route_fuses_silu(route: int | str) -> bool:
+    return _route_has(route, "fuses_silu_mul")
 
 
-def fuse_silu_mul(graph: fx.Graph, fuses: Callable[[str], bool] = route_fuses_silu) -> int:
+def fuse_silu_mul(graph: fx.Graph, fuses: Callable[[int], bool] = route_fuses_silu) -> int:
     """Replace every W4A8 linear fed by SiluAndMul (its one user) by anychip::w4a8_linear_silu_mul on the gate/up
     output itself, where the linear's route computes SiluAndMul; returns how many."""
     done = 0
     for linear in _linears(graph):
         lin = _bound(linear)
         x, k = lin.get("x"), lin.get("k")
-        if not isinstance(x, fx.Node) or len(x.users) != 1 or not fuses(lin.get("route", "")):
+        if not isinstance(x, fx.Node) or len(x.users) != 1 or not fuses(lin.get("route", -1)):
             continue
         try:
             found = _silu_mul_source(x, k)
@@ -240,7 +241,7 @@ def fuse_silu_mul(graph: fx.Graph, fuses: Callable[[str], bool] = route_fuses_si
     return done
 
 
-def fuse_norms(graph: fx.Graph, fuses: Callable[[str], bool] = route_fuses) -> int:
+def fuse_norms(graph: fx.Graph, fuses: Callable[[int], bool] = route_fuses) -> int:
     """Rewrite every fusable (norm, W4A8 linear) pair of `graph` in place; returns how many."""
     targets = _norm_ops()
     if targets is None:

@@ -146,7 +146,7 @@ class AnychipW4A8Scheme(compat.CompressedTensorsScheme):
         layer.anychip_weight = torch.nn.Parameter(prepared.weight, requires_grad=False)
         layer.anychip_scales = torch.nn.Parameter(prepared.scales, requires_grad=False)
         route = prepared.route
-        self.route_id, self.group = route.id, prepared.group_size
+        self.route_code, self.group = route.code, prepared.group_size
         self.layer_id = self.recorder.add_layer(LayerRoute(
             name=self.layer_name, route=route.id, kernel=route.kernel, isa=route.isa,
             group_size=-1 if self.channelwise else prepared.group_size,
@@ -160,12 +160,12 @@ class AnychipW4A8Scheme(compat.CompressedTensorsScheme):
         if self.row_parallel:  # a K shard: quantize it with the whole token's scale (tensor_parallel.py)
             xq, sx = quantize_over_ranks(x.reshape(-1, self.k))
             y = torch.ops.anychip.w4a8_linear_q.default(xq, sx, layer.anychip_weight, layer.anychip_scales, bias,
-                                                        self.n, self.k, self.group, self.route_id,
+                                                        self.n, self.k, self.group, self.route_code,
                                                         layer.anychip_layer_id, x.dtype)
             return y.view(*x.shape[:-1], self.n)
         # the overload itself (as a compiled graph calls it): no overload resolution per call in eager mode
         return torch.ops.anychip.w4a8_linear.default(x, layer.anychip_weight, layer.anychip_scales, bias, self.n,
-                                                     self.k, self.group, self.route_id, layer.anychip_layer_id)
+                                                     self.k, self.group, self.route_code, layer.anychip_layer_id)
 
 
 class ForeignScheme(compat.CompressedTensorsScheme):

@@ -111,15 +111,9 @@ inline const char* isa_route_id(int64_t isa) {
   }
 }
 
-// The ISA code of a route id, or -1 when the route is not one of this extension's (the torch ops hand those to the
-// route's Python implementation).
-inline int64_t route_isa(const char* id, size_t len) {
-  for (int64_t isa = 0; isa < kIsaCount; ++isa) {
-    const char* name = isa_route_id(isa);
-    if (std::strlen(name) == len && std::memcmp(name, id, len) == 0) return isa;
-  }
-  return -1;
-}
+// The ISA code of a route's op code (anychip/kernels/routes/*.py `code`: an ISA code for this extension's routes), or
+// -1 when the route is not one of this extension's (the torch ops hand those to the route's Python implementation).
+inline int64_t route_isa(int64_t code) { return code >= 0 && code < kIsaCount ? code : -1; }
 
 // ISAs this CPU and build support, best first, ending with kPortable; returns how many.
 inline int supported_isas(int64_t out[kIsaCount]) {

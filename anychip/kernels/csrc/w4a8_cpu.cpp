@@ -166,9 +166,9 @@ c10::optional<at::Tensor> float_bias(const c10::optional<at::Tensor>& bias) {
 // op's Python twin anychip::<op>_torch (kernels/ops.py) hands the call to the route object, which refuses what it
 // cannot serve.  Never another route: strict routing stays with the route the weights were prepared for.
 template <typename Sig, typename... Args>
-at::Tensor call_twin(const char* op, c10::string_view route, Args&&... args) {
+at::Tensor call_twin(const char* op, int64_t route, Args&&... args) {
   const auto handle = c10::Dispatcher::singleton().findSchema({op, ""});
-  TORCH_CHECK(handle.has_value(), "anychip: route '", route, "' is not one of the C++ extension's and ", op,
+  TORCH_CHECK(handle.has_value(), "anychip: route code ", route, " is not one of the C++ extension's and ", op,
               " is not registered: import anychip.kernels.ops first (it registers the Python routes)");
   return handle->typed<Sig>().call(std::forward<Args>(args)...);
 }
@@ -193,8 +193,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_act(const at::Tensor& x_in) {
 
 at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                        const c10::optional<at::Tensor>& bias, int64_t n, int64_t k, int64_t group_size,
-                       c10::string_view route, const c10::optional<at::Tensor>& layer_id) {
-  const int64_t isa = route_isa(route.data(), route.size());
+                       int64_t route, const c10::optional<at::Tensor>& layer_id) {
+  const int64_t isa = route_isa(route);
   if (isa < 0)
     return call_twin<decltype(w4a8_linear)>("anychip::w4a8_linear_torch", route, x, weight, scales, bias, n, k,
                                             group_size, route, layer_id);
@@ -219,9 +219,9 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
 
 at::Tensor w4a8_linear_q(const at::Tensor& xq_in, const at::Tensor& sx_in, const at::Tensor& weight,
                          const at::Tensor& scales, const c10::optional<at::Tensor>& bias, int64_t n, int64_t k,
-                         int64_t group_size, c10::string_view route, const c10::optional<at::Tensor>& layer_id,
+                         int64_t group_size, int64_t route, const c10::optional<at::Tensor>& layer_id,
                          at::ScalarType out_dtype) {
-  const int64_t isa = route_isa(route.data(), route.size());
+  const int64_t isa = route_isa(route);
   if (isa < 0)
     return call_twin<decltype(w4a8_linear_q)>("anychip::w4a8_linear_q_torch", route, xq_in, sx_in, weight, scales,
                                               bias, n, k, group_size, route, layer_id, out_dtype);
@@ -247,8 +247,8 @@ at::Tensor w4a8_linear_q(const at::Tensor& xq_in, const at::Tensor& sx_in, const
 
 // Debug: the exact (M, N, K/G) int32 group dot products, through the same tile kernels.
 at::Tensor w4a8_group_dots(const at::Tensor& xq_in, const at::Tensor& weight, const at::Tensor& scales, int64_t n,
-                           int64_t k, int64_t group_size, c10::string_view route) {
-  const int64_t isa = route_isa(route.data(), route.size());
+                           int64_t k, int64_t group_size, int64_t route) {
+  const int64_t isa = route_isa(route);
   if (isa < 0)
     return call_twin<decltype(w4a8_group_dots)>("anychip::w4a8_group_dots_torch", route, xq_in, weight, scales, n, k,
                                                 group_size, route);

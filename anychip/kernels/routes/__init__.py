@@ -30,18 +30,18 @@ ROUTES: tuple[Route, ...] = (
     Reference(),
 )
 REFERENCE: Route = next(r for r in ROUTES if r.id == "reference")
-_BY_NAME: dict[str, Route] = {name: r for r in ROUTES for name in (r.id, *r.aliases)}
+_BY_NAME: dict[str | int, Route] = {name: r for r in ROUTES for name in (r.id, *r.aliases, r.code)}
 
 
 def route_ids() -> tuple[str, ...]:
     return tuple(r.id for r in ROUTES)
 
 
-def get(name: str) -> Route:
-    """The route with this id (or alias); NoKernelRoute naming the valid ids otherwise."""
+def get(name: str | int) -> Route:
+    """The route with this id, alias or op code (Route.code); NoKernelRoute naming the valid ids otherwise."""
     try:
         return _BY_NAME[name]
-    except KeyError:
+    except (KeyError, TypeError):
         raise NoKernelRoute(f"unknown kernel route {name!r}: use one of {route_ids()} "
                             f"(e.g. {envs.ANYCHIP_KERNEL_ISA}=cpu.avx2)") from None
 

@@ -92,19 +92,20 @@ class CppRoute(Route):
         weight, scales = blocked_layout(weights.int8().cpu(), weights.scales.cpu())
         return ARENA.copy_of(weight, policy.build_dir), ARENA.copy_of(scales, policy.build_dir)
 
-    # The ops' C++ CPU kernels (csrc/w4a8_cpu.cpp) serve this route's id without calling these; they are the route's
-    # calls for Python callers (and for an alias id, which the ops' Python side resolves).
+    # The ops' C++ CPU kernels (csrc/w4a8_cpu.cpp) serve this route's code without calling these; they are the route's
+    # calls for Python callers.
     def linear(self, x, weight, scales, bias, n, k, group_size):
         cpu_ext.load()
-        return torch.ops.anychip.w4a8_linear(x, weight, scales, bias, n, k, group_size, self.id, None)
+        return torch.ops.anychip.w4a8_linear(x, weight, scales, bias, n, k, group_size, self.code, None)
 
     def linear_q(self, xq, sx, weight, scales, bias, n, k, group_size, out_dtype):
         cpu_ext.load()
-        return torch.ops.anychip.w4a8_linear_q(xq, sx, weight, scales, bias, n, k, group_size, self.id, None, out_dtype)
+        return torch.ops.anychip.w4a8_linear_q(xq, sx, weight, scales, bias, n, k, group_size, self.code, None,
+                                               out_dtype)
 
     def group_dots(self, xq, weight, scales, n, k, group_size):
         cpu_ext.load()
-        return torch.ops.anychip.w4a8_group_dots(xq, weight, scales, n, k, group_size, self.id)
+        return torch.ops.anychip.w4a8_group_dots(xq, weight, scales, n, k, group_size, self.code)
 
 
 class Avx512Vnni(CppRoute):

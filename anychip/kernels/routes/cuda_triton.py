@@ -22,6 +22,7 @@ def _launch():
 
 class CudaTriton(Route):
     id = "cuda.triton"
+    code = 65
     aliases = ("triton",)
     device = "cuda"
     kernel = "triton"

@@ -18,6 +18,7 @@ from anychip.kernels.routes.base import CheckpointWeights, LinearProblem, NoKern
 
 class ArmKleidiAI(Route):
     id = "arm.kleidiai"
+    code = 64
     aliases = ("kleidiai",)
     device = "cpu"
     kernel = "kleidiai"

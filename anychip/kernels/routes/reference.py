@@ -14,6 +14,7 @@ from anychip.kernels.routes.base import CheckpointWeights, LinearProblem, Route
 
 class Reference(Route):
     id = "reference"
+    code = 66
     device = "any"
     kernel = "reference"
     bit_exact = True
