@@ -20,10 +20,11 @@ torch.compile traces them as opaque calls.
 
 `route` is the op code (Route.code) of the route the weights were prepared for (prepare.prepare_w4a8): an int, not
 the route's id, because Inductor's C++ wrapper calls an op whose arguments are all tensors and numbers through its C
-shim, and boxes any other into an IValue stack (a third more wrapper code to compile). `layer_id` is the coverage
-recorder's id of the layer as a (1,) int64 CPU tensor (`layer_tensor`), or None: not counted. A tensor, not an int:
-vLLM compiles the pieces of its piecewise graph once for all layers only when the pieces are the same graph, and an
-int argument is a different constant in every layer's piece (each of a 42-layer model's pieces compiled anew).
+shim, and boxes any other into an IValue stack (SmolLM2-135M's wrapper then took 2.8x as long to compile; the same
+constant in every layer, so it does not split vLLM's compiled pieces). `layer_id` is the coverage recorder's id of
+the layer as a (1,) int64 CPU tensor (`layer_tensor`), or None: not counted. A tensor, not an int: vLLM compiles the
+pieces of its piecewise graph once for all layers only when the pieces are the same graph, and an int argument is a
+different constant in every layer's piece (each of a 42-layer model's pieces compiled anew).
 
 The schemas live here; the CPU kernels are C++ (csrc/w4a8_cpu.cpp registers them when the extension loads, which
 preparing a C++ route does): they run this extension's routes without any Python, count the call in the kernels'
