@@ -169,7 +169,7 @@ def test_passes_find_their_pairs_in_inductor_post_grad_graphs() -> None:
     x, r, nw, w, s, lid = _inputs()
     w2, s2, lid2 = _linear_args(9)  # gate/up: N = 2K
     wq = torch.randint(-8, 8, (2 * K, K), dtype=torch.int8, generator=torch.Generator().manual_seed(9))
-    up = prepare_w4a8(wq, torch.rand(2 * K, K // G) * 0.02 + 0.001, G, packed=False, route=routes.REFERENCE.code)
+    up = prepare_w4a8(wq, torch.rand(2 * K, K // G) * 0.02 + 0.001, G, packed=False, route=routes.REFERENCE.id)
 
     def block(x, r, nw, wu, su, wd, sd):
         h, res = torch.ops.vllm_ir.fused_add_rms_norm.default(x, r, nw, EPS, None)

@@ -75,7 +75,6 @@ class CppRoute(Route):
     bit_exact = True
     #: The ops count this route's calls in C++ (hooks.install_kernel_counts), not through hooks.notify.
     counts_in_kernel = True
-    code: ClassVar[int]
     #: /proc/cpuinfo flags the path needs (x86 names).
     flags: ClassVar[tuple[str, ...]] = ()
 
