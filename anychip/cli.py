@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--fast", action="store_true",
                    help="skip the value pass (scales finite and > 0, INT4 in range, BF16 finite): checksums and "
                         "headers only")
+    s.add_argument("--write-sums", action="store_true",
+                   help="for a W4A8 checkpoint made by another tool (llm-compressor, compressed-tensors) that has no "
+                        "SHA256SUMS: check the contract and every value, then write SHA256SUMS over its files")
     s.set_defaults(target="anychip.checkpoint.verify:cmd_verify")
 
     s = sub.add_parser("profile", help="detect this CPU and print the vLLM settings that serve best here")

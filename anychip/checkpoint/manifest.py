@@ -59,7 +59,9 @@ def read_manifest(directory: Path) -> dict[str, str]:
     path = directory / MANIFEST
     if not path.is_file():
         raise ManifestError(f"{path} is missing: this directory was not written by anychip, or was changed "
-                            "since (re-create it with `anychip quantize` or `anychip prepare --force`)")
+                            "since (re-create it with `anychip quantize` or `anychip prepare --force`); a W4A8 "
+                            f"checkpoint made by another tool: `anychip verify --write-sums {directory}` checks it "
+                            "and records its checksums")
     try:
         text = path.read_text()
     except UnicodeDecodeError as exc:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +29,7 @@ from anychip.checkpoint.layout import (
     linear_prefix,
     linear_tensor_specs,
 )
-from anychip.checkpoint.manifest import check_manifest, listed_files
+from anychip.checkpoint.manifest import MANIFEST, ManifestError, check_manifest, listed_files, write_manifest
 from anychip.checkpoint.model_dir import ModelDir
 from anychip.checkpoint.scheme import DECODER_LINEARS, IGNORED, ContractError, W4A8Scheme, scheme_from_config
 from anychip.checkpoint.values import check_values, rule_for
@@ -233,6 +234,32 @@ def _check_quant_args(args: dict[str, Any], at: str) -> None:
             raise ContractError(f"{at}.{key}={args[key]!r}: the W4A8 contract stores none (null)")
 
 
+#: compressed-tensors' ActivationOrdering values that leave the stored layout as without ordering ("static" is an
+#: alias of "weight"); "group" (alias "dynamic") stores a g_idx.
+_LAYOUT_KEEPING_ACTORDER = (None, "static", "weight")
+
+#: Names a decoder linear has in any layer: an `ignore` entry matching one would leave it BF16.
+_LINEAR_PROBES = tuple(f"model.layers.{i}.{name}" for i in (0, 17) for name in DECODER_LINEARS)
+
+
+def _ignored_name(entry: str) -> str | None:
+    """What an `ignore` entry leaves out, as the contract knows it: the head's name for "lm_head" or a "re:"
+    pattern (compressed-tensors' and vLLM's form, matched from the start of a module name) that matches the head
+    and no decoder linear; None for anything else (a pattern that does not compile either)."""
+    if entry in IGNORED:
+        return entry
+    if not entry.startswith("re:"):
+        return None
+    try:
+        pattern = re.compile(entry[3:])
+    except re.error:
+        return None
+    heads = [h for h in IGNORED if pattern.match(h) or pattern.match(f"model.{h}")]
+    if len(heads) != 1 or any(pattern.match(probe) for probe in _LINEAR_PROBES):
+        return None
+    return heads[0]
+
+
 def check_quantization_scope(qc: Any, where: str) -> None:
     """The parts of `quantization_config` that decide which layers vLLM quantizes, and how: one group that
     targets every Linear, `ignore` exactly the contract's IGNORED, no output or KV-cache quantization. Also the
@@ -256,12 +283,17 @@ def check_quantization_scope(qc: Any, where: str) -> None:
             raise ContractError(f"{at}.weights.group_size={size!r} is not an integer")
         _check_quant_args(weights, f"{at}.weights")
         _check_quant_args(acts, f"{at}.input_activations")
-        # Layout-changing options the contract writes as off: activation reordering stores a g_idx per weight,
-        # dynamic weights have no stored scales.
-        for key, value in (("weights.actorder", weights.get("actorder")),
-                           ("input_activations.group_size", acts.get("group_size"))):
-            if value is not None:
-                raise ContractError(f"{at}.{key}={value!r}: the W4A8 contract stores none (null)")
+        # Layout-changing options the contract writes as off: group activation ordering stores a g_idx per
+        # column (static / weight ordering changes only how GPTQ ran, not what it stored), dynamic weights have no
+        # stored scales.
+        actorder = weights.get("actorder")
+        if actorder not in _LAYOUT_KEEPING_ACTORDER:
+            raise ContractError(f"{at}.weights.actorder={actorder!r}: group activation ordering stores a g_idx per "
+                                "column and groups that are not contiguous, which the W4A8 contract (and vLLM) do "
+                                "not read: re-quantize with actorder 'static' or none")
+        if acts.get("group_size") is not None:
+            raise ContractError(f"{at}.input_activations.group_size={acts['group_size']!r}: the W4A8 contract "
+                                "stores none (null)")
         if weights.get("dynamic", False) is not False:
             raise ContractError(f"{at}.weights.dynamic={weights['dynamic']!r}: W4A8 weights are static (false)")
         if group.get("targets") != ["Linear"]:
@@ -275,7 +307,7 @@ def check_quantization_scope(qc: Any, where: str) -> None:
             raise ContractError(f"{at}.format={fmt!r} but quantization_config.format={top!r}: they must agree")
     ignore = qc.get("ignore")
     if (not isinstance(ignore, list) or not all(isinstance(x, str) for x in ignore)
-            or sorted(set(ignore)) != sorted(IGNORED)):
+            or {_ignored_name(x) for x in ignore} != set(IGNORED)):
         raise ContractError(f"{where}: quantization_config.ignore={ignore!r:.120}: the W4A8 contract keeps exactly "
                             f"{list(IGNORED)} in BF16 and every decoder linear INT4; a decoder linear in ignore "
                             "would be loaded as BF16 weights the checkpoint does not hold")
@@ -345,7 +377,28 @@ def _parse_expect(pairs: list[str]) -> dict[str, str]:
     return out
 
 
+def adopt_checkpoint(path: Path) -> VerifyReport:
+    """A W4A8 checkpoint another tool wrote (no SHA256SUMS): check the contract and every stored value, then write
+    SHA256SUMS over its files, so that later `anychip verify` and `anychip serve` check it like one of ours."""
+    path = Path(path).absolute()
+    if (path / MANIFEST).exists():
+        raise ManifestError(f"{path / MANIFEST} exists: verify it as it is (`anychip verify {path}`); to record new "
+                            "checksums, delete it first")
+    report = verify_checkpoint(path, checksums=False, values=True)
+    write_manifest(path)
+    return report
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
+    if args.write_sums:
+        if args.fast or args.expect_sha256:
+            raise AnychipError("--write-sums checks every value and records the digests it finds: it takes neither "
+                               "--fast nor --expect-sha256")
+        report = adopt_checkpoint(Path(args.dir))
+        print(report.summary())
+        print(f"wrote {report.path / MANIFEST} over its {report.files} files, after checking the contract and "
+              "every value")
+        return 0
     report = verify_checkpoint(Path(args.dir), _parse_expect(args.expect_sha256), values=not args.fast)
     print(report.summary())
     return 0
