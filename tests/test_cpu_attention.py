@@ -87,3 +87,30 @@ def test_served_logprobs_are_the_same_bits_as_vllms_attention_path(tiny_llama, n
         assert a["token_ids"] == b["token_ids"] and len(a["token_ids"]) == 16
         assert a["prompt_logprobs"] == b["prompt_logprobs"]  # exact: same kernels, same arguments
         assert a["logprobs"] == b["logprobs"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MODELS))
+def test_chunked_prefill_and_prefix_cache_hits_same_bits(tiny_llama, name, tmp_path):
+    """Steps whose attention reads context from the KV cache: a prompt prefilled in chunks, prompts whose prefix
+    is cached (whole blocks and part of one), a short and a long prompt in one step. With the path on and off the
+    greedy tokens and every logprob must be the same bits, and the cache must have been hit."""
+    vocab = 128
+    model = quantize_checkpoint(tiny_llama(**MODELS[name], max_position_embeddings=512), tmp_path / "w4a8",
+                                W4A8Scheme(32))
+    runs = {}
+    for on in ("1", "0"):
+        out = tmp_path / f"cases{on}.json"
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "ANYCHIP_COVERAGE": str(tmp_path / f"cov{on}.json"),
+               "ANYCHIP_CPU_ATTENTION": on}
+        proc = subprocess.run([sys.executable, str(ROOT / "tests" / "attention_cases_runner.py"), str(model), str(out),
+                               str(vocab)], env=env, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        runs[on] = json.loads(out.read_text())
+    assert json.loads((tmp_path / "cov1.json").read_text())["attention_calls"]["from_cpp"] > 0
+    on, off = runs["1"], runs["0"]
+    assert on["prefix_cache"]["prefix_cache_hits"] > 0 and on["prefix_cache"] == off["prefix_cache"]
+    assert len(on["outputs"]) == 5 and len(on["outputs"][0]["prompt_logprobs"]) == 300
+    for a, b in zip(on["outputs"], off["outputs"], strict=True):
+        assert a == b  # tokens, logprobs, prompt logprobs: exact
+
