@@ -60,6 +60,10 @@ ANYCHIP_FUSE_NORM = "ANYCHIP_FUSE_NORM"
 #: "0" leaves vLLM's CPU attention to vLLM's Python ops; by default the plugin calls the same vLLM kernels from C++
 #: (anychip::cpu_attention) for a W4A8 model on vLLM's CPU backend (vllm_plugin/cpu_attention.py).
 ANYCHIP_CPU_ATTENTION = "ANYCHIP_CPU_ATTENTION"
+#: The prefill attention kernel for steps of fresh prompts (csrc/attention_prefill_x86.h) on the C++ attention path:
+#: "0" off (vLLM's kernels for every step), "1" on wherever it runs (AVX2 + FMA); default: on where vLLM's CPU
+#: attention is its AVX2 build (x86 without AVX512).
+ANYCHIP_ATTN_PREFILL = "ANYCHIP_ATTN_PREFILL"
 #: "1" also moves SiluAndMul into the down projection's kernels (off by default: not shown faster on a GPU yet).
 ANYCHIP_FUSE_SILU = "ANYCHIP_FUSE_SILU"
 #: "0" keeps the registry from picking route cpu.amx_int8 (AMX-INT8 prefill tiles, csrc/w4a8_amx.h) on CPUs that
@@ -119,6 +123,14 @@ def fuse_norm() -> bool:
 
 def cpu_attention() -> bool:
     return _flag(ANYCHIP_CPU_ATTENTION, True)
+
+
+def attn_prefill() -> bool | None:
+    """ANYCHIP_ATTN_PREFILL: True (on), False (off), None (unset or "auto": the plugin decides by the CPU)."""
+    raw = os.environ.get(ANYCHIP_ATTN_PREFILL, "").strip().lower()
+    if raw in ("", "auto"):
+        return None
+    return _flag(ANYCHIP_ATTN_PREFILL, False)
 
 
 def fuse_silu() -> bool:

@@ -73,7 +73,8 @@ def test_served_logprobs_are_the_same_bits_as_vllms_attention_path(tiny_llama, n
     runs = {}
     for on in ("1", "0"):
         out, cov = tmp_path / f"out{on}.json", tmp_path / f"coverage{on}.json"
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "ANYCHIP_COVERAGE": str(cov), "ANYCHIP_CPU_ATTENTION": on}
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "ANYCHIP_COVERAGE": str(cov), "ANYCHIP_CPU_ATTENTION": on,
+               "ANYCHIP_ATTN_PREFILL": "0"}  # vLLM's kernels for every step: the same bits both ways
         proc = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_runner.py"), str(model), str(out),
                                "--max-tokens", "16", "--logprobs", "3", "--prompt-logprobs", "--compile",
                                "--prompt-ids", ",".join(map(str, PROMPT_IDS)), "--prompt-ids", "5,6,7",
@@ -81,7 +82,8 @@ def test_served_logprobs_are_the_same_bits_as_vllms_attention_path(tiny_llama, n
         assert proc.returncode == 0, proc.stderr[-4000:]
         runs[on] = json.loads(out.read_text())["outputs"], json.loads(cov.read_text())
     (on_rows, on_cov), (off_rows, off_cov) = runs["1"], runs["0"]
-    assert on_cov["attention_calls"] == {"from_cpp": layers, "python": 0, "cpp_wrapper": True}
+    assert on_cov["attention_calls"] == {"from_cpp": layers, "python": 0, "cpp_wrapper": True, "prefill_kernel": None,
+                                         "prefill_kernel_why": "ANYCHIP_ATTN_PREFILL=0"}
     assert off_cov["attention_calls"] is None
     for a, b in zip(on_rows, off_rows, strict=True):
         assert a["token_ids"] == b["token_ids"] and len(a["token_ids"]) == 16
@@ -91,26 +93,51 @@ def test_served_logprobs_are_the_same_bits_as_vllms_attention_path(tiny_llama, n
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODELS))
-def test_chunked_prefill_and_prefix_cache_hits_same_bits(tiny_llama, name, tmp_path):
+def test_chunked_prefill_and_prefix_cache_hits(tiny_llama, name, tmp_path):
     """Steps whose attention reads context from the KV cache: a prompt prefilled in chunks, prompts whose prefix
-    is cached (whole blocks and part of one), a short and a long prompt in one step. With the path on and off the
-    greedy tokens and every logprob must be the same bits, and the cache must have been hit."""
+    is cached (whole blocks and part of one), a short and a long prompt in one step. With vLLM's kernels for every
+    step, the C++ path on and off must give the same bits, and the cache must have been hit. With anychip's
+    prefill kernel (where it runs), it serves exactly the one step of fresh prompts (the first chunk) in every
+    layer without a sliding window or logit soft-capping, vLLM's kernels the rest, and the outputs stay close."""
+    from anychip.kernels.machine import cpu_flags
+
     vocab = 128
     model = quantize_checkpoint(tiny_llama(**MODELS[name], max_position_embeddings=512), tmp_path / "w4a8",
                                 W4A8Scheme(32))
-    runs = {}
-    for on in ("1", "0"):
-        out = tmp_path / f"cases{on}.json"
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "ANYCHIP_COVERAGE": str(tmp_path / f"cov{on}.json"),
-               "ANYCHIP_CPU_ATTENTION": on}
+    config = json.loads((model / "config.json").read_text())
+    # the kernel takes no sliding window and no logit soft-capping (Gemma 2 caps every layer's: none for it)
+    eligible = 0 if config.get("attn_logit_softcapping") else sum(
+        t == "full_attention" for t in config.get("layer_types", ["full_attention"] * config["num_hidden_layers"]))
+    kernel_runs = {"avx2", "fma"} <= cpu_flags()
+    runs, coverage = {}, {}
+    for key, (on, prefill) in {"cpp": ("1", "0"), "python": ("0", "0"), "kernel": ("1", "1")}.items():
+        if key == "kernel" and not kernel_runs:
+            continue
+        out, cov = tmp_path / f"cases-{key}.json", tmp_path / f"cov-{key}.json"
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "ANYCHIP_COVERAGE": str(cov), "ANYCHIP_CPU_ATTENTION": on,
+               "ANYCHIP_ATTN_PREFILL": prefill}
         proc = subprocess.run([sys.executable, str(ROOT / "tests" / "attention_cases_runner.py"), str(model), str(out),
                                str(vocab)], env=env, capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, proc.stderr[-4000:]
-        runs[on] = json.loads(out.read_text())
-    assert json.loads((tmp_path / "cov1.json").read_text())["attention_calls"]["from_cpp"] > 0
-    on, off = runs["1"], runs["0"]
-    assert on["prefix_cache"]["prefix_cache_hits"] > 0 and on["prefix_cache"] == off["prefix_cache"]
-    assert len(on["outputs"]) == 5 and len(on["outputs"][0]["prompt_logprobs"]) == 300
-    for a, b in zip(on["outputs"], off["outputs"], strict=True):
+        runs[key], coverage[key] = json.loads(out.read_text()), json.loads(cov.read_text())
+    cpp, python = runs["cpp"], runs["python"]
+    assert coverage["cpp"]["attention_calls"]["from_cpp"] > 0
+    assert cpp["prefix_cache"]["prefix_cache_hits"] > 0 and cpp["prefix_cache"] == python["prefix_cache"]
+    assert len(cpp["outputs"]) == 5 and len(cpp["outputs"][0]["prompt_logprobs"]) == 300
+    for a, b in zip(cpp["outputs"], python["outputs"], strict=True):
         assert a == b  # tokens, logprobs, prompt logprobs: exact
-
+    if not kernel_runs:
+        return
+    calls = coverage["kernel"]["attention_calls"]
+    assert calls["prefill_kernel"] == "cpu.attn_prefill_avx2"
+    assert calls["prefill_kernel_calls"] == eligible  # one fresh step; chunks and cache hits stay vLLM's
+    kernel = runs["kernel"]
+    assert kernel["prefix_cache"] == cpp["prefix_cache"]
+    if not eligible:
+        assert kernel["outputs"] == cpp["outputs"]
+        return
+    first = [x for x in cpp["outputs"][0]["prompt_logprobs"][1:]]
+    other = [x for x in kernel["outputs"][0]["prompt_logprobs"][1:]]
+    diffs = [abs(next(iter(a.values())) - next(iter(b.values()))) for a, b in zip(first, other)]
+    # the first chunk's 128 tokens used the kernel, the rest of the prompt vLLM's on a cache it filled alike
+    assert max(diffs) < 0.1, max(diffs)

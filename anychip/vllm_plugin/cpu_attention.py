@@ -15,6 +15,12 @@ logprobs with the path on and off). A layer the C++ op does not cover (another b
 sharing, quantized queries, an FP8 cache, a subclass of Attention) keeps vLLM's path, as does every layer under
 speculative decoding or KV transfer. `ANYCHIP_CPU_ATTENTION=0` turns it off.
 
+One exception to "the same kernels": on an x86 without AVX512 (vLLM's CPU attention is then its generic AVX2
+build), a step whose sequences are all fresh prompts (no context in the cache) attends with anychip's own prefill
+kernel (csrc/attention_prefill_x86.h, PREFILL_KERNEL in the coverage report's `attention_calls`), after the keys and
+values went into the cache as before; decode steps, later chunks and prefix-cache hits keep vLLM's kernels.
+`ANYCHIP_ATTN_PREFILL` overrides the choice (`prefill_kernel_choice`).
+
 With every attention layer of the model on this path, the compiled forward calls no Python op, so Inductor can
 write its wrapper code in C++ (`cpp_wrapper`, built apart from the kernels: CPP_WRAPPER): the plugin sets it in the
 engine's inductor options while vLLM builds the model (`note_attention_layer`, before vLLM hands the options to
@@ -129,12 +135,43 @@ def adopt(model: torch.nn.Module, vllm_config: Any) -> int:
         log.info("anychip: %d attention layers call vLLM's CPU attention kernels from C++", done)
     from anychip.vllm_plugin.recorder import get_recorder
 
+    prefill, why = prefill_kernel_choice() if done else (False, "no layer on the C++ path")
+    torch.ops.anychip.attn_set_prefill_kernel(prefill)
     get_recorder().coverage.attention_calls = {
         "from_cpp": done, "python": sum(reasons.values()),
-        "cpp_wrapper": bool(vllm_config.compilation_config.inductor_compile_config.get("cpp_wrapper", False))}
+        "cpp_wrapper": bool(vllm_config.compilation_config.inductor_compile_config.get("cpp_wrapper", False)),
+        "prefill_kernel": PREFILL_KERNEL if prefill else None, "prefill_kernel_why": why}
+    if prefill:
+        log.info("anychip: steps of fresh prompts attend with %s (%s)", PREFILL_KERNEL, why)
     for why, n in reasons.items():
         log.info("anychip: %d attention layers keep vLLM's attention path (%s)", n, why)
     return done
+
+
+#: The coverage report's name for anychip's prefill attention kernel (csrc/attention_prefill_x86.h).
+PREFILL_KERNEL = "cpu.attn_prefill_avx2"
+
+
+def prefill_kernel_choice(flags: frozenset[str] | None = None, arch: str | None = None) -> tuple[bool, str]:
+    """Whether steps whose sequences are all fresh prompts attend with anychip's prefill kernel instead of vLLM's,
+    and why. By default only where vLLM's CPU attention is its AVX2 build (x86 without AVX512): there its generic
+    kernels took about a quarter of a 512-token prefill (docs/kernels-cpu.md); with AVX512 or AMX vLLM's are kept."""
+    import platform
+
+    from anychip.kernels import machine
+
+    flags = machine.cpu_flags() if flags is None else flags
+    arch = platform.machine() if arch is None else arch
+    choice = envs.attn_prefill()
+    if choice is False:
+        return False, f"{envs.ANYCHIP_ATTN_PREFILL}=0"
+    if arch not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= flags:
+        return False, "the kernel needs x86 with AVX2 and FMA"
+    if choice is True:
+        return True, f"{envs.ANYCHIP_ATTN_PREFILL}=1"
+    if "avx512f" in flags:
+        return False, "AVX512: vLLM's own attention kernels"
+    return True, "AVX2 without AVX512, where vLLM's attention kernels are its generic ones"
 
 
 #: The inductor options the plugin sets. The wrapper is built apart from Inductor's C++ kernels, at -O1: on the

@@ -263,6 +263,9 @@ class Recorder:
                 if layer_id < len(self.coverage.layers):
                     self.coverage.layers[layer_id].fused = tuple(sorted(what))
             doc = self.coverage.snapshot()
+            calls = doc.get("attention_calls")
+            if calls and calls.get("prefill_kernel"):  # the C++ op counts the layer calls its kernel served
+                doc["attention_calls"] = {**calls, "prefill_kernel_calls": int(torch.ops.anychip.attn_prefill_calls())}
             if self._tables or self._kernel_counts is not None:
                 self._device_dirty = False
                 self._merge_device_counts(doc)

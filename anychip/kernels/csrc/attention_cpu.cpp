@@ -7,6 +7,14 @@
 // the same bits. What those Python ops look up at every call (the layer's cache and constants, the step's metadata)
 // is handed over ahead: the layer's once (attn_register_layer), the step's once a forward (attn_set_group for each
 // metadata group, attn_set_state).  vLLM's kernels are found through the dispatcher by name, at the first call.
+//
+// A step of fresh prompts only (no sequence with context in the cache) can instead be attended by anychip's own
+// prefill kernel (attention_prefill_x86.h), where the plugin switched it on (attn_set_prefill_kernel: AVX2-only x86,
+// where vLLM's kernels are their generic ones); the keys and values still go into the cache first, for the decode
+// steps after.  anychip::prefill_attention is the same kernel as an op of its own (tests, benchmarks).
+
+#include "attention_prefill_x86.h"
+#include "parallel_cpu.h"
 
 #include <torch/extension.h>
 
@@ -73,6 +81,94 @@ const c10::OperatorHandle& attention_op() {
 
 c10::IValue opt(const c10::optional<at::Tensor>& t) { return t.has_value() ? c10::IValue(*t) : c10::IValue(); }
 
+std::atomic<bool> g_prefill_kernel{false};
+std::atomic<int64_t> g_prefill_calls{0};  // layer calls the prefill kernel served
+constexpr int64_t kPrefillMinTokens = 32;  // fewer tokens a step: vLLM's kernel (nothing to gain)
+
+// Query start offsets as int64 (vLLM's are int32).
+std::vector<int64_t> starts_of(const at::Tensor& query_start_loc, int64_t nseq) {
+  const at::Tensor qsl = query_start_loc.to(at::kLong).contiguous();
+  const int64_t* q = qsl.data_ptr<int64_t>();
+  return std::vector<int64_t>(q, q + nseq + 1);
+}
+
+void check_prefill_args(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                        const at::Tensor& output) {
+  for (const at::Tensor* t : {&query, &key, &value, &output}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kBFloat16 && t->dim() == 3 && t->stride(2) == 1,
+                "anychip prefill attention: q, k, v and out must be CPU bfloat16 (tokens, heads, dim) with unit "
+                "stride in dim, got ", t->scalar_type(), " ", t->sizes(), " strides ", t->strides());
+  }
+  const int64_t heads = query.size(1), kv_heads = key.size(1), dim = query.size(2);
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0 && value.size(1) == kv_heads && output.size(1) == heads,
+              "anychip prefill attention: heads ", heads, " must be a multiple of KV heads ", kv_heads);
+  TORCH_CHECK(key.size(2) == dim && value.size(2) == dim && output.size(2) == dim,
+              "anychip prefill attention: q, k, v and out must share the head dim ", dim);
+  TORCH_CHECK(key.size(0) >= query.size(0) && value.size(0) >= query.size(0) && output.size(0) >= query.size(0),
+              "anychip prefill attention: fewer key, value or output rows than query rows");
+  TORCH_CHECK(prefill_attention_supported(dim), "anychip prefill attention: needs AVX2 + FMA and a head dim that "
+              "is a multiple of 8 up to ", kAttnMaxDim, " (dim ", dim, ")");
+}
+
+// Causal attention of the sequences [starts[i], starts[i + 1]) of the rows, none with earlier context.
+void run_prefill(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& output,
+                 std::vector<int64_t> starts, double scale) {
+#ifdef ANYCHIP_X86
+  PrefillAttention a;
+  const auto bits = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); };
+  a.q = bits(query), a.q_t = query.stride(0), a.q_h = query.stride(1);
+  a.k = bits(key), a.k_t = key.stride(0), a.k_h = key.stride(1);
+  a.v = bits(value), a.v_t = value.stride(0), a.v_h = value.stride(1);
+  a.out = reinterpret_cast<uint16_t*>(output.data_ptr()), a.o_t = output.stride(0), a.o_h = output.stride(1);
+  a.starts = std::move(starts);
+  a.heads = query.size(1), a.kv_heads = key.size(1), a.dim = query.size(2), a.scale = static_cast<float>(scale);
+  prefill_attention_avx2(a, at::get_num_threads(), TorchParallel{});
+#else
+  TORCH_CHECK(false, "anychip prefill attention: x86 only");
+#endif
+}
+
+// anychip::prefill_attention: the kernel alone, on tensors the caller made.
+void prefill_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                       const at::Tensor& output, const at::Tensor& query_start_loc, double scale) {
+  check_prefill_args(query, key, value, output);
+  TORCH_CHECK(query_start_loc.dim() == 1 && query_start_loc.size(0) >= 2,
+              "anychip prefill attention: query_start_loc must hold sequences + 1 offsets");
+  const int64_t nseq = query_start_loc.size(0) - 1;
+  std::vector<int64_t> starts = starts_of(query_start_loc, nseq);
+  TORCH_CHECK(starts[0] == 0 && starts[nseq] <= query.size(0), "anychip prefill attention: offsets must start at 0 "
+              "and end within the ", query.size(0), " rows");
+  for (int64_t i = 0; i < nseq; ++i)
+    TORCH_CHECK(starts[i + 1] >= starts[i], "anychip prefill attention: offsets must not decrease");
+  run_prefill(query, key, value, output, std::move(starts), scale);
+}
+
+// The step's sequences as prefill-kernel work, when every one of them is a fresh prompt and the layer asks for
+// nothing the kernel leaves out; empty otherwise.
+std::vector<int64_t> fresh_prefill(const AttnLayer& layer, const AttnGroup& group, const at::Tensor& query,
+                                   const c10::optional<at::Tensor>& key, const c10::optional<at::Tensor>& value,
+                                   const at::Tensor& output) {
+  if (!g_prefill_kernel.load(std::memory_order_relaxed) || group.num_tokens < kPrefillMinTokens) return {};
+  if (!key.has_value() || !value.has_value() || !group.causal || group.dynamic_causal.has_value()) return {};
+  if (layer.kv_cache_dtype != "auto" || layer.alibi.has_value() || layer.sinks.has_value() || layer.softcap != 0.0 ||
+      layer.sliding_window >= 0)
+    return {};
+  for (const at::Tensor* t : {&query, &*key, &*value, &output})
+    if (t->scalar_type() != at::kBFloat16 || t->dim() != 3 || t->stride(2) != 1) return {};
+  if (key->size(1) == 0 || query.size(1) % key->size(1) || value->size(2) != query.size(2) ||
+      output.size(2) != query.size(2) || !prefill_attention_supported(query.size(2)))
+    return {};
+  const int64_t nseq = group.seq_lens.size(0);
+  if (group.query_start_loc.size(0) < nseq + 1) return {};
+  std::vector<int64_t> starts = starts_of(group.query_start_loc, nseq);
+  const at::Tensor lens = group.seq_lens.to(at::kLong).contiguous();
+  const int64_t* len = lens.data_ptr<int64_t>();
+  for (int64_t i = 0; i < nseq; ++i)
+    if (starts[i + 1] - starts[i] != len[i]) return {};  // context in the cache (decode, a chunk, a cached prefix)
+  if (starts[0] != 0 || starts[nseq] != group.num_tokens) return {};
+  return starts;
+}
+
 void cpu_attention(const at::Tensor& query, const c10::optional<at::Tensor>& key,
                    const c10::optional<at::Tensor>& value, const at::Tensor& output, const at::Tensor& layer_id) {
   Registry& r = registry();
@@ -98,6 +194,13 @@ void cpu_attention(const at::Tensor& query, const c10::optional<at::Tensor>& key
     reshape_and_cache_op().callBoxed(&s);
   }
   const int64_t n = group.num_tokens;
+  std::vector<int64_t> starts = fresh_prefill(layer, group, query, key, value, output);
+  if (!starts.empty()) {
+    run_prefill(query.narrow(0, 0, n), key->narrow(0, 0, n), value->narrow(0, 0, n), output.narrow(0, 0, n),
+                std::move(starts), layer.scale);
+    g_prefill_calls.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
   torch::jit::Stack s{query.narrow(0, 0, n), layer.key_cache, layer.value_cache, output.narrow(0, 0, n),
                       group.query_start_loc, group.seq_lens, layer.scale, group.causal, opt(layer.alibi),
                       layer.sliding_window, group.block_table, layer.softcap, group.scheduler_metadata,
@@ -159,10 +262,22 @@ int64_t attn_set_state(int64_t state) {
   return previous;
 }
 
+// Turns the prefill kernel on or off for steps of fresh prompts; returns the previous setting.
+bool attn_set_prefill_kernel(bool on) { return g_prefill_kernel.exchange(on); }
+
+// Layer calls the prefill kernel has served in this process.
+int64_t attn_prefill_calls() { return g_prefill_calls.load(std::memory_order_relaxed); }
+
 }  // namespace
 }  // namespace anychip
 
 TORCH_LIBRARY_FRAGMENT(anychip, m) {
+  m.def("prefill_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) output, Tensor query_start_loc, "
+        "float scale) -> ()");
+  m.def("attn_set_prefill_kernel(bool on) -> bool");
+  m.def("attn_prefill_calls() -> int");
+  m.impl("attn_set_prefill_kernel", &anychip::attn_set_prefill_kernel);
+  m.impl("attn_prefill_calls", &anychip::attn_prefill_calls);
   m.def("cpu_attention(Tensor query, Tensor? key, Tensor? value, Tensor(a!) output, Tensor layer) -> ()");
   m.def("attn_register_layer(int id, Tensor kv_cache, float scale, Tensor? alibi, int sliding_window, float softcap, "
         "Tensor? sinks, float k_scale, float v_scale, str isa, str kv_cache_dtype) -> ()");
@@ -176,6 +291,9 @@ TORCH_LIBRARY_FRAGMENT(anychip, m) {
   m.impl("attn_set_state", &anychip::attn_set_state);
 }
 
-TORCH_LIBRARY_IMPL(anychip, CPU, m) { m.impl("cpu_attention", &anychip::cpu_attention); }
+TORCH_LIBRARY_IMPL(anychip, CPU, m) {
+  m.impl("cpu_attention", &anychip::cpu_attention);
+  m.impl("prefill_attention", &anychip::prefill_attention);
+}
 
 TORCH_LIBRARY_IMPL(anychip, Meta, m) { m.impl("cpu_attention", &anychip::cpu_attention_meta); }
