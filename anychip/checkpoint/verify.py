@@ -262,7 +262,8 @@ def _ignored_name(entry: str) -> str | None:
 
 def check_quantization_scope(qc: Any, where: str) -> None:
     """The parts of `quantization_config` that decide which layers vLLM quantizes, and how: one group that
-    targets every Linear, `ignore` exactly the contract's IGNORED, no output or KV-cache quantization. Also the
+    targets every Linear, `ignore` exactly the contract's IGNORED (by name or a `re:` pattern matching only it), no
+    activation ordering that stores a g_idx, no output or KV-cache quantization. Also the
     types scheme_from_config relies on."""
     if qc is None:
         return  # scheme_from_config names the missing block
