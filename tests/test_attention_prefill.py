@@ -133,3 +133,65 @@ def test_plugin_choice(monkeypatch, flags, arch, env, on):
         monkeypatch.setenv("ANYCHIP_ATTN_PREFILL", env)
     chosen, why = prefill_kernel_choice(frozenset(flags), arch)
     assert chosen is on and why
+
+
+def paged(keys: list[torch.Tensor], block: int, blocks: int, seed: int):
+    """Each sequence's (len, Hkv, D) keys written into a (blocks, Hkv, block, D) cache at shuffled block ids, as
+    vLLM's CPU backend lays it out; returns the cache and the (sequences, max blocks) int32 block table."""
+    gen = torch.Generator().manual_seed(seed)
+    kv_heads, dim = keys[0].shape[1:]
+    cache = torch.randn(blocks, kv_heads, block, dim, generator=gen).to(torch.bfloat16)  # stale data elsewhere
+    free = torch.randperm(blocks, generator=gen).tolist()
+    width = max((len(k) + block - 1) // block for k in keys)
+    table = torch.full((len(keys), width + 2), -1, dtype=torch.int32)
+    for s, k in enumerate(keys):
+        for i in range((len(k) + block - 1) // block):
+            b = free.pop()
+            table[s, i] = b
+            part = k[i * block:(i + 1) * block]
+            cache[b, :, :len(part)] = part.transpose(0, 1)
+    return cache, table
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim, context, rows, block", [
+    (9, 3, 64, [0, 200, 31], [64, 40, 1], 32),  # a fresh prompt, a chunk after 200 cached tokens, a decode row
+    (8, 2, 128, [100], [50], 16),
+    (4, 4, 32, [5, 0, 16], [7, 33, 16], 32),
+])
+def test_paged_cache_matches_float64_attention(op, heads, kv_heads, dim, context, rows, block):
+    """Rows whose keys partly sit in vLLM's paged cache (a chunked prefill's later chunk, a prefix-cache hit, a
+    decode beside them): queries at positions ctx .. ctx + rows - 1 of their sequence."""
+    gen = torch.Generator().manual_seed(dim + sum(rows))
+    seqs = [(torch.randn(c + r, heads, dim, generator=gen) * 2).to(torch.bfloat16) for c, r in zip(context, rows)]
+    keys = [(torch.randn(c + r, kv_heads, dim, generator=gen) * 2).to(torch.bfloat16) for c, r in zip(context, rows)]
+    vals = [(torch.randn(c + r, kv_heads, dim, generator=gen) * 2).to(torch.bfloat16) for c, r in zip(context, rows)]
+    kc, table = paged(keys, block, 64, seed=1)
+    vc, _ = paged(vals, block, 64, seed=1)  # the same block ids: the seed fixes the permutation
+    q = torch.cat([s[c:] for s, c in zip(seqs, context)])
+    starts = [0]
+    for r in rows:
+        starts.append(starts[-1] + r)
+    out = torch.full((sum(rows), heads, dim), float("nan"), dtype=torch.bfloat16)
+    lens = torch.tensor([c + r for c, r in zip(context, rows)], dtype=torch.int32)
+    torch.ops.anychip.prefill_attention_cached(q, kc, vc, out, torch.tensor(starts, dtype=torch.int32), lens, table,
+                                               dim ** -0.5)
+    rep = heads // kv_heads
+    for s, (c, r) in enumerate(zip(context, rows)):
+        qq = seqs[s][c:].double().transpose(0, 1)
+        kk = keys[s].double().transpose(0, 1).repeat_interleave(rep, 0)
+        vv = vals[s].double().transpose(0, 1).repeat_interleave(rep, 0)
+        mask = torch.arange(c + r)[None, :] <= (c + torch.arange(r))[:, None]
+        ref = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=dim ** -0.5)
+        got = out[starts[s]:starts[s + 1]].double().transpose(0, 1)
+        err = ((got - ref).abs() / (ref.abs().clamp(min=1e-2) * 2.0 ** -8)).max().item()
+        assert err <= 2.0, (s, err)
+
+
+def test_paged_cache_refuses_a_block_outside_it(op):
+    q = torch.zeros(4, 2, 16, dtype=torch.bfloat16)
+    kc = torch.zeros(3, 1, 8, 16, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    table = torch.tensor([[0, 7]], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        torch.ops.anychip.prefill_attention_cached(q, kc, kc.clone(), out, torch.tensor([0, 4], dtype=torch.int32),
+                                                   torch.tensor([12], dtype=torch.int32), table, 0.25)

@@ -97,8 +97,9 @@ def test_chunked_prefill_and_prefix_cache_hits(tiny_llama, name, tmp_path):
     """Steps whose attention reads context from the KV cache: a prompt prefilled in chunks, prompts whose prefix
     is cached (whole blocks and part of one), a short and a long prompt in one step. With vLLM's kernels for every
     step, the C++ path on and off must give the same bits, and the cache must have been hit. With anychip's
-    prefill kernel (where it runs), it serves exactly the one step of fresh prompts (the first chunk) in every
-    layer without a sliding window or logit soft-capping, vLLM's kernels the rest, and the outputs stay close."""
+    prefill kernel (where it runs), it serves the steps of 32 rows or more (fresh prompts from their own keys, later
+    chunks and cache hits from the paged cache) in every layer without a sliding window or logit soft-capping,
+    vLLM's kernels the decode steps, and the outputs stay close to vLLM's."""
     from anychip.kernels.machine import cpu_flags
 
     vocab = 128
@@ -130,14 +131,15 @@ def test_chunked_prefill_and_prefix_cache_hits(tiny_llama, name, tmp_path):
         return
     calls = coverage["kernel"]["attention_calls"]
     assert calls["prefill_kernel"] == "cpu.attn_prefill_avx2"
-    assert calls["prefill_kernel_calls"] == eligible  # one fresh step; chunks and cache hits stay vLLM's
     kernel = runs["kernel"]
     assert kernel["prefix_cache"] == cpp["prefix_cache"]
     if not eligible:
-        assert kernel["outputs"] == cpp["outputs"]
+        assert calls["prefill_kernel_calls"] == 0 and kernel["outputs"] == cpp["outputs"]
         return
-    first = [x for x in cpp["outputs"][0]["prompt_logprobs"][1:]]
-    other = [x for x in kernel["outputs"][0]["prompt_logprobs"][1:]]
-    diffs = [abs(next(iter(a.values())) - next(iter(b.values()))) for a, b in zip(first, other)]
-    # the first chunk's 128 tokens used the kernel, the rest of the prompt vLLM's on a cache it filled alike
-    assert max(diffs) < 0.1, max(diffs)
+    # the 300-token prompt's three chunks (128, 128, 44 rows), at least: steps of fresh rows and of cached context
+    assert calls["prefill_kernel_calls"] >= 3 * eligible and calls["prefill_kernel_calls"] % eligible == 0
+    worst = 0.0
+    for a, b in zip(kernel["outputs"], cpp["outputs"], strict=True):
+        for x, y in zip(a["prompt_logprobs"][1:] + a["logprobs"], b["prompt_logprobs"][1:] + b["logprobs"]):
+            worst = max([worst] + [abs(x[t] - y[t]) for t in x.keys() & y.keys()])
+    assert worst < 0.1, worst

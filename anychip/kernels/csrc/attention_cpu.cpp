@@ -8,10 +8,12 @@
 // is handed over ahead: the layer's once (attn_register_layer), the step's once a forward (attn_set_group for each
 // metadata group, attn_set_state).  vLLM's kernels are found through the dispatcher by name, at the first call.
 //
-// A step of fresh prompts only (no sequence with context in the cache) can instead be attended by anychip's own
-// prefill kernel (attention_prefill_x86.h), where the plugin switched it on (attn_set_prefill_kernel: AVX2-only x86,
-// where vLLM's kernels are their generic ones); the keys and values still go into the cache first, for the decode
-// steps after.  anychip::prefill_attention is the same kernel as an op of its own (tests, benchmarks).
+// A step of at least kPrefillMinTokens rows (a prefill, a chunk of one, prompts beside running decodes) can instead
+// be attended by anychip's own prefill kernel (attention_prefill_x86.h), where the plugin switched it on
+// (attn_set_prefill_kernel: AVX2-only x86, where vLLM's kernels are their generic ones): from the step's keys and
+// values when every sequence is a fresh prompt, else from the paged cache, after the step's keys and values went
+// there as always.  Decode-only steps keep vLLM's kernels.  anychip::prefill_attention(_cached) are the kernel as
+// ops of their own (tests, benchmarks).
 
 #include "attention_prefill_x86.h"
 #include "parallel_cpu.h"
@@ -110,63 +112,147 @@ void check_prefill_args(const at::Tensor& query, const at::Tensor& key, const at
               "is a multiple of 8 up to ", kAttnMaxDim, " (dim ", dim, ")");
 }
 
-// Causal attention of the sequences [starts[i], starts[i + 1]) of the rows, none with earlier context.
-void run_prefill(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& output,
-                 std::vector<int64_t> starts, double scale) {
+// The kernel's view of the step: q and out always; keys and values from k, v (`key` given: fresh prompts) or from
+// the paged cache (`cache` given: block table, context per sequence).
+struct CacheSource {
+  at::Tensor key_cache, value_cache, block_table;  // (blocks, Hkv, block, D) x 2, (sequences, blocks) int32
+  std::vector<int64_t> context;
+};
+
+void run_prefill(const at::Tensor& query, const at::Tensor* key, const at::Tensor* value, const at::Tensor& output,
+                 std::vector<int64_t> starts, double scale, const CacheSource* cache) {
 #ifdef ANYCHIP_X86
   PrefillAttention a;
   const auto bits = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); };
   a.q = bits(query), a.q_t = query.stride(0), a.q_h = query.stride(1);
-  a.k = bits(key), a.k_t = key.stride(0), a.k_h = key.stride(1);
-  a.v = bits(value), a.v_t = value.stride(0), a.v_h = value.stride(1);
+  if (key != nullptr) {
+    a.k = bits(*key), a.k_t = key->stride(0), a.k_h = key->stride(1);
+    a.v = bits(*value), a.v_t = value->stride(0), a.v_h = value->stride(1);
+  }
+  if (cache != nullptr) {
+    const at::Tensor& kc = cache->key_cache;
+    a.kc = bits(kc), a.vc = bits(cache->value_cache);
+    a.c_b = kc.stride(0), a.c_h = kc.stride(1), a.c_j = kc.stride(2), a.block = kc.size(2);
+    a.block_table = cache->block_table.data_ptr<int32_t>(), a.bt_s = cache->block_table.stride(0);
+    a.context = cache->context;
+  }
   a.out = reinterpret_cast<uint16_t*>(output.data_ptr()), a.o_t = output.stride(0), a.o_h = output.stride(1);
   a.starts = std::move(starts);
-  a.heads = query.size(1), a.kv_heads = key.size(1), a.dim = query.size(2), a.scale = static_cast<float>(scale);
+  a.heads = query.size(1), a.kv_heads = key != nullptr ? key->size(1) : cache->key_cache.size(1);
+  a.dim = query.size(2), a.scale = static_cast<float>(scale);
   prefill_attention_avx2(a, at::get_num_threads(), TorchParallel{});
 #else
+  (void)query, (void)key, (void)value, (void)output, (void)starts, (void)scale, (void)cache;
   TORCH_CHECK(false, "anychip prefill attention: x86 only");
 #endif
 }
 
-// anychip::prefill_attention: the kernel alone, on tensors the caller made.
-void prefill_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                       const at::Tensor& output, const at::Tensor& query_start_loc, double scale) {
-  check_prefill_args(query, key, value, output);
+std::vector<int64_t> checked_starts(const at::Tensor& query_start_loc, int64_t rows) {
   TORCH_CHECK(query_start_loc.dim() == 1 && query_start_loc.size(0) >= 2,
               "anychip prefill attention: query_start_loc must hold sequences + 1 offsets");
   const int64_t nseq = query_start_loc.size(0) - 1;
   std::vector<int64_t> starts = starts_of(query_start_loc, nseq);
-  TORCH_CHECK(starts[0] == 0 && starts[nseq] <= query.size(0), "anychip prefill attention: offsets must start at 0 "
-              "and end within the ", query.size(0), " rows");
+  TORCH_CHECK(starts[0] == 0 && starts[nseq] <= rows, "anychip prefill attention: offsets must start at 0 and end "
+              "within the ", rows, " rows");
   for (int64_t i = 0; i < nseq; ++i)
     TORCH_CHECK(starts[i + 1] >= starts[i], "anychip prefill attention: offsets must not decrease");
-  run_prefill(query, key, value, output, std::move(starts), scale);
+  return starts;
 }
 
-// The step's sequences as prefill-kernel work, when every one of them is a fresh prompt and the layer asks for
-// nothing the kernel leaves out; empty otherwise.
-std::vector<int64_t> fresh_prefill(const AttnLayer& layer, const AttnGroup& group, const at::Tensor& query,
-                                   const c10::optional<at::Tensor>& key, const c10::optional<at::Tensor>& value,
-                                   const at::Tensor& output) {
-  if (!g_prefill_kernel.load(std::memory_order_relaxed) || group.num_tokens < kPrefillMinTokens) return {};
-  if (!key.has_value() || !value.has_value() || !group.causal || group.dynamic_causal.has_value()) return {};
+// anychip::prefill_attention: the kernel alone, on fresh prompts' q, k, v the caller made.
+void prefill_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                       const at::Tensor& output, const at::Tensor& query_start_loc, double scale) {
+  check_prefill_args(query, key, value, output);
+  run_prefill(query, &key, &value, output, checked_starts(query_start_loc, query.size(0)), scale, nullptr);
+}
+
+// Whether a paged cache is one the kernel reads: BF16 (blocks, Hkv, block, D) keys and values alike, unit stride in
+// D, and an int32 block table with unit stride in its rows.
+bool cache_readable(const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_table,
+                    int64_t kv_heads, int64_t dim) {
+  for (const at::Tensor* t : {&key_cache, &value_cache})
+    if (t->scalar_type() != at::kBFloat16 || t->dim() != 4 || t->stride(3) != 1 || t->size(1) != kv_heads ||
+        t->size(3) != dim || t->strides() != key_cache.strides() || t->sizes() != key_cache.sizes())
+      return false;
+  return block_table.scalar_type() == at::kInt && block_table.dim() == 2 && block_table.stride(1) == 1 &&
+         key_cache.size(2) > 0;
+}
+
+// anychip::prefill_attention_cached: the kernel alone, keys and values from a paged cache (vLLM's CPU layout:
+// (blocks, Hkv, block, D) a tensor) that holds each sequence's seq_lens[i] tokens, the query rows' the last of them.
+void prefill_attention_cached(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                              const at::Tensor& output, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                              const at::Tensor& block_table, double scale) {
+  check_prefill_args(query, query, query, output);  // q and out; the cache below
+  TORCH_CHECK(key_cache.dim() == 4 && query.size(1) % std::max<int64_t>(1, key_cache.size(1)) == 0 &&
+              cache_readable(key_cache, value_cache, block_table, key_cache.size(1), query.size(2)),
+              "anychip prefill attention: caches must be bfloat16 (blocks, KV heads, block, dim) with unit stride in "
+              "dim, KV heads dividing the query heads, and the block table int32 with unit stride in its rows");
+  std::vector<int64_t> starts = checked_starts(query_start_loc, query.size(0));
+  const int64_t nseq = int64_t(starts.size()) - 1;
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == nseq && block_table.size(0) >= nseq,
+              "anychip prefill attention: seq_lens and block_table need one row a sequence");
+  const at::Tensor lens = seq_lens.to(at::kLong).contiguous();
+  const int64_t block = key_cache.size(2);
+  CacheSource cache{key_cache, value_cache, block_table, {}};
+  for (int64_t i = 0; i < nseq; ++i) {
+    const int64_t len = lens.data_ptr<int64_t>()[i], ctx = len - (starts[i + 1] - starts[i]);
+    TORCH_CHECK(ctx >= 0, "anychip prefill attention: sequence ", i, " is shorter than its query rows");
+    TORCH_CHECK((len + block - 1) / block <= block_table.size(1), "anychip prefill attention: sequence ", i,
+                " needs more blocks than the block table has");
+    const at::Tensor ids = block_table[i].narrow(0, 0, (len + block - 1) / block);
+    TORCH_CHECK(ids.min().item<int32_t>() >= 0 && ids.max().item<int32_t>() < key_cache.size(0),
+                "anychip prefill attention: sequence ", i, " names a block outside the cache");
+    cache.context.push_back(ctx);
+  }
+  run_prefill(query, nullptr, nullptr, output, std::move(starts), scale, &cache);
+}
+
+// A step as kernel work: the rows' offsets and each sequence's context (all 0: fresh prompts, read from the step's
+// keys and values; otherwise the cache).
+struct KernelStep {
+  std::vector<int64_t> starts, context;
+  bool fresh = true;
+};
+
+// Whether the kernel takes this step: switched on, enough rows, the cache written (slot mapping), and nothing the
+// kernel leaves out (sliding window, soft-capping, ALiBi, sinks, another cache dtype or layout).
+bool kernel_step(const AttnLayer& layer, const AttnGroup& group, const at::Tensor& query,
+                 const c10::optional<at::Tensor>& key, const c10::optional<at::Tensor>& value,
+                 const at::Tensor& output, KernelStep* step) {
+  if (!g_prefill_kernel.load(std::memory_order_relaxed) || group.num_tokens < kPrefillMinTokens) return false;
+  if (!key.has_value() || !value.has_value() || !group.slot_mapping.has_value()) return false;
+  if (!group.causal || group.dynamic_causal.has_value()) return false;
   if (layer.kv_cache_dtype != "auto" || layer.alibi.has_value() || layer.sinks.has_value() || layer.softcap != 0.0 ||
       layer.sliding_window >= 0)
-    return {};
+    return false;
   for (const at::Tensor* t : {&query, &*key, &*value, &output})
-    if (t->scalar_type() != at::kBFloat16 || t->dim() != 3 || t->stride(2) != 1) return {};
-  if (key->size(1) == 0 || query.size(1) % key->size(1) || value->size(2) != query.size(2) ||
-      output.size(2) != query.size(2) || !prefill_attention_supported(query.size(2)))
-    return {};
+    if (t->scalar_type() != at::kBFloat16 || t->dim() != 3 || t->stride(2) != 1) return false;
+  const int64_t kv_heads = key->size(1), dim = query.size(2);
+  if (kv_heads == 0 || query.size(1) % kv_heads || value->size(2) != dim || output.size(2) != dim ||
+      !prefill_attention_supported(dim))
+    return false;
   const int64_t nseq = group.seq_lens.size(0);
-  if (group.query_start_loc.size(0) < nseq + 1) return {};
-  std::vector<int64_t> starts = starts_of(group.query_start_loc, nseq);
+  if (group.query_start_loc.size(0) < nseq + 1) return false;
+  step->starts = starts_of(group.query_start_loc, nseq);
+  if (step->starts[0] != 0 || step->starts[nseq] != group.num_tokens) return false;
   const at::Tensor lens = group.seq_lens.to(at::kLong).contiguous();
   const int64_t* len = lens.data_ptr<int64_t>();
+  step->context.assign(nseq, 0);
+  for (int64_t i = 0; i < nseq; ++i) {
+    const int64_t ctx = len[i] - (step->starts[i + 1] - step->starts[i]);
+    if (ctx < 0) return false;
+    step->context[i] = ctx;
+    step->fresh = step->fresh && ctx == 0;
+  }
+  if (step->fresh) return true;
+  if (!cache_readable(layer.key_cache, layer.value_cache, group.block_table, kv_heads, dim) ||
+      group.block_table.size(0) < nseq)
+    return false;
+  const int64_t block = layer.key_cache.size(2);
   for (int64_t i = 0; i < nseq; ++i)
-    if (starts[i + 1] - starts[i] != len[i]) return {};  // context in the cache (decode, a chunk, a cached prefix)
-  if (starts[0] != 0 || starts[nseq] != group.num_tokens) return {};
-  return starts;
+    if ((len[i] + block - 1) / block > group.block_table.size(1)) return false;
+  return true;
 }
 
 void cpu_attention(const at::Tensor& query, const c10::optional<at::Tensor>& key,
@@ -194,10 +280,16 @@ void cpu_attention(const at::Tensor& query, const c10::optional<at::Tensor>& key
     reshape_and_cache_op().callBoxed(&s);
   }
   const int64_t n = group.num_tokens;
-  std::vector<int64_t> starts = fresh_prefill(layer, group, query, key, value, output);
-  if (!starts.empty()) {
-    run_prefill(query.narrow(0, 0, n), key->narrow(0, 0, n), value->narrow(0, 0, n), output.narrow(0, 0, n),
-                std::move(starts), layer.scale);
+  KernelStep step;
+  if (kernel_step(layer, group, query, key, value, output, &step)) {
+    const at::Tensor q = query.narrow(0, 0, n), out = output.narrow(0, 0, n);
+    if (step.fresh) {
+      const at::Tensor k = key->narrow(0, 0, n), v = value->narrow(0, 0, n);
+      run_prefill(q, &k, &v, out, std::move(step.starts), layer.scale, nullptr);
+    } else {
+      CacheSource cache{layer.key_cache, layer.value_cache, group.block_table, std::move(step.context)};
+      run_prefill(q, nullptr, nullptr, out, std::move(step.starts), layer.scale, &cache);
+    }
     g_prefill_calls.fetch_add(1, std::memory_order_relaxed);
     return;
   }
@@ -274,6 +366,8 @@ int64_t attn_prefill_calls() { return g_prefill_calls.load(std::memory_order_rel
 TORCH_LIBRARY_FRAGMENT(anychip, m) {
   m.def("prefill_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) output, Tensor query_start_loc, "
         "float scale) -> ()");
+  m.def("prefill_attention_cached(Tensor query, Tensor key_cache, Tensor value_cache, Tensor(a!) output, "
+        "Tensor query_start_loc, Tensor seq_lens, Tensor block_table, float scale) -> ()");
   m.def("attn_set_prefill_kernel(bool on) -> bool");
   m.def("attn_prefill_calls() -> int");
   m.impl("attn_set_prefill_kernel", &anychip::attn_set_prefill_kernel);
@@ -294,6 +388,7 @@ TORCH_LIBRARY_FRAGMENT(anychip, m) {
 TORCH_LIBRARY_IMPL(anychip, CPU, m) {
   m.impl("cpu_attention", &anychip::cpu_attention);
   m.impl("prefill_attention", &anychip::prefill_attention);
+  m.impl("prefill_attention_cached", &anychip::prefill_attention_cached);
 }
 
 TORCH_LIBRARY_IMPL(anychip, Meta, m) { m.impl("cpu_attention", &anychip::cpu_attention_meta); }

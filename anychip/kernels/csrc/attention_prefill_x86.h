@@ -1,11 +1,13 @@
-// Causal attention for a step of fresh prompts (no sequence has context in the KV cache), AVX2 + FMA.
+// Causal attention for a step of prompts (prefill and its chunks; context in vLLM's paged KV cache), AVX2 + FMA.
 //
 // Where vLLM's CPU attention runs its generic "vec" kernels on an AVX2-only x86 (no AVX512), a 512-token prefill of
 // SmolLM2-135M spent about a quarter of its time there, much of it in scalar libm expf (perf, session 21). This
 // kernel computes the same function from the step's own q, k, v (BF16, any row strides): fp32 arithmetic
 // throughout, an online softmax in base 2 (scores scaled by scale * log2(e), exp2 as a degree-6 polynomial,
 // relative error about 1e-7), BF16 output rounded to nearest even. Not bit-identical to vLLM's kernel (another
-// summation order, another exp), so it is a route of its own that the coverage report names.
+// summation order, another exp), so it is a route of its own that the coverage report names. Keys and values come
+// from the step's k, v (a step of fresh prompts) or from vLLM's paged cache (any step: each sequence's context,
+// chunked-prefill chunks and prefix-cache hits included), after the step's own were written there.
 //
 // Work: keys and values of each KV head are first converted to fp32 once (keys transposed in blocks of 16, so the
 // score tile reads them as vectors); then items (sequence, query head, block of 6 query rows) are taken from a
@@ -32,9 +34,28 @@ struct PrefillAttention {
   int64_t v_t = 0, v_h = 0;
   uint16_t* out = nullptr;  // (T, H, D)
   int64_t o_t = 0, o_h = 0;
-  std::vector<int64_t> starts;  // nseq + 1 token offsets
+  std::vector<int64_t> starts;  // nseq + 1 offsets of the step's (query) rows
   int64_t heads = 0, kv_heads = 0, dim = 0;
   float scale = 1.0f;
+  // Keys and values from vLLM's paged cache instead of k, v (which then go unread): every sequence's context and the
+  // step's own rows, written there before the call. Element (block b, KV head g, slot j, d) at
+  // kc[b * c_b + g * c_h + j * c_j + d] (vc likewise); a sequence's block i is block_table[s * bt_s + i].
+  const uint16_t* kc = nullptr;
+  const uint16_t* vc = nullptr;
+  int64_t c_b = 0, c_h = 0, c_j = 0, block = 0;
+  const int32_t* block_table = nullptr;
+  int64_t bt_s = 0;
+  std::vector<int64_t> context;  // per sequence: tokens before the step's rows (0 when reading k, v)
+
+  int64_t ctx(int64_t s) const { return context.empty() ? 0 : context[s]; }
+  const uint16_t* key_row(int64_t s, int64_t pos, int64_t g) const {
+    if (!kc) return k + (starts[s] + pos) * k_t + g * k_h;
+    return kc + block_table[s * bt_s + pos / block] * c_b + g * c_h + (pos % block) * c_j;
+  }
+  const uint16_t* value_row(int64_t s, int64_t pos, int64_t g) const {
+    if (!vc) return v + (starts[s] + pos) * v_t + g * v_h;
+    return vc + block_table[s * bt_s + pos / block] * c_b + g * c_h + (pos % block) * c_j;
+  }
 };
 
 constexpr int64_t kAttnRows = 6;    // query rows a tile
@@ -146,10 +167,9 @@ inline uint16_t bf16_round(float f) {
   return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-// Converts one KV head's keys and values of sequence s to fp32: kt blocks of (D x 16), zero past the sequence's
-// end; v rows (D).
-ANYCHIP_AVX2 inline void convert_kv(const PrefillAttention& a, int64_t g, int64_t t0, int64_t len, float* kt,
-                                    float* v) {
+// Converts one KV head's keys and values of sequence s (its `len` positions: context, then the step's rows) to
+// fp32: kt blocks of (D x 16), zero past the end; v rows (D).
+ANYCHIP_AVX2 inline void convert_kv(const PrefillAttention& a, int64_t g, int64_t s, int64_t len, float* kt, float* v) {
   const int64_t dim = a.dim;
   for (int64_t b = 0; b * kAttnKeys < len; ++b) {
     float* blk = kt + b * dim * kAttnKeys;
@@ -159,20 +179,21 @@ ANYCHIP_AVX2 inline void convert_kv(const PrefillAttention& a, int64_t g, int64_
         for (int64_t d = 0; d < dim; ++d) blk[d * kAttnKeys + j] = 0.0f;
         continue;
       }
-      const uint16_t* src = a.k + (t0 + t) * a.k_t + g * a.k_h;
+      const uint16_t* src = a.key_row(s, t, g);
       for (int64_t d = 0; d < dim; ++d) blk[d * kAttnKeys + j] = f32_from_bits(uint32_t(src[d]) << 16);
     }
   }
   for (int64_t t = 0; t < len; ++t) {
-    const uint16_t* src = a.v + (t0 + t) * a.v_t + g * a.v_h;
+    const uint16_t* src = a.value_row(s, t, g);
     for (int64_t d = 0; d < dim; d += 8) _mm256_store_ps(v + t * dim + d, bf16x8_to_f32(src + d));
   }
 }
 
-// One item: query head h, rows [r0, r0 + 6) of sequence s (positions within it), against keys 0 .. last row.
+// One item: query head h, the step's rows [r0, r0 + 6) of sequence s (at positions ctx + r0 ..), against keys
+// 0 .. the last row's position.
 ANYCHIP_AVX2 inline void attend_rows(const PrefillAttention& a, int64_t s, int64_t h, int64_t r0, const float* kt,
                                      const float* v) {
-  const int64_t dim = a.dim, t0 = a.starts[s], len = a.starts[s + 1] - t0;
+  const int64_t dim = a.dim, t0 = a.starts[s], len = a.starts[s + 1] - t0, ctx = a.ctx(s);
   const int64_t rows = std::min<int64_t>(kAttnRows, len - r0);
   alignas(32) float q[kAttnRows * kAttnMaxDim];
   alignas(32) float o[kAttnRows * kAttnMaxDim];
@@ -189,13 +210,13 @@ ANYCHIP_AVX2 inline void attend_rows(const PrefillAttention& a, int64_t s, int64
       _mm256_store_ps(q + r * dim + d, x);
     }
   }
-  const int64_t last = r0 + rows - 1;  // the last row's position: keys 0 .. last
+  const int64_t first = ctx + r0, last = first + rows - 1;  // the rows' positions: keys 0 .. last
   for (int64_t k0 = 0; k0 <= last; k0 += kAttnKeys) {
     score_tile(q, kt + (k0 / kAttnKeys) * dim * kAttnKeys, dim, p);
     const int64_t nk = std::min<int64_t>(kAttnKeys, last + 1 - k0);
     for (int64_t r = 0; r < kAttnRows; ++r) {
       float* pr = p + r * kAttnKeys;
-      const int64_t visible = std::clamp<int64_t>(r0 + r - k0 + 1, 0, kAttnKeys);  // causal: keys <= row
+      const int64_t visible = std::clamp<int64_t>(first + r - k0 + 1, 0, kAttnKeys);  // causal: keys <= row
       for (int64_t j = visible; j < kAttnKeys; ++j) pr[j] = -std::numeric_limits<float>::infinity();
       if (visible == 0) {  // a padding row past the sequence, or a row that sees none of this tile's keys
         for (int64_t j = 0; j < kAttnKeys; ++j) pr[j] = 0.0f;
@@ -231,8 +252,9 @@ void prefill_attention_avx2(const PrefillAttention& a, int64_t threads, Parallel
   const int64_t nseq = int64_t(a.starts.size()) - 1, dim = a.dim, rep = a.heads / a.kv_heads;
   // fp32 keys (transposed blocks) and values of every (KV head, sequence), at offsets by sequence
   std::vector<int64_t> kt_off(nseq + 1, 0), v_off(nseq + 1, 0);
+  const auto keys_of = [&](int64_t s) { return a.ctx(s) + a.starts[s + 1] - a.starts[s]; };
   for (int64_t s = 0; s < nseq; ++s) {
-    const int64_t len = a.starts[s + 1] - a.starts[s];
+    const int64_t len = keys_of(s);
     kt_off[s + 1] = kt_off[s] + (len + kAttnKeys - 1) / kAttnKeys * kAttnKeys * dim;
     v_off[s + 1] = v_off[s] + len * dim;
   }
@@ -249,7 +271,7 @@ void prefill_attention_avx2(const PrefillAttention& a, int64_t threads, Parallel
     parallel(threads, [&]() {
       for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
         const int64_t g = i / nseq, s = i % nseq;
-        convert_kv(a, g, a.starts[s], a.starts[s + 1] - a.starts[s], kt_of(g, s), v_of(g, s));
+        convert_kv(a, g, s, keys_of(s), kt_of(g, s), v_of(g, s));
       }
     });
   }
@@ -260,7 +282,7 @@ void prefill_attention_avx2(const PrefillAttention& a, int64_t threads, Parallel
   for (int64_t s = 0; s < nseq; ++s) {
     const int64_t len = a.starts[s + 1] - a.starts[s];
     for (int64_t r0 = 0; r0 < len; r0 += kAttnRows)
-      for (int64_t h = 0; h < a.heads; ++h) items.push_back({r0 + kAttnRows, s, h, r0});
+      for (int64_t h = 0; h < a.heads; ++h) items.push_back({a.ctx(s) + r0 + kAttnRows, s, h, r0});
   }
   std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
   std::atomic<int64_t> next{0};
