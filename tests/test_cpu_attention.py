@@ -97,9 +97,9 @@ def test_chunked_prefill_and_prefix_cache_hits(tiny_llama, name, tmp_path):
     """Steps whose attention reads context from the KV cache: a prompt prefilled in chunks, prompts whose prefix
     is cached (whole blocks and part of one), a short and a long prompt in one step. With vLLM's kernels for every
     step, the C++ path on and off must give the same bits, and the cache must have been hit. With anychip's
-    prefill kernel (where it runs), it serves the steps of 32 rows or more (fresh prompts from their own keys, later
-    chunks and cache hits from the paged cache) in every layer without a sliding window or logit soft-capping,
-    vLLM's kernels the decode steps, and the outputs stay close to vLLM's."""
+    prefill kernel (where it runs), it serves the steps of 32 rows or more with 6 or more a sequence (fresh prompts
+    from their own keys, later chunks and cache hits from the paged cache) in every layer without a sliding window
+    or logit soft-capping, vLLM's kernels the steps with decode rows, and the outputs stay close to vLLM's."""
     from anychip.kernels.machine import cpu_flags
 
     vocab = 128

@@ -16,10 +16,10 @@ sharing, quantized queries, an FP8 cache, a subclass of Attention) keeps vLLM's 
 speculative decoding or KV transfer. `ANYCHIP_CPU_ATTENTION=0` turns it off.
 
 One exception to "the same kernels": on an x86 without AVX512 (vLLM's CPU attention is then its generic AVX2
-build), a step of 32 rows or more (a prompt, a chunk of one, prompts beside running decodes) attends with anychip's
-own prefill kernel (csrc/attention_prefill_x86.h, PREFILL_KERNEL in the coverage report's `attention_calls`), after
-the keys and values went into the cache as before; decode-only steps keep vLLM's kernels. `ANYCHIP_ATTN_PREFILL`
-overrides the choice (`prefill_kernel_choice`).
+build), a step of 32 rows or more and at least 6 for each sequence (prompts, chunks of them, prefix-cache hits)
+attends with anychip's own prefill kernel (csrc/attention_prefill_x86.h, PREFILL_KERNEL in the coverage report's
+`attention_calls`), after the keys and values went into the cache as before; steps with decode rows keep vLLM's
+kernels. `ANYCHIP_ATTN_PREFILL` overrides the choice (`prefill_kernel_choice`).
 
 With every attention layer of the model on this path, the compiled forward calls no Python op, so Inductor can
 write its wrapper code in C++ (`cpp_wrapper`, built apart from the kernels: CPP_WRAPPER): the plugin sets it in the

@@ -8,11 +8,11 @@
 // is handed over ahead: the layer's once (attn_register_layer), the step's once a forward (attn_set_group for each
 // metadata group, attn_set_state).  vLLM's kernels are found through the dispatcher by name, at the first call.
 //
-// A step of at least kPrefillMinTokens rows (a prefill, a chunk of one, prompts beside running decodes) can instead
+// A step of at least kPrefillMinTokens rows, at least 6 for each sequence (prompts, chunks of them), can instead
 // be attended by anychip's own prefill kernel (attention_prefill_x86.h), where the plugin switched it on
 // (attn_set_prefill_kernel: AVX2-only x86, where vLLM's kernels are their generic ones): from the step's keys and
 // values when every sequence is a fresh prompt, else from the paged cache, after the step's keys and values went
-// there as always.  Decode-only steps keep vLLM's kernels.  anychip::prefill_attention(_cached) are the kernel as
+// there as always.  Steps with decode rows keep vLLM's kernels.  anychip::prefill_attention(_cached) are the kernel as
 // ops of their own (tests, benchmarks).
 
 #include "attention_prefill_x86.h"
@@ -215,8 +215,9 @@ struct KernelStep {
   bool fresh = true;
 };
 
-// Whether the kernel takes this step: switched on, enough rows, the cache written (slot mapping), and nothing the
-// kernel leaves out (sliding window, soft-capping, ALiBi, sinks, another cache dtype or layout).
+// Whether the kernel takes this step: switched on, enough rows, at least a tile's rows (6) for every sequence, the
+// cache written (slot mapping), and nothing the kernel leaves out (sliding window, soft-capping, ALiBi, sinks,
+// another cache dtype or layout).
 bool kernel_step(const AttnLayer& layer, const AttnGroup& group, const at::Tensor& query,
                  const c10::optional<at::Tensor>& key, const c10::optional<at::Tensor>& value,
                  const at::Tensor& output, KernelStep* step) {
@@ -240,8 +241,10 @@ bool kernel_step(const AttnLayer& layer, const AttnGroup& group, const at::Tenso
   const int64_t* len = lens.data_ptr<int64_t>();
   step->context.assign(nseq, 0);
   for (int64_t i = 0; i < nseq; ++i) {
-    const int64_t ctx = len[i] - (step->starts[i + 1] - step->starts[i]);
-    if (ctx < 0) return false;
+    const int64_t rows = step->starts[i + 1] - step->starts[i], ctx = len[i] - rows;
+    // a decode row (or a prompt shorter than a tile) beside prompts: vLLM's kernel for the step, since the kernel's
+    // tiles of 6 rows would compute 6 against that sequence's whole context for one row
+    if (ctx < 0 || rows < kAttnRows) return false;
     step->context[i] = ctx;
     step->fresh = step->fresh && ctx == 0;
   }
