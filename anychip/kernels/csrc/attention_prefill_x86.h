@@ -294,6 +294,10 @@ void prefill_attention_avx2(const PrefillAttention& a, int64_t threads, Parallel
       attend_rows(a, it.s, it.h, it.r0, kt_of(g, it.s), v_of(g, it.s));
     }
   });
+  // kept between calls (a prefill's layers allocate once), unless a long context made them large
+  constexpr size_t kKeepFloats = size_t(16) << 20;  // 64 MB of fp32 each
+  if (kt_buf.capacity() > kKeepFloats) std::vector<float>().swap(kt_buf);
+  if (v_buf.capacity() > kKeepFloats) std::vector<float>().swap(v_buf);
 }
 
 #endif  // ANYCHIP_X86
