@@ -63,8 +63,10 @@ struct Acts {
   const float* sx = nullptr;
 };
 
-// Rows [r0, r1): quantized (when a.x) into q / sx, and their group corrections into corr.
-void prepare_rows(const Acts& a, const Problem& p, int64_t r0, int64_t r1, int8_t* q, float* sx, int32_t* corr) {
+// Rows [r0, r1): quantized (when a.x) into q / sx, and the group corrections into corr of those from row
+// corr_from on (corrections_from: the rows before it are read by no tile).
+void prepare_rows(const Acts& a, const Problem& p, int64_t r0, int64_t r1, int8_t* q, float* sx, int32_t* corr,
+                  int64_t corr_from) {
   const int level = quant_simd();
   const int8_t* rows = a.x ? q : a.xq;
   if (a.x) {
@@ -72,7 +74,8 @@ void prepare_rows(const Acts& a, const Problem& p, int64_t r0, int64_t r1, int8_
       for (int64_t r = r0; r < r1; ++r) quantize_row(x + r * p.k, p.k, q + r * p.k, sx + r, level);
     });
   }
-  for (int64_t r = r0; r < r1; ++r) group_corr_row(rows + r * p.k, p.k, p.group_size, corr + r * p.groups);
+  for (int64_t r = std::max(r0, corr_from); r < r1; ++r)
+    group_corr_row(rows + r * p.k, p.k, p.group_size, corr + r * p.groups);
 }
 
 // A fused call's activations on one thread, kept between calls: a decode step allocates nothing for them.
@@ -87,12 +90,13 @@ template <bool DOTS>
 void run_op(Problem p, int64_t isa, const Acts& a) {
   if (p.m == 0) return;
   const int64_t threads = at::get_num_threads();
+  const int64_t corr_from = corrections_from<DOTS>(p, isa);
   if (p.m <= ANYCHIP_FUSED_MAX_TOKENS) {
     run<DOTS>(p, isa, threads, TorchParallel{}, [&](Problem& local) {
       thread_local Scratch s;
       s.corr.resize(p.m * p.groups);
       if (a.x) s.q.resize(p.m * p.k), s.sx.resize(p.m);
-      prepare_rows(a, p, 0, p.m, s.q.data(), s.sx.data(), s.corr.data());
+      prepare_rows(a, p, 0, p.m, s.q.data(), s.sx.data(), s.corr.data(), corr_from);
       local.xq = a.x ? s.q.data() : a.xq;
       local.sx = a.x ? s.sx.data() : a.sx;
       local.xcorr = s.corr.data();
@@ -105,7 +109,7 @@ void run_op(Problem p, int64_t isa, const Acts& a) {
   int8_t* qp = a.x ? q.data_ptr<int8_t>() : nullptr;
   float* sp = a.x ? sx.data_ptr<float>() : nullptr;
   int32_t* cp = corr.data_ptr<int32_t>();
-  at::parallel_for(0, p.m, 16, [&](int64_t r0, int64_t r1) { prepare_rows(a, p, r0, r1, qp, sp, cp); });
+  at::parallel_for(0, p.m, 16, [&](int64_t r0, int64_t r1) { prepare_rows(a, p, r0, r1, qp, sp, cp, corr_from); });
   p.xq = a.x ? qp : a.xq;
   p.sx = a.x ? sp : a.sx;
   p.xcorr = cp;
