@@ -216,12 +216,6 @@ struct ReadyActivations {
   void operator()(Problem&) const {}
 };
 
-// Threads take chunks of weight blocks from a shared counter (a thread that the OS preempts on a shared machine
-// delays only its current chunk, not a fixed half of the work).  Within a chunk, tokens go in panels whose
-// activations stay in L2 (about ANYCHIP_PANEL_BYTES of int8) while the chunk's blocks stream past; without panels
-// every block would re-read all M x K activations from L3.
-// `prologue(local)` runs once on each thread taking part, before its first chunk, on that thread's copy of the
-// problem: the fused linear quantizes the (few) tokens there, on every thread, instead of in a pass of its own.
 // The tile kernels run() takes for a call of route `route` (ISA code): the wide tile and its unpacking of pairs of
 // blocks, the AMX tiles on the (signed) unpacked pair; nullptr where the call has none.
 template <bool DOTS>
@@ -251,6 +245,12 @@ int64_t corrections_from(const Problem& p, int64_t route) {
   return p.m / kAmxTokens * kAmxTokens;
 }
 
+// Threads take chunks of weight blocks from a shared counter (a thread that the OS preempts on a shared machine
+// delays only its current chunk, not a fixed half of the work).  Within a chunk, tokens go in panels whose
+// activations stay in L2 (about ANYCHIP_PANEL_BYTES of int8, ANYCHIP_AMX_PANEL_BYTES for the AMX tiles) while the
+// chunk's blocks stream past; without panels every block would re-read all M x K activations from L3.
+// `prologue(local)` runs once on each thread taking part, before its first chunk, on that thread's copy of the
+// problem: the fused linear quantizes the (few) tokens there, on every thread, instead of in a pass of its own.
 template <bool DOTS, typename Parallel, typename Prologue = ReadyActivations>
 void run(const Problem& p, int64_t route, int64_t max_threads, Parallel&& parallel, Prologue&& prologue = {}) {
   const CallTiles<DOTS> tiles(p, route);
