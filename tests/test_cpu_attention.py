@@ -82,8 +82,9 @@ def test_served_logprobs_are_the_same_bits_as_vllms_attention_path(tiny_llama, n
         assert proc.returncode == 0, proc.stderr[-4000:]
         runs[on] = json.loads(out.read_text())["outputs"], json.loads(cov.read_text())
     (on_rows, on_cov), (off_rows, off_cov) = runs["1"], runs["0"]
-    assert on_cov["attention_calls"] == {"from_cpp": layers, "python": 0, "cpp_wrapper": True, "prefill_kernel": None,
-                                         "prefill_kernel_why": "ANYCHIP_ATTN_PREFILL=0"}
+    calls = dict(on_cov["attention_calls"])
+    assert calls.pop("vllm_isa") and calls == {"from_cpp": layers, "python": 0, "cpp_wrapper": True,
+                                               "prefill_kernel": None, "prefill_kernel_why": "ANYCHIP_ATTN_PREFILL=0"}
     assert off_cov["attention_calls"] is None
     for a, b in zip(on_rows, off_rows, strict=True):
         assert a["token_ids"] == b["token_ids"] and len(a["token_ids"]) == 16
@@ -136,8 +137,11 @@ def test_chunked_prefill_and_prefix_cache_hits(tiny_llama, name, tmp_path):
     if not eligible:
         assert calls["prefill_kernel_calls"] == 0 and kernel["outputs"] == cpp["outputs"]
         return
-    # the 300-token prompt's three chunks (128, 128, 44 rows), at least: steps of fresh rows and of cached context
-    assert calls["prefill_kernel_calls"] >= 3 * eligible and calls["prefill_kernel_calls"] % eligible == 0
+    # the 300-token prompt's three chunks (128, 128, 44 rows), at least: steps of fresh rows and of cached context;
+    # where vLLM's attention is not its `vec` build (AMX), only the fresh first chunk: the kernel reads no other cache
+    reads_cache = calls["vllm_isa"] == ["vec"]
+    assert calls["prefill_kernel_calls"] >= (3 if reads_cache else 1) * eligible
+    assert calls["prefill_kernel_calls"] % eligible == 0
     worst = 0.0
     for a, b in zip(kernel["outputs"], cpp["outputs"], strict=True):
         for x, y in zip(a["prompt_logprobs"][1:] + a["logprobs"], b["prompt_logprobs"][1:] + b["logprobs"]):

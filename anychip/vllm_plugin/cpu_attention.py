@@ -19,7 +19,9 @@ One exception to "the same kernels": on an x86 without AVX512 (vLLM's CPU attent
 build), a step of 32 rows or more and at least 6 for each sequence (prompts, chunks of them, prefix-cache hits)
 attends with anychip's own prefill kernel (csrc/attention_prefill_x86.h, PREFILL_KERNEL in the coverage report's
 `attention_calls`), after the keys and values went into the cache as before; steps with decode rows keep vLLM's
-kernels. `ANYCHIP_ATTN_PREFILL` overrides the choice (`prefill_kernel_choice`).
+kernels, and so do steps with cached context where vLLM's attention is not its `vec` build (whose paged cache
+layout the kernel reads; `attention_calls["vllm_isa"]` names the builds in use). `ANYCHIP_ATTN_PREFILL` overrides
+the choice (`prefill_kernel_choice`).
 
 With every attention layer of the model on this path, the compiled forward calls no Python op, so Inductor can
 write its wrapper code in C++ (`cpp_wrapper`, built apart from the kernels: CPP_WRAPPER): the plugin sets it in the
@@ -340,3 +342,8 @@ def _register(i: int, layer: Any) -> None:
         float(impl.logits_soft_cap), sinks, float(layer._k_scale_float), float(layer._v_scale_float),
         str(layer.isa), str(impl.kv_cache_dtype))
     _registry.caches[i] = layer.kv_cache
+    from anychip.vllm_plugin.recorder import get_recorder
+
+    calls = get_recorder().coverage.attention_calls
+    if calls is not None:  # vLLM's attention builds in use: the prefill kernel reads the `vec` build's cache only
+        calls["vllm_isa"] = sorted(set(calls.get("vllm_isa", [])) | {str(layer.isa)})

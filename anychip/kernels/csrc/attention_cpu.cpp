@@ -11,8 +11,9 @@
 // A step of at least kPrefillMinTokens rows, at least 6 for each sequence (prompts, chunks of them), can instead
 // be attended by anychip's own prefill kernel (attention_prefill_x86.h), where the plugin switched it on
 // (attn_set_prefill_kernel: AVX2-only x86, where vLLM's kernels are their generic ones): from the step's keys and
-// values when every sequence is a fresh prompt, else from the paged cache, after the step's keys and values went
-// there as always.  Steps with decode rows keep vLLM's kernels.  anychip::prefill_attention(_cached) are the kernel as
+// values when every sequence is a fresh prompt, else from the paged cache (where vLLM's attention is its `vec` build,
+// whose cache layout the kernel reads), after the step's keys and values went there as always.  Steps with decode
+// rows keep vLLM's kernels.  anychip::prefill_attention(_cached) are the kernel as
 // ops of their own (tests, benchmarks).
 
 #include "attention_prefill_x86.h"
@@ -37,6 +38,7 @@ struct AttnLayer {
   c10::optional<at::Tensor> alibi, sinks;
   std::string isa, kv_cache_dtype;
   bool registered = false;
+  c10::IValue isa_value, kv_cache_dtype_value;  // the two strings as the ops' stacks take them, made once
 };
 
 struct AttnGroup {  // one attention-metadata object of the step (one KV-cache group)
@@ -86,6 +88,7 @@ c10::IValue opt(const c10::optional<at::Tensor>& t) { return t.has_value() ? c10
 std::atomic<bool> g_prefill_kernel{false};
 std::atomic<int64_t> g_prefill_calls{0};  // layer calls the prefill kernel served
 constexpr int64_t kPrefillMinTokens = 32;  // fewer tokens a step: vLLM's kernel (nothing to gain)
+constexpr const char* kCacheLayoutIsa = "vec";  // vLLM's attention ISA whose paged cache the kernel reads
 
 // Query start offsets as int64 (vLLM's are int32).
 std::vector<int64_t> starts_of(const at::Tensor& query_start_loc, int64_t nseq) {
@@ -249,6 +252,11 @@ bool kernel_step(const AttnLayer& layer, const AttnGroup& group, const at::Tenso
     step->fresh = step->fresh && ctx == 0;
   }
   if (step->fresh) return true;
+  // The paged cache as the kernel reads it, (blocks, Hkv, block, D), is what vLLM's `vec` attention build writes
+  // (its generic x86 one, where the plugin turns the kernel on). Its AMX build writes its own packed form, which
+  // the kernel read as garbage (1.15 nats off on the 2-vCPU Xeon with ANYCHIP_ATTN_PREFILL=1), and `vec16`'s is
+  // not verified: steps with cached context keep vLLM's kernels there.
+  if (layer.isa != kCacheLayoutIsa) return false;
   if (!cache_readable(layer.key_cache, layer.value_cache, group.block_table, kv_heads, dim) ||
       group.block_table.size(0) < nseq)
     return false;
@@ -258,10 +266,16 @@ bool kernel_step(const AttnLayer& layer, const AttnGroup& group, const at::Tenso
   return true;
 }
 
+// The first n rows of t (t itself when it has n: a decode step's call then makes no view).
+at::Tensor first_rows(const at::Tensor& t, int64_t n) { return t.size(0) == n ? t : t.narrow(0, 0, n); }
+
 void cpu_attention(const at::Tensor& query, const c10::optional<at::Tensor>& key,
                    const c10::optional<at::Tensor>& value, const at::Tensor& output, const at::Tensor& layer_id) {
   Registry& r = registry();
-  const int64_t id = layer_id.item<int64_t>();
+  // the plugin's layer ids are one-element int64 CPU tensors: read directly (item() is a dispatcher call a layer)
+  const int64_t id = layer_id.scalar_type() == at::kLong && layer_id.numel() == 1 && layer_id.device().is_cpu()
+                         ? *layer_id.const_data_ptr<int64_t>()
+                         : layer_id.item<int64_t>();
   AttnLayer layer;
   AttnGroup group;
   {
@@ -278,16 +292,16 @@ void cpu_attention(const at::Tensor& query, const c10::optional<at::Tensor>& key
     group = r.groups[layer.group];
   }
   if (key.has_value() && value.has_value() && group.slot_mapping.has_value()) {
-    torch::jit::Stack s{*key, *value, layer.key_cache, layer.value_cache, *group.slot_mapping, layer.isa,
-                        layer.k_scale, layer.v_scale, layer.kv_cache_dtype};
+    torch::jit::Stack s{*key, *value, layer.key_cache, layer.value_cache, *group.slot_mapping, layer.isa_value,
+                        layer.k_scale, layer.v_scale, layer.kv_cache_dtype_value};
     reshape_and_cache_op().callBoxed(&s);
   }
   const int64_t n = group.num_tokens;
   KernelStep step;
   if (kernel_step(layer, group, query, key, value, output, &step)) {
-    const at::Tensor q = query.narrow(0, 0, n), out = output.narrow(0, 0, n);
+    const at::Tensor q = first_rows(query, n), out = first_rows(output, n);
     if (step.fresh) {
-      const at::Tensor k = key->narrow(0, 0, n), v = value->narrow(0, 0, n);
+      const at::Tensor k = first_rows(*key, n), v = first_rows(*value, n);
       run_prefill(q, &k, &v, out, std::move(step.starts), layer.scale, nullptr);
     } else {
       CacheSource cache{layer.key_cache, layer.value_cache, group.block_table, std::move(step.context)};
@@ -296,11 +310,11 @@ void cpu_attention(const at::Tensor& query, const c10::optional<at::Tensor>& key
     g_prefill_calls.fetch_add(1, std::memory_order_relaxed);
     return;
   }
-  torch::jit::Stack s{query.narrow(0, 0, n), layer.key_cache, layer.value_cache, output.narrow(0, 0, n),
+  torch::jit::Stack s{first_rows(query, n), layer.key_cache, layer.value_cache, first_rows(output, n),
                       group.query_start_loc, group.seq_lens, layer.scale, group.causal, opt(layer.alibi),
                       layer.sliding_window, group.block_table, layer.softcap, group.scheduler_metadata,
                       opt(layer.sinks), opt(group.dynamic_causal), layer.k_scale, layer.v_scale,
-                      layer.kv_cache_dtype};
+                      layer.kv_cache_dtype_value};
   attention_op().callBoxed(&s);
 }
 
@@ -322,7 +336,8 @@ void attn_register_layer(int64_t id, const at::Tensor& kv_cache, double scale, c
   AttnLayer& l = r.layers[id];
   const int64_t group = l.group;
   l = AttnLayer{halves[0], halves[1], scale, softcap, k_scale, v_scale, sliding_window, group, alibi, sinks,
-                std::string(isa), std::string(kv_cache_dtype), true};
+                std::string(isa), std::string(kv_cache_dtype), true, c10::IValue(std::string(isa)),
+                c10::IValue(std::string(kv_cache_dtype))};
 }
 
 void attn_set_layer_groups(const std::vector<int64_t>& groups) {
