@@ -36,9 +36,8 @@ struct AttnLayer {
   double scale = 1.0, softcap = 0.0, k_scale = 1.0, v_scale = 1.0;
   int64_t sliding_window = -1, group = -1;
   c10::optional<at::Tensor> alibi, sinks;
-  std::string isa, kv_cache_dtype;
+  c10::IValue isa, kv_cache_dtype;  // strings, made once in the form the ops' stacks take
   bool registered = false;
-  c10::IValue isa_value, kv_cache_dtype_value;  // the two strings as the ops' stacks take them, made once
 };
 
 struct AttnGroup {  // one attention-metadata object of the step (one KV-cache group)
@@ -227,7 +226,7 @@ bool kernel_step(const AttnLayer& layer, const AttnGroup& group, const at::Tenso
   if (!g_prefill_kernel.load(std::memory_order_relaxed) || group.num_tokens < kPrefillMinTokens) return false;
   if (!key.has_value() || !value.has_value() || !group.slot_mapping.has_value()) return false;
   if (!group.causal || group.dynamic_causal.has_value()) return false;
-  if (layer.kv_cache_dtype != "auto" || layer.alibi.has_value() || layer.sinks.has_value() || layer.softcap != 0.0 ||
+  if (layer.kv_cache_dtype.toStringRef() != "auto" || layer.alibi.has_value() || layer.sinks.has_value() || layer.softcap != 0.0 ||
       layer.sliding_window >= 0)
     return false;
   for (const at::Tensor* t : {&query, &*key, &*value, &output})
@@ -256,7 +255,7 @@ bool kernel_step(const AttnLayer& layer, const AttnGroup& group, const at::Tenso
   // (its generic x86 one, where the plugin turns the kernel on). Its AMX build writes its own packed form, which
   // the kernel read as garbage (1.15 nats off on the 2-vCPU Xeon with ANYCHIP_ATTN_PREFILL=1), and `vec16`'s is
   // not verified: steps with cached context keep vLLM's kernels there.
-  if (layer.isa != kCacheLayoutIsa) return false;
+  if (layer.isa.toStringRef() != kCacheLayoutIsa) return false;
   if (!cache_readable(layer.key_cache, layer.value_cache, group.block_table, kv_heads, dim) ||
       group.block_table.size(0) < nseq)
     return false;
@@ -292,8 +291,8 @@ void cpu_attention(const at::Tensor& query, const c10::optional<at::Tensor>& key
     group = r.groups[layer.group];
   }
   if (key.has_value() && value.has_value() && group.slot_mapping.has_value()) {
-    torch::jit::Stack s{*key, *value, layer.key_cache, layer.value_cache, *group.slot_mapping, layer.isa_value,
-                        layer.k_scale, layer.v_scale, layer.kv_cache_dtype_value};
+    torch::jit::Stack s{*key, *value, layer.key_cache, layer.value_cache, *group.slot_mapping, layer.isa,
+                        layer.k_scale, layer.v_scale, layer.kv_cache_dtype};
     reshape_and_cache_op().callBoxed(&s);
   }
   const int64_t n = group.num_tokens;
@@ -314,7 +313,7 @@ void cpu_attention(const at::Tensor& query, const c10::optional<at::Tensor>& key
                       group.query_start_loc, group.seq_lens, layer.scale, group.causal, opt(layer.alibi),
                       layer.sliding_window, group.block_table, layer.softcap, group.scheduler_metadata,
                       opt(layer.sinks), opt(group.dynamic_causal), layer.k_scale, layer.v_scale,
-                      layer.kv_cache_dtype_value};
+                      layer.kv_cache_dtype};
   attention_op().callBoxed(&s);
 }
 
@@ -336,8 +335,7 @@ void attn_register_layer(int64_t id, const at::Tensor& kv_cache, double scale, c
   AttnLayer& l = r.layers[id];
   const int64_t group = l.group;
   l = AttnLayer{halves[0], halves[1], scale, softcap, k_scale, v_scale, sliding_window, group, alibi, sinks,
-                std::string(isa), std::string(kv_cache_dtype), true, c10::IValue(std::string(isa)),
-                c10::IValue(std::string(kv_cache_dtype))};
+                c10::IValue(std::string(isa)), c10::IValue(std::string(kv_cache_dtype)), true};
 }
 
 void attn_set_layer_groups(const std::vector<int64_t>& groups) {
