@@ -226,8 +226,8 @@ bool kernel_step(const AttnLayer& layer, const AttnGroup& group, const at::Tenso
   if (!g_prefill_kernel.load(std::memory_order_relaxed) || group.num_tokens < kPrefillMinTokens) return false;
   if (!key.has_value() || !value.has_value() || !group.slot_mapping.has_value()) return false;
   if (!group.causal || group.dynamic_causal.has_value()) return false;
-  if (layer.kv_cache_dtype.toStringRef() != "auto" || layer.alibi.has_value() || layer.sinks.has_value() || layer.softcap != 0.0 ||
-      layer.sliding_window >= 0)
+  if (layer.kv_cache_dtype.toStringRef() != "auto" || layer.alibi.has_value() || layer.sinks.has_value() ||
+      layer.softcap != 0.0 || layer.sliding_window >= 0)
     return false;
   for (const at::Tensor* t : {&query, &*key, &*value, &output})
     if (t->scalar_type() != at::kBFloat16 || t->dim() != 3 || t->stride(2) != 1) return false;
