@@ -64,7 +64,8 @@ ANYCHIP_CPU_ATTENTION = "ANYCHIP_CPU_ATTENTION"
 #: "0" off (vLLM's kernels for every step), "1" on wherever it runs (AVX2 + FMA); default: on where vLLM's CPU
 #: attention is its AVX2 build (x86 without AVX512).
 ANYCHIP_ATTN_PREFILL = "ANYCHIP_ATTN_PREFILL"
-#: "1" also moves SiluAndMul into the down projection's kernels (off by default: not shown faster on a GPU yet).
+#: "1" moves SiluAndMul into the down projection's kernels wherever the route computes it, "0" nowhere; default
+#: (unset): where the route does so by default (Route.fuse_silu_by_default: the C++ x86 routes, not the GPU's).
 ANYCHIP_FUSE_SILU = "ANYCHIP_FUSE_SILU"
 #: "0" keeps the registry from picking route cpu.amx_int8 (AMX-INT8 prefill tiles, csrc/w4a8_amx.h) on CPUs that
 #: have it: cpu.avx512_vnni serves instead (default: on, same bits; forcing the route still takes it).
@@ -133,7 +134,10 @@ def attn_prefill() -> bool | None:
     return _flag(ANYCHIP_ATTN_PREFILL, False)
 
 
-def fuse_silu() -> bool:
+def fuse_silu() -> bool | None:
+    """ANYCHIP_FUSE_SILU: True (on), False (off), None (unset: each route's default)."""
+    if not os.environ.get(ANYCHIP_FUSE_SILU, "").strip():
+        return None
     return _flag(ANYCHIP_FUSE_SILU, False)
 
 

@@ -83,7 +83,8 @@ def test_left_alone_where_it_cannot_fuse() -> None:
 
 def test_only_routes_that_compute_the_norm_are_fused() -> None:
     assert routes.get("cuda.triton").fuses_norm
-    assert [r for r in routes.route_ids() if routes.get(r).fuses_norm] == ["cuda.triton"]
+    assert sorted(r for r in routes.route_ids() if routes.get(r).fuses_norm) == [
+        "cpu.amx_int8", "cpu.avx2", "cpu.avx512_vnni", "cpu.portable", "cuda.triton"]
     assert fusion.route_fuses("cuda.triton") and not fusion.route_fuses(routes.REFERENCE.code)
     assert not fusion.route_fuses("no.such.route")
 
@@ -185,3 +186,145 @@ def test_passes_find_their_pairs_in_inductor_post_grad_graphs() -> None:
     assert found == [(1, 1)]
     assert torch.equal(got[1], want[1])
     assert (got[0].float() - want[0].float()).abs().max().item() <= 2**-6 * want[0].float().abs().max().item()
+
+
+# --- vLLM's CPU engines: the norm as the IR ops' native bodies, traced; the pass as stock Inductor's hook -----------
+
+def _native_layer(add: bool, weight_dtype: torch.dtype = torch.bfloat16, extra_user: bool = False):
+    """A piece as vLLM's CPU graphs hold it: rms_norm / fused_add_rms_norm's native bodies (vllm/ir/ops), a W4A8
+    linear on a C++ CPU route (which fuses norms), the new residual carried on."""
+    from vllm.ir.ops.layernorm import fused_add_rms_norm, rms_norm
+
+    def piece(x, r, nw, w, s, lid, code):
+        nw = nw.to(weight_dtype)
+        if add:
+            y, res = fused_add_rms_norm.impls["native"].impl_fn(x, r, nw, EPS)
+        else:
+            y, res = rms_norm.impls["native"].impl_fn(x, nw, EPS), r
+        out = torch.ops.anychip.w4a8_linear.default(y, w, s, None, N, K, G, code, lid)
+        return (out, res * 2, y.sum()) if extra_user else (out, res * 2)
+
+    return piece
+
+
+def _cpp_linear_args(seed: int) -> tuple:
+    gen = torch.Generator().manual_seed(seed)
+    wq = torch.randint(-8, 8, (N, K), dtype=torch.int8, generator=gen)
+    route = routes.available("cpu")[0]
+    if not route.fuses_norm:
+        pytest.skip(f"this CPU's best route {route.id} does not fuse norms")
+    p = prepare_w4a8(wq, torch.rand(N, K // G, generator=gen) * 0.02 + 0.001, G, packed=False, route=route.id)
+    return p.weight, p.scales, ops.layer_tensor(seed), p.route.code
+
+
+def _compiled_with(piece, pass_, *args):
+    from torch._inductor import config as inductor_config
+
+    torch._dynamo.reset()
+    with inductor_config.patch(post_grad_custom_post_pass=pass_, fx_graph_cache=False):
+        return torch.compile(piece, fullgraph=True)(*args)
+
+
+@pytest.mark.parametrize("add", [True, False])
+def test_traced_norms_fuse_on_cpu_routes(add: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """The CPU pass finds the traced norm ahead of a C++ route's linear and gives vLLM's outputs: the new residual
+    exactly, the linear within the bound of a one-ulp move of a bf16 norm value."""
+    x, r, nw = _inputs()[:3]
+    args = (x, r, nw, *_cpp_linear_args(11))
+    piece = _native_layer(add)
+    want = piece(*args)
+    found: list[tuple[int, int]] = []
+
+    class Counting(fusion.CpuFusionPass):
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            found.append(fusion.run_passes(graph, self.norms, True))
+
+    got = _compiled_with(piece, Counting(True, None), *args)
+    assert found == [(1, 0)]
+    assert torch.equal(got[1], want[1])
+    assert (got[0].float() - want[0].float()).abs().max().item() <= 2**-6 * want[0].float().abs().max().item()
+
+
+@pytest.mark.parametrize("case", ["norm output used elsewhere", "fp32 norm weight", "reference route"])
+def test_traced_norms_left_alone(case: str) -> None:
+    x, r, nw = _inputs()[:3]
+    lin = _cpp_linear_args(12)
+    if case == "reference route":
+        lin = (*_linear_args(12), routes.REFERENCE.code)
+    piece = _native_layer(True, torch.float32 if case == "fp32 norm weight" else torch.bfloat16,
+                          extra_user=case == "norm output used elsewhere")
+    found: list[tuple[int, int]] = []
+
+    class Counting(fusion.CpuFusionPass):
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            found.append(fusion.run_passes(graph, True, True))
+
+    args = (x, r, nw, *lin)
+    got = _compiled_with(piece, Counting(True, None), *args)
+    assert found == [(0, 0)]
+    want = piece(*args)
+    assert torch.equal(got[1], want[1])
+
+
+def test_silu_and_norm_fuse_in_one_cpu_block() -> None:
+    """A whole MLP block as the CPU graph holds it (traced norm, gate/up, SiluAndMul, down) on a C++ route: both
+    rewrites, vLLM's outputs within the bound."""
+    from vllm.ir.ops.layernorm import fused_add_rms_norm
+
+    x, r, nw = _inputs()[:3]
+    gen = torch.Generator().manual_seed(13)
+    route = _cpp_linear_args(0)[3]
+    up = prepare_w4a8(torch.randint(-8, 8, (2 * K, K), dtype=torch.int8, generator=gen),
+                      torch.rand(2 * K, K // G, generator=gen) * 0.02 + 0.001, G, packed=False,
+                      route=routes.get(route).id)
+    down = prepare_w4a8(torch.randint(-8, 8, (N, K), dtype=torch.int8, generator=gen),
+                        torch.rand(N, K // G, generator=gen) * 0.02 + 0.001, G, packed=False,
+                        route=routes.get(route).id)
+    lid_up, lid_down = ops.layer_tensor(3), ops.layer_tensor(4)
+
+    def block(x, r, nw, wu, su, wd, sd):
+        h, res = fused_add_rms_norm.impls["native"].impl_fn(x, r, nw, EPS)
+        y = torch.ops.anychip.w4a8_linear.default(h, wu, su, None, 2 * K, K, G, route, lid_up)
+        a = torch.nn.functional.silu(y[..., :K]) * y[..., K:]
+        return torch.ops.anychip.w4a8_linear.default(a, wd, sd, None, N, K, G, route, lid_down), res
+
+    args = (x, r, nw, up.weight, up.scales, down.weight, down.scales)
+    want = block(*args)
+    found: list[tuple[int, int]] = []
+
+    class Counting(fusion.CpuFusionPass):
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            found.append(fusion.run_passes(graph, True, True))
+
+    got = _compiled_with(block, Counting(True, None), *args)
+    assert found == [(1, 1)]
+    assert torch.equal(got[1], want[1])
+    assert (got[0].float() - want[0].float()).abs().max().item() <= 2**-5 * want[0].float().abs().max().item()
+
+
+def test_cpu_pass_goes_into_stock_inductor_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    """add_cpu_pass: into a stock-Inductor compile config's options (its uuid names the settings, so vLLM's compile
+    cache key moves with them); never over a pass that is already there; not when both rewrites are off."""
+    from types import SimpleNamespace
+
+    monkeypatch.delenv("ANYCHIP_FUSE_NORM", raising=False)
+    monkeypatch.delenv("ANYCHIP_FUSE_SILU", raising=False)
+    cfg = SimpleNamespace(backend="inductor", inductor_compile_config={})
+    assert fusion.add_cpu_pass(cfg)
+    on = cfg.inductor_compile_config["post_grad_custom_post_pass"]
+    assert isinstance(on, fusion.CpuFusionPass) and (on.norms, on.silu) == (True, None)
+    monkeypatch.setenv("ANYCHIP_FUSE_SILU", "0")
+    assert fusion.add_cpu_pass(cfg)  # ours is replaced by ours with the new settings
+    off = cfg.inductor_compile_config["post_grad_custom_post_pass"]
+    assert off.silu is False and off.uuid() != on.uuid()
+    import pickle
+
+    assert pickle.loads(pickle.dumps(off)).uuid() == off.uuid()  # vLLM pickles the config to its engine process
+    mine = object()
+    cfg2 = SimpleNamespace(backend="inductor", inductor_compile_config={"post_grad_custom_post_pass": mine})
+    assert not fusion.add_cpu_pass(cfg2)
+    assert cfg2.inductor_compile_config["post_grad_custom_post_pass"] is mine
+    assert not fusion.add_cpu_pass(SimpleNamespace(backend="eager", inductor_compile_config={}))
+    monkeypatch.setenv("ANYCHIP_FUSE_NORM", "0")
+    cfg3 = SimpleNamespace(backend="inductor", inductor_compile_config={})
+    assert not fusion.add_cpu_pass(cfg3) and cfg3.inductor_compile_config == {}

@@ -45,6 +45,11 @@ def load(build_dir: Path | None = None) -> ModuleType:
     return _module
 
 
+def loaded() -> ModuleType | None:
+    """The extension if this process has loaded it, else None (never builds)."""
+    return _module
+
+
 def _build(build_dir: Path) -> ModuleType:
     from torch.utils import cpp_extension
 

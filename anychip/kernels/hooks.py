@@ -64,8 +64,17 @@ def note_fused(layer_id: int, what: str) -> None:
         _fused.setdefault(layer_id, set()).add(what)
 
 
+_FUSED_BITS = {1: "rms_norm", 2: "silu_and_mul"}  # csrc/call_counts.h kFusedNorm, kFusedSiluMul
+
+
 def fused_layers() -> dict[int, frozenset[str]]:
-    return {layer: frozenset(what) for layer, what in list(_fused.items())}
+    """Per layer id, what ran inside its kernels: noted from Python (note_fused) and by the C++ CPU ops, which
+    flag their layers themselves (csrc/call_counts.h), when the extension is loaded."""
+    fused = {layer: set(what) for layer, what in list(_fused.items())}
+    if cpu_ext.loaded() is not None:
+        for layer, bits in cpu_ext.loaded().fused_layers():
+            fused.setdefault(layer, set()).update(name for bit, name in _FUSED_BITS.items() if bits & bit)
+    return {layer: frozenset(what) for layer, what in fused.items()}
 
 
 def take_device_counter(device: torch.device) -> DeviceCounter | None:

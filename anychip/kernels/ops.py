@@ -53,7 +53,8 @@ _SCHEMAS = {
     "int route, Tensor? layer_id) -> Tensor",
     "w4a8_group_dots": "(Tensor xq, Tensor weight, Tensor scales, int n, int k, int group_size, int route) -> Tensor",
 }
-ROUTED = ("w4a8_linear", "w4a8_linear_q", "w4a8_group_dots")  # the ops that take a route code (and have a twin)
+# the ops that take a route code (and have a twin)
+ROUTED = ("w4a8_linear", "w4a8_linear_q", "w4a8_linear_norm", "w4a8_linear_silu_mul", "w4a8_group_dots")
 TWIN = "_torch"  # anychip::<op>_torch: the route objects' Python implementation (csrc/w4a8_cpu.cpp calls it)
 
 _LIB = torch.library.Library("anychip", "FRAGMENT")  # process lifetime, like every torch op registry
@@ -147,12 +148,11 @@ def _quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 # CompositeExplicitAutograd: every device without a kernel of its own (CUDA; a CPU before the extension is loaded)
 for _name, _impl in (("w4a8_linear", _w4a8_linear), ("w4a8_linear_q", _w4a8_linear_q),
+                     ("w4a8_linear_norm", _w4a8_linear_norm), ("w4a8_linear_silu_mul", _w4a8_linear_silu_mul),
                      ("w4a8_group_dots", _w4a8_group_dots)):
     _LIB.impl(_name, _impl, "CompositeExplicitAutograd")
     _LIB.impl(_name + TWIN, _impl, "CompositeExplicitAutograd")
 _LIB.impl("quantize_act", _quantize_act, "CompositeExplicitAutograd")
-_LIB.impl("w4a8_linear_norm", _w4a8_linear_norm, "CompositeExplicitAutograd")
-_LIB.impl("w4a8_linear_silu_mul", _w4a8_linear_silu_mul, "CompositeExplicitAutograd")
 
 
 def _quantize_act_fake(x):
@@ -181,9 +181,8 @@ def _w4a8_group_dots_fake(xq, weight, scales, n, k, group_size, route):
 
 
 torch.library.register_fake("anychip::quantize_act", _quantize_act_fake, lib=_LIB)
-torch.library.register_fake("anychip::w4a8_linear_norm", _w4a8_linear_norm_fake, lib=_LIB)
-torch.library.register_fake("anychip::w4a8_linear_silu_mul", _w4a8_linear_silu_mul_fake, lib=_LIB)
 for _name, _fake in (("w4a8_linear", _w4a8_linear_fake), ("w4a8_linear_q", _w4a8_linear_q_fake),
+                     ("w4a8_linear_norm", _w4a8_linear_norm_fake), ("w4a8_linear_silu_mul", _w4a8_linear_silu_mul_fake),
                      ("w4a8_group_dots", _w4a8_group_dots_fake)):
     torch.library.register_fake(f"anychip::{_name}", _fake, lib=_LIB)
     torch.library.register_fake(f"anychip::{_name}{TWIN}", _fake, lib=_LIB)

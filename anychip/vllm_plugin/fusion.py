@@ -5,7 +5,8 @@ In vLLM's compiled graph a decoder layer's input norm and post-attention norm (`
 projection), and SiluAndMul (traced from its native forward: two slices of the gate/up output, silu, a product)
 feeds the down projection; the linear's kernels then quantize that output per token. Where a route computes these
 inside its own kernels (Route.fuses_norm, Route.fuses_silu_mul: the CUDA Triton route, which at one token does
-them, the quantization and the GEMV in a single launch), the pass replaces the pair by `anychip::w4a8_linear_norm`
+them, the quantization and the GEMV in a single launch, and the C++ x86 routes, which compute them while they
+quantize the linear's input), the pass replaces the pair by `anychip::w4a8_linear_norm`
 (same outputs: the linear's and, for fused_add_rms_norm, the new residual) or `anychip::w4a8_linear_silu_mul`: one
 launch fewer per pair. Numerics: the norm as vLLM's IR op defines it (reference.rms_norm_ref) and SiluAndMul as its
 native forward computes it (reference.silu_and_mul_ref), then the checkpoint's W4A8 linear; nothing about the
@@ -13,9 +14,11 @@ quantization changes.
 
 A pair is left alone unless the producer's output has no other user, its dtypes and shapes are the linear's input
 (a norm's weight (K,), no variance_size; SiluAndMul's halves [0, K) and [K, 2K) of one row) and the linear's route
-fuses it; the pass changes nothing in a graph without such pairs (CPUs, other models). ANYCHIP_FUSE_NORM=0 turns
-it off; the SiluAndMul half runs only with ANYCHIP_FUSE_SILU=1 (one H200 run, docs/gpu-notes.md session 10, did not
-show it faster: each GEMV program recomputes silu over the whole row for the token's scale). The plugin installs
+fuses it; the pass changes nothing in a graph without such pairs (other models, routes that fuse neither).
+ANYCHIP_FUSE_NORM=0 turns the norm half off. The SiluAndMul half runs where the route fuses it by default
+(Route.fuse_silu_by_default: the C++ x86 routes) unless ANYCHIP_FUSE_SILU=0, and on the CUDA route only with
+ANYCHIP_FUSE_SILU=1 (one H200 run, docs/gpu-notes.md session 10, did not show it faster: each GEMV program
+recomputes silu over the whole row for the token's scale). The plugin installs
 it into vLLM's post-grad pass manager (`install`), where it runs after vLLM's own fusion passes and before the IR
 lowering.
 """
@@ -23,6 +26,7 @@ lowering.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import inspect
 import logging
 import operator
@@ -31,6 +35,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from anychip import envs
 from anychip.kernels import ops, routes  # noqa: F401  (ops registers torch.ops.anychip.*)
@@ -202,7 +207,12 @@ def _ancestors(node: fx.Node, stop: fx.Node) -> list[fx.Node]:
 
 
 def route_fuses_silu(route: int | str) -> bool:
-    return _route_has(route, "fuses_silu_mul")
+    """Whether the route computes SiluAndMul and the fusion is on for it: ANYCHIP_FUSE_SILU if set, else the
+    route's default (Route.fuse_silu_by_default)."""
+    setting = envs.fuse_silu()
+    if setting is False or not _route_has(route, "fuses_silu_mul"):
+        return False
+    return setting is True or _route_has(route, "fuse_silu_by_default")
 
 
 def fuse_silu_mul(graph: fx.Graph, fuses: Callable[[int], bool] = route_fuses_silu) -> int:
@@ -293,6 +303,195 @@ def _rewrite(graph: fx.Graph, pair: _Pair, order: dict[fx.Node, int]) -> bool:
     return True
 
 
+# --- RMSNorm as vLLM's CPU graphs hold it: the IR op's native body, traced ------------------------------------
+
+def _rsqrt_of_mean_square(rs: Any, h: fx.Node) -> float | None:
+    """eps when rs = rsqrt(mean(h ** 2, [-1], keepdim=True) + eps), else None."""
+    if not _call(rs, _aten.rsqrt.default):
+        return None
+    add = rs.args[0]
+    if not _call(add, _aten.add.Tensor) or len(add.args) != 2 or not isinstance(add.args[1], (int, float)):
+        return None
+    mean = add.args[0]
+    if not _call(mean, _aten.mean.dim) or len(mean.args) < 3 or list(mean.args[1]) not in ([-1], [_val(h).dim() - 1]):
+        return None
+    if mean.args[2] is not True or mean.kwargs.get("dtype") is not None:
+        return None
+    sq = mean.args[0]
+    if _call(sq, _aten.pow.Tensor_Scalar) and sq.args[0] is h and sq.args[1] == 2:
+        return float(add.args[1])
+    if _call(sq, _aten.mul.Tensor) and sq.args[0] is h and sq.args[1] is h:
+        return float(add.args[1])
+    return None
+
+
+def _widened(node: Any, dtype: torch.dtype) -> Any:
+    """The tensor node whose fp32 copy `node` is (through one conversion), for a tensor of `dtype`; None if not."""
+    if _call(node, *_CONVERT) and node.args[1:2] == (torch.float32,) or (
+            _call(node, _aten._to_copy.default) and node.kwargs.get("dtype") == torch.float32):
+        src = node.args[0]
+        return src if getattr(_val(src), "dtype", None) == dtype else None
+    return node if dtype == torch.float32 and getattr(_val(node), "dtype", None) == torch.float32 else None
+
+
+class _NormMatch:
+    """x0 (+ r0) -> RMSNorm (weight, eps) -> the linear's input; h: fp32 x0 (+ r0); chain: the nodes the fused op
+    replaces; residuals: the nodes that carry h rounded to the model's dtype on to later layers."""
+
+    def __init__(self, x0: fx.Node, r0: fx.Node | None, weight: fx.Node, eps: float, h: fx.Node,
+                 chain: list[fx.Node], residuals: list[fx.Node]) -> None:
+        self.x0, self.r0, self.weight, self.eps, self.h, self.chain, self.residuals = (
+            x0, r0, weight, eps, h, chain, residuals)
+
+
+def _decomposed_norm(x: Any, k: int) -> _NormMatch | None:
+    """The RMSNorm feeding a W4A8 linear's input x in the form vLLM's IR ops' native bodies take once traced
+    (rms_norm / fused_add_rms_norm: h = fp32 x (+ fp32 residual); y = (h * rsqrt(mean(h^2) + eps)) as the weight's
+    dtype, times the weight; as the input's dtype), the weight's dtype the input's; else None."""
+    xv = _val(x)
+    if xv is None or xv.shape[-1] != k:
+        return None
+    dtype = xv.dtype
+    top = _through_converts(x)
+    if not _call(top, _aten.mul.Tensor) or len(top.args) != 2:
+        return None
+    for scaled, weight in (top.args, top.args[::-1]):
+        wv = _val(weight)
+        if wv is None or tuple(wv.shape) != (k,) or wv.dtype != dtype or not isinstance(weight, fx.Node):
+            continue
+        inner = _through_converts(scaled)
+        if not _call(inner, _aten.mul.Tensor) or len(inner.args) != 2:
+            continue
+        for h, rs in (inner.args, inner.args[::-1]):
+            if not isinstance(h, fx.Node) or getattr(_val(h), "dtype", None) != torch.float32:
+                continue
+            eps = _rsqrt_of_mean_square(rs, h)
+            if eps is None:
+                continue
+            x0, r0 = _widened(h, dtype), None
+            if x0 is None and _call(h, _aten.add.Tensor) and len(h.args) == 2 and not h.kwargs:
+                x0, r0 = _widened(h.args[0], dtype), _widened(h.args[1], dtype)
+                if x0 is None or r0 is None or _val(x0).shape != _val(r0).shape:
+                    continue
+            if x0 is None or _val(x0).shape != xv.shape:
+                continue
+            chain = _ancestors(x, stop=h) + [h]
+            if r0 is not None:
+                chain += [a for a in h.args if a not in (x0, r0)]
+            # h's users beyond the norm: with a residual, only the copies in the model's dtype that carry it on
+            pow_or_mul = {u for u in h.users if u in chain}
+            rest = [u for u in h.users if u not in pow_or_mul]
+            if r0 is None and rest:
+                continue
+            if dtype == torch.float32:
+                residuals = [h] if rest else []
+            else:
+                if any(not (_call(u, *_CONVERT) and u.args[1:2] == (dtype,)) for u in rest):
+                    continue
+                residuals = rest
+            if any(len(n.users) != 1 for n in _ancestors(x, stop=h) if n is not x) or len(x.users) != 1:
+                continue
+            return _NormMatch(x0, r0, weight, eps, h, chain, residuals)
+    return None
+
+
+def fuse_decomposed_norms(graph: fx.Graph, fuses: Callable[[int], bool] = route_fuses) -> int:
+    """Rewrite every (traced RMSNorm, W4A8 linear) pair of `graph` (_decomposed_norm) whose route fuses norms into
+    anychip::w4a8_linear_norm, placed where h was computed; returns how many."""
+    done = 0
+    for linear in _linears(graph):
+        lin = _bound(linear)
+        if not fuses(lin.get("route", -1)):
+            continue
+        try:
+            m = _decomposed_norm(lin.get("x"), lin.get("k"))
+        except Exception as exc:  # a graph shape this matcher does not know: leave the pair as vLLM made it
+            log.debug("anychip: norm fusion skipped a linear: %r", exc)
+            continue
+        if m is None:
+            continue
+        order = {node: i for i, node in enumerate(graph.nodes)}
+        if any(order[a] > order[m.h] for a in (m.weight, *linear.args[1:]) if isinstance(a, fx.Node)):
+            continue  # the fused op goes where h was: every input of it must be there by then
+        new_args = (m.x0, m.r0, m.weight, m.eps, *linear.args[1:])
+        with graph.inserting_after(m.h):
+            fused = graph.call_function(NORM_LINEAR, new_args, dict(linear.kwargs))
+        with graph.inserting_after(fused):
+            y = graph.call_function(operator.getitem, (fused, 0))
+        out = _fake_call(NORM_LINEAR, new_args, dict(linear.kwargs))
+        fused.meta["val"], y.meta["val"] = out, out[0]
+        if m.residuals:
+            with graph.inserting_after(y):
+                res = graph.call_function(operator.getitem, (fused, 1))
+            res.meta["val"] = out[1]
+            for r in m.residuals:
+                r.replace_all_uses_with(res) if r is not m.h else _replace_uses_outside(r, res, set(m.chain))
+        linear.replace_all_uses_with(y)
+        graph.erase_node(linear)
+        order = {node: i for i, node in enumerate(graph.nodes)}
+        for node in sorted(set(m.chain) | set(m.residuals), key=order.__getitem__, reverse=True):
+            if not node.users:
+                graph.erase_node(node)
+        done += 1
+    if done:
+        graph.lint()
+    return done
+
+
+def _replace_uses_outside(node: fx.Node, new: fx.Node, inside: set[fx.Node]) -> None:
+    for user in list(node.users):
+        if user not in inside and user is not new:
+            user.replace_input_with(node, new)
+
+
+def run_passes(graph: fx.Graph, norms: bool, silus: bool) -> tuple[int, int]:
+    """Both rewrites on `graph`: the norms (vLLM's IR ops, or their traced bodies) and SiluAndMul."""
+    n = (fuse_norms(graph) + fuse_decomposed_norms(graph)) if norms else 0
+    s = fuse_silu_mul(graph) if silus else 0
+    if n or s:
+        log.info("anychip: RMSNorm moved into %d and SiluAndMul into %d W4A8 linears of a compiled graph", n, s)
+    return n, s
+
+
+class CpuFusionPass(CustomGraphPass):
+    """The rewrites as an Inductor post-grad pass, for vLLM's CPU engines: vLLM compiles them with stock
+    torch.compile (backend "inductor", its inductor_compile_config as the options), not through its pass manager.
+    Module-level and holding only its settings, so that vLLM can pickle the config that carries it to its engine
+    process; uuid() names the rewrite's source and settings (vLLM hashes the compile config through it)."""
+
+    def __init__(self, norms: bool, silu: bool | None) -> None:
+        self.norms, self.silu = norms, silu
+
+    def __call__(self, graph: fx.Graph) -> None:
+        run_passes(graph, self.norms, self.silu is not False)
+
+    def uuid(self) -> str:
+        source = inspect.getsource(inspect.getmodule(fuse_norms))
+        return hashlib.sha256(f"{source}{self.norms}{self.silu}".encode()).hexdigest()
+
+
+_POST_GRAD_KEY = "post_grad_custom_post_pass"
+
+
+def add_cpu_pass(compilation_config: Any) -> bool:
+    """Put CpuFusionPass into a CPU engine's Inductor options when vLLM compiles with stock Inductor and nothing
+    else holds that hook (a user's own pass stays); returns whether it did."""
+    norms, silu = envs.fuse_norm(), envs.fuse_silu()
+    if not norms and silu is False:
+        return False
+    if getattr(compilation_config, "backend", None) != "inductor":
+        return False
+    options = getattr(compilation_config, "inductor_compile_config", None)
+    if not isinstance(options, dict):
+        return False
+    current = options.get(_POST_GRAD_KEY)
+    if current is not None and not isinstance(current, CpuFusionPass):
+        log.info("anychip: the compile config already has a post-grad pass (%r); not adding the fusion pass", current)
+        return False
+    options[_POST_GRAD_KEY] = CpuFusionPass(norms, silu)
+    return True
+
+
 _installed = False
 
 
@@ -302,7 +501,7 @@ def install() -> bool:
     global _installed
     if _installed:
         return True
-    norms, silus = envs.fuse_norm(), envs.fuse_silu()
+    norms, silus = envs.fuse_norm(), envs.fuse_silu() is not False
     if not norms and not silus:
         return False
     try:
@@ -317,13 +516,11 @@ def install() -> bool:
 
     class AnychipNormFusion(InductorPass):
         def __call__(self, graph: fx.Graph) -> None:
-            done = (fuse_norms(graph) if norms else 0), (fuse_silu_mul(graph) if silus else 0)
-            if any(done):
-                log.info("anychip: RMSNorm moved into %d and SiluAndMul into %d W4A8 linears of a compiled graph",
-                         *done)
+            run_passes(graph, norms, silus)
 
         def uuid(self) -> str:  # the rewrite's source and settings, not only this wrapper's: a change recompiles
-            return InductorPass.hash_source(inspect.getsource(inspect.getmodule(fuse_norms)) + f"{norms}{silus}")
+            return InductorPass.hash_source(inspect.getsource(inspect.getmodule(fuse_norms))
+                                            + f"{norms}{envs.fuse_silu()}")
 
     original = PostGradPassManager.configure
 
@@ -334,4 +531,30 @@ def install() -> bool:
 
     PostGradPassManager.configure = configure
     _installed = True
+    return True
+
+
+_cpu_installed = False
+
+
+def install_cpu() -> bool:
+    """Have vLLM's CPU platform add CpuFusionPass to every engine config it finishes (after its own settings, which
+    choose stock Inductor): the rewrites then run in the engine's compile, and vLLM's compile-cache key covers their
+    settings. False where this vLLM has no CPU platform class."""
+    global _cpu_installed
+    if _cpu_installed:
+        return True
+    try:
+        from vllm.platforms.cpu import CpuPlatform
+    except Exception as exc:  # a vLLM build without the CPU platform: nothing to do
+        log.info("anychip: no CPU fusion pass in this vLLM (%s: %s)", type(exc).__name__, exc)
+        return False
+    original = CpuPlatform.check_and_update_config.__func__
+
+    def check_and_update_config(cls: Any, vllm_config: Any, _original: Callable = original) -> None:
+        _original(cls, vllm_config)
+        add_cpu_pass(vllm_config.compilation_config)
+
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+    _cpu_installed = True
     return True

@@ -6,8 +6,10 @@
 
 #include <torch/extension.h>
 
+#include <atomic>
 #include <memory>
 #include <tuple>
+#include <vector>
 
 namespace anychip {
 
@@ -69,6 +71,30 @@ inline void count_call(int64_t layer, int64_t tokens) {
   int64_t* cell = t->cells + (layer * t->slots + slot) * 2;
   __atomic_fetch_add(cell, 1, __ATOMIC_RELAXED);  // the report thread reads while the model runs
   __atomic_fetch_add(cell + 1, tokens, __ATOMIC_RELAXED);
+}
+
+// What ran inside a layer's kernels ahead of it (the fused ops, w4a8_cpu.cpp), for the coverage report: a flag per
+// layer id, not a count (bits kFusedNorm, kFusedSiluMul), kept for the process lifetime as hooks.py's own flags are.
+constexpr uint8_t kFusedNorm = 1, kFusedSiluMul = 2;
+constexpr int64_t kFusedFlagLayers = int64_t(1) << 16;  // layer ids beyond this are not flagged
+
+inline std::atomic<uint8_t>* fused_flags() {
+  static std::atomic<uint8_t> flags[kFusedFlagLayers] = {};
+  return flags;
+}
+
+inline void note_fused(int64_t layer, uint8_t bit) {
+  if (layer < 0 || layer >= kFusedFlagLayers) return;
+  std::atomic<uint8_t>& f = fused_flags()[layer];
+  if (!(f.load(std::memory_order_relaxed) & bit)) f.fetch_or(bit, std::memory_order_relaxed);
+}
+
+// (layer id, bits) of every flagged layer.
+inline std::vector<std::tuple<int64_t, int64_t>> fused_layers() {
+  std::vector<std::tuple<int64_t, int64_t>> out;
+  for (int64_t i = 0; i < kFusedFlagLayers; ++i)
+    if (const uint8_t b = fused_flags()[i].load(std::memory_order_relaxed)) out.emplace_back(i, b);
+  return out;
 }
 
 }  // namespace anychip

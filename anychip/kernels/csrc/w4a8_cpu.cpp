@@ -5,6 +5,7 @@
 // (also built by the Arm test driver, tests/arm/driver.cpp):
 //   cpu_common.h    ISA codes, route ids and their run-time check, 16-bit float bits
 //   quantize_act.h  per-token INT8 activations, group corrections, bandwidth probe
+//   pre_ops.h       the RMSNorm / SiluAndMul that the fused ops compute ahead of the quantization
 //   w4a8_tiles.h    the problem, the blocked weight layout, epilogues, the portable tile
 //   w4a8_x86.h      AVX512-VNNI and AVX2 tiles          w4a8_arm.h  NEON dotprod and i8mm tiles
 //   w4a8_run.h      dispatch and the threaded loop    parallel_cpu.h  the thread pool (at::parallel_for, load guard)
@@ -29,6 +30,7 @@
 #include "call_counts.h"
 #include "cpu_common.h"
 #include "parallel_cpu.h"
+#include "pre_ops.h"
 #include "quantize_act.h"
 #include "w4a8_run.h"
 
@@ -55,12 +57,14 @@ void with_x(at::ScalarType type, const void* data, F&& f) {
   }
 }
 
-// Where a call's INT8 activations come from: float x to quantize, or ready xq (with sx, absent for the debug dots).
+// Where a call's INT8 activations come from: float x to quantize (after `pre`, for the fused ops), or ready xq
+// (with sx, absent for the debug dots).
 struct Acts {
   const void* x = nullptr;
   at::ScalarType x_type = at::kFloat;
   const int8_t* xq = nullptr;
   const float* sx = nullptr;
+  PreArgs pre;
 };
 
 // Rows [r0, r1): quantized (when a.x) into q / sx, and the group corrections into corr of those from row
@@ -69,7 +73,16 @@ void prepare_rows(const Acts& a, const Problem& p, int64_t r0, int64_t r1, int8_
                   int64_t corr_from) {
   const int level = quant_simd();
   const int8_t* rows = a.x ? q : a.xq;
-  if (a.x) {
+  if (a.x && a.pre.op != PreOp::kNone) {
+    thread_local std::vector<float> v;
+    v.resize(p.k);
+    with_x(a.x_type, a.x, [&](const auto* x) {
+      for (int64_t r = r0; r < r1; ++r) {
+        pre_row(a.pre, x, r, p.k, v.data(), level);
+        quantize_row(v.data(), p.k, q + r * p.k, sx + r, level);
+      }
+    });
+  } else if (a.x) {
     with_x(a.x_type, a.x, [&](const auto* x) {
       for (int64_t r = r0; r < r1; ++r) quantize_row(x + r * p.k, p.k, q + r * p.k, sx + r, level);
     });
@@ -89,6 +102,17 @@ struct Scratch {
 template <bool DOTS>
 void run_op(Problem p, int64_t isa, const Acts& a) {
   if (p.m == 0) return;
+  if (a.pre.op != PreOp::kNone && p.m <= ANYCHIP_FUSED_MAX_TOKENS) {
+    // a call this small quantizes on every thread: its pre-op runs once, here, and writes the residual once
+    thread_local std::vector<float> v;
+    v.resize(p.m * p.k);
+    with_x(a.x_type, a.x, [&](const auto* x) {
+      for (int64_t r = 0; r < p.m; ++r) pre_row(a.pre, x, r, p.k, v.data() + r * p.k, quant_simd());
+    });
+    Acts values;
+    values.x = v.data();
+    return run_op<DOTS>(p, isa, values);
+  }
   const int64_t threads = at::get_num_threads();
   const int64_t corr_from = corrections_from<DOTS>(p, isa);
   if (p.m <= ANYCHIP_FUSED_MAX_TOKENS) {
@@ -170,7 +194,7 @@ c10::optional<at::Tensor> float_bias(const c10::optional<at::Tensor>& bias) {
 // op's Python twin anychip::<op>_torch (kernels/ops.py) hands the call to the route object, which refuses what it
 // cannot serve.  Never another route: strict routing stays with the route the weights were prepared for.
 template <typename Sig, typename... Args>
-at::Tensor call_twin(const char* op, int64_t route, Args&&... args) {
+auto call_twin(const char* op, int64_t route, Args&&... args) {
   const auto handle = c10::Dispatcher::singleton().findSchema({op, ""});
   TORCH_CHECK(handle.has_value(), "anychip: route code ", route, " is not one of the C++ extension's and ", op,
               " is not registered: import anychip.kernels.ops first (it registers the Python routes)");
@@ -249,6 +273,81 @@ at::Tensor w4a8_linear_q(const at::Tensor& xq_in, const at::Tensor& sx_in, const
   return out;
 }
 
+// The fused ops (the plugin's graph pass puts them where vLLM's norm or SiluAndMul feeds one W4A8 linear): the
+// linear of x after `pre` (pre_ops.h), computed while its rows are quantized.  x: (..., K), or (..., 2K) for
+// SiluAndMul; the output (..., N) in x's dtype.
+at::Tensor fused_linear(const at::Tensor& xc, const PreArgs& pre, int64_t k, const at::Tensor& weight,
+                        const at::Tensor& scales, const c10::optional<at::Tensor>& bias, int64_t n, int64_t group_size,
+                        int64_t isa, const c10::optional<at::Tensor>& layer_id, uint8_t fused) {
+  const int64_t m = xc.numel() / xc.size(-1);
+  const c10::optional<at::Tensor> b = float_bias(bias);
+  Problem p = weight_problem(weight, scales, b, m, n, k, group_size);
+  const int64_t layer = layer_index(layer_id);
+  count_call(layer, m);
+  note_fused(layer, fused);
+  at::DimVector shape(xc.sizes());
+  shape.back() = n;
+  at::Tensor out = at::empty(shape, xc.options());
+  p.out = out.data_ptr();
+  p.out_type = out_type(xc.scalar_type());
+  Acts a;
+  a.x = xc.data_ptr();
+  a.x_type = xc.scalar_type();
+  a.pre = pre;
+  run_op<false>(p, isa, a);
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> w4a8_linear_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                                                    const at::Tensor& norm_weight, double eps,
+                                                    const at::Tensor& weight, const at::Tensor& scales,
+                                                    const c10::optional<at::Tensor>& bias, int64_t n, int64_t k,
+                                                    int64_t group_size, int64_t route,
+                                                    const c10::optional<at::Tensor>& layer_id) {
+  const int64_t isa = route_isa(route);
+  if (isa < 0)
+    return call_twin<decltype(w4a8_linear_norm)>("anychip::w4a8_linear_norm_torch", route, x, residual, norm_weight,
+                                                 eps, weight, scales, bias, n, k, group_size, route, layer_id);
+  check_isa(isa);
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "anychip w4a8_linear_norm: x must be (..., K=", k, "), got ",
+              x.sizes());
+  TORCH_CHECK(norm_weight.dim() == 1 && norm_weight.size(0) == k && norm_weight.scalar_type() == x.scalar_type(),
+              "anychip w4a8_linear_norm: norm_weight must be (K=", k, ") in x's dtype ", x.scalar_type(), ", got ",
+              norm_weight.scalar_type(), " ", norm_weight.sizes());
+  const at::Tensor xc = x.contiguous(), wc = norm_weight.contiguous();
+  at::Tensor rc, rout = at::empty({0}, x.options());
+  PreArgs pre;
+  pre.op = PreOp::kRmsNorm;
+  pre.norm_weight = wc.data_ptr();
+  pre.eps = static_cast<float>(eps);
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
+                "anychip w4a8_linear_norm: the residual must be x's shape and dtype, got ", residual->scalar_type(),
+                " ", residual->sizes());
+    rc = residual->contiguous();
+    rout = at::empty(x.sizes(), x.options());
+    pre.residual = rc.data_ptr();
+    pre.residual_out = rout.data_ptr();
+  }
+  at::Tensor y = fused_linear(xc, pre, k, weight, scales, bias, n, group_size, isa, layer_id, kFusedNorm);
+  return {y, rout};
+}
+
+at::Tensor w4a8_linear_silu_mul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                                const c10::optional<at::Tensor>& bias, int64_t n, int64_t k, int64_t group_size,
+                                int64_t route, const c10::optional<at::Tensor>& layer_id) {
+  const int64_t isa = route_isa(route);
+  if (isa < 0)
+    return call_twin<decltype(w4a8_linear_silu_mul)>("anychip::w4a8_linear_silu_mul_torch", route, x, weight, scales,
+                                                     bias, n, k, group_size, route, layer_id);
+  check_isa(isa);
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == 2 * k, "anychip w4a8_linear_silu_mul: x must be (..., 2K=", 2 * k,
+              "), got ", x.sizes());
+  PreArgs pre;
+  pre.op = PreOp::kSiluMul;
+  return fused_linear(x.contiguous(), pre, k, weight, scales, bias, n, group_size, isa, layer_id, kFusedSiluMul);
+}
+
 // Debug: the exact (M, N, K/G) int32 group dot products, through the same tile kernels.
 at::Tensor w4a8_group_dots(const at::Tensor& xq_in, const at::Tensor& weight, const at::Tensor& scales, int64_t n,
                            int64_t k, int64_t group_size, int64_t route) {
@@ -271,6 +370,41 @@ at::Tensor w4a8_group_dots(const at::Tensor& xq_in, const at::Tensor& weight, co
 }
 
 // ---------------------------------------------------------------- module functions (control plane, not per call)
+
+// Debug: the fused ops' pre-op values (M, K) fp32 (each a value of x's dtype) and new residual, at SIMD level
+// `level` (quant_simd()'s scale: 0 scalar, 1 AVX2 or NEON, 2 AVX512; capped at this CPU's), so tests can check
+// every path the CPU has against the reference.  op: 1 RMSNorm (norm_weight, eps, residual optional), 2 SiluAndMul.
+std::tuple<at::Tensor, at::Tensor> pre_values(const at::Tensor& x_in, const c10::optional<at::Tensor>& residual,
+                                              const c10::optional<at::Tensor>& norm_weight, double eps, int64_t op,
+                                              int64_t level) {
+  TORCH_CHECK(op == 1 || op == 2, "pre_values: op must be 1 (RMSNorm) or 2 (SiluAndMul)");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t k = op == 2 ? x.size(-1) / 2 : x.size(-1), m = x.numel() / x.size(-1);
+  PreArgs pre;
+  pre.op = static_cast<PreOp>(op);
+  pre.eps = static_cast<float>(eps);
+  at::Tensor w, r, rout = at::empty({0}, x.options());
+  if (op == 1) {
+    TORCH_CHECK(norm_weight.has_value() && norm_weight->numel() == k && norm_weight->scalar_type() == x.scalar_type(),
+                "pre_values: RMSNorm needs a (K,) norm_weight in x's dtype");
+    w = norm_weight->contiguous();
+    pre.norm_weight = w.data_ptr();
+    if (residual.has_value()) {
+      TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
+                  "pre_values: the residual must be x's shape and dtype");
+      r = residual->contiguous();
+      rout = at::empty(x.sizes(), x.options());
+      pre.residual = r.data_ptr();
+      pre.residual_out = rout.data_ptr();
+    }
+  }
+  at::Tensor v = at::empty({m, k}, x.options().dtype(at::kFloat));
+  const int lvl = static_cast<int>(std::min<int64_t>(level, quant_simd()));
+  with_x(x.scalar_type(), x.data_ptr(), [&](const auto* xs) {
+    for (int64_t row = 0; row < m; ++row) pre_row(pre, xs, row, k, v.data_ptr<float>() + row * k, lvl);
+  });
+  return {v, rout};
+}
 
 int64_t read_bytes(const at::Tensor& buf) {
   TORCH_CHECK(buf.is_contiguous() && buf.scalar_type() == at::kByte, "read_bytes wants contiguous uint8");
@@ -340,6 +474,8 @@ TORCH_LIBRARY_IMPL(anychip, CPU, m) {
   m.impl("w4a8_linear", &anychip::w4a8_linear);
   m.impl("w4a8_linear_q", &anychip::w4a8_linear_q);
   m.impl("w4a8_group_dots", &anychip::w4a8_group_dots);
+  m.impl("w4a8_linear_norm", &anychip::w4a8_linear_norm);
+  m.impl("w4a8_linear_silu_mul", &anychip::w4a8_linear_silu_mul);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -352,6 +488,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("huge_empty", &huge_empty, "uninitialized (nbytes,) uint8 on a 2 MB boundary, advised for huge pages");
   m.def("collapse_huge", &collapse_huge, "back a filled tensor's 2 MB-aligned part with huge pages; bytes done");
   m.def("amx_usable", &amx_usable, "whether this CPU and OS let route cpu.amx_int8 run (AMX-INT8 tiles)");
+  m.def("pre_values", &pre_values, "debug: the fused ops' RMSNorm / SiluAndMul values at a SIMD level");
+  m.def("fused_layers", &fused_layers, "(layer id, bits: 1 RMSNorm, 2 SiluAndMul) of the layers whose fused ops ran");
   m.def("set_call_counts", &set_call_counts, "install (counts, slot) as the ops' coverage table (None, None: none); "
         "returns the previous pair");
   m.attr("ISA_PORTABLE") = int64_t(kPortable);

@@ -38,6 +38,12 @@ def pair_layout(blocked: torch.Tensor) -> torch.Tensor:
 class ArmCppRoute(CppRoute):
     """A NEON path of the C++ extension; `flags` are /proc/cpuinfo Features (aarch64 names)."""
 
+    # The fused ops run here (csrc/pre_ops.h), but their RMSNorm and SiluAndMul are scalar on Arm and no Arm CPU has
+    # timed them against Inductor's NEON kernels: the graph pass leaves vLLM's in place.
+    fuses_norm = False
+    fuses_silu_mul = False
+    fuse_silu_by_default = False
+
     def unavailable(self) -> str | None:
         if not machine.is_arm():
             return "not an aarch64 CPU"

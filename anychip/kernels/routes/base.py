@@ -111,6 +111,8 @@ class Route(ABC):
     fuses_norm: ClassVar[bool] = False
     #: The same for vLLM's SiluAndMul ahead of the linear (`linear_silu_mul`).
     fuses_silu_mul: ClassVar[bool] = False
+    #: Whether the pass fuses SiluAndMul into this route's linears when ANYCHIP_FUSE_SILU is unset (measured faster).
+    fuse_silu_by_default: ClassVar[bool] = False
 
     @property
     def isa(self) -> str:

@@ -75,6 +75,11 @@ class CppRoute(Route):
     bit_exact = True
     #: The ops count this route's calls in C++ (hooks.install_kernel_counts), not through hooks.notify.
     counts_in_kernel = True
+    #: anychip::w4a8_linear_norm / w4a8_linear_silu_mul compute vLLM's RMSNorm or SiluAndMul while they quantize the
+    #: linear's input (csrc/pre_ops.h): no pass of Inductor's ahead of the linear, no intermediate tensor.
+    fuses_norm = True
+    fuses_silu_mul = True
+    fuse_silu_by_default = True
     #: /proc/cpuinfo flags the path needs (x86 names).
     flags: ClassVar[tuple[str, ...]] = ()
 
@@ -101,6 +106,18 @@ class CppRoute(Route):
         cpu_ext.load()
         return torch.ops.anychip.w4a8_linear_q(xq, sx, weight, scales, bias, n, k, group_size, self.code, None,
                                                out_dtype)
+
+    def linear_norm(self, x, norm_weight, eps, residual, residual_out, weight, scales, bias, n, k, group_size):
+        cpu_ext.load()
+        y, rout = torch.ops.anychip.w4a8_linear_norm(x, residual, norm_weight, eps, weight, scales, bias, n, k,
+                                                     group_size, self.code, None)
+        if residual_out is not None:
+            residual_out.copy_(rout)
+        return y
+
+    def linear_silu_mul(self, x, weight, scales, bias, n, k, group_size):
+        cpu_ext.load()
+        return torch.ops.anychip.w4a8_linear_silu_mul(x, weight, scales, bias, n, k, group_size, self.code, None)
 
     def group_dots(self, xq, weight, scales, n, k, group_size):
         cpu_ext.load()
