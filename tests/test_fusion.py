@@ -225,13 +225,15 @@ def _compiled_with(piece, pass_, *args):
         return torch.compile(piece, fullgraph=True)(*args)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("add", [True, False])
-def test_traced_norms_fuse_on_cpu_routes(add: bool, caplog: pytest.LogCaptureFixture) -> None:
-    """The CPU pass finds the traced norm ahead of a C++ route's linear and gives vLLM's outputs: the new residual
-    exactly, the linear within the bound of a one-ulp move of a bf16 norm value."""
-    x, r, nw = _inputs()[:3]
+def test_traced_norms_fuse_on_cpu_routes(add: bool, dtype: torch.dtype) -> None:
+    """The CPU pass finds the traced norm ahead of a C++ route's linear (a bf16 model, and an fp32 one, whose graph
+    has no conversions) and gives vLLM's outputs: the new residual exactly, the linear within the bound of a one-ulp
+    move of a norm value."""
+    x, r, nw = (t.to(dtype) for t in _inputs()[:3])
     args = (x, r, nw, *_cpp_linear_args(11))
-    piece = _native_layer(add)
+    piece = _native_layer(add, dtype)
     want = piece(*args)
     found: list[tuple[int, int]] = []
 

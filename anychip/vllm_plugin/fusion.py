@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from anychip import envs
 from anychip.kernels import ops, routes  # noqa: F401  (ops registers torch.ops.anychip.*)
@@ -66,6 +67,15 @@ def _bound(node: fx.Node) -> dict[str, Any]:
 
 def _val(x: Any) -> Any:
     return x.meta.get("val") if isinstance(x, fx.Node) else None
+
+
+def _same(a: Any, b: Any) -> bool:
+    """a == b for sizes or shapes, symbolic ones included, known without adding a guard: a matcher that compared two
+    token counts with == would make the compiled graph assume them equal (vLLM's CPU engines mark them dynamic, and
+    torch refuses the constraint)."""
+    if isinstance(a, (tuple, list, torch.Size)) or isinstance(b, (tuple, list, torch.Size)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return bool(statically_known_true(a == b))
 
 
 def _linears(graph: fx.Graph) -> list[fx.Node]:
@@ -117,11 +127,12 @@ def _pair(linear: fx.Node, targets: tuple[Any, Any], fuses: Callable[[str], bool
     x, weight, k = args.get("x"), args.get("weight"), lin.get("k")
     xv, wv = _val(x), _val(weight)
     if (args.get("variance_size") is not None or not isinstance(args.get("epsilon"), (int, float))
-            or xv is None or wv is None or wv.dtype != xv.dtype or tuple(wv.shape) != (k,) or xv.shape[-1] != k):
+            or xv is None or wv is None or wv.dtype != xv.dtype or not _same(wv.shape, (k,))
+            or not _same(xv.shape[-1], k)):
         return None
     if add:
         rv = _val(args.get("x_residual"))
-        if rv is None or rv.dtype != xv.dtype or rv.shape != xv.shape:
+        if rv is None or rv.dtype != xv.dtype or not _same(rv.shape, xv.shape):
             return None
         if any(u.target is not operator.getitem or u.args[1] not in (0, 1) for u in norm.users):
             return None
@@ -186,8 +197,7 @@ def _silu_mul_source(x: Any, k: int) -> tuple[fx.Node, list[fx.Node]] | None:
         if gate is None or upper is None or gate[0] is not upper[0]:
             continue
         y = gate[0]
-        width = _val(y).shape[-1]
-        if width != 2 * k or gate[1:] != (0, k) or upper[1] != k or upper[2] < 2 * k:
+        if not _same(_val(y).shape[-1], 2 * k) or gate[1:] != (0, k) or upper[1] != k or upper[2] < 2 * k:
             continue
         return y, _ancestors(x, stop=y)
     return None
@@ -349,7 +359,7 @@ def _decomposed_norm(x: Any, k: int) -> _NormMatch | None:
     (rms_norm / fused_add_rms_norm: h = fp32 x (+ fp32 residual); y = (h * rsqrt(mean(h^2) + eps)) as the weight's
     dtype, times the weight; as the input's dtype), the weight's dtype the input's; else None."""
     xv = _val(x)
-    if xv is None or xv.shape[-1] != k:
+    if xv is None or not _same(xv.shape[-1], k):
         return None
     dtype = xv.dtype
     top = _through_converts(x)
@@ -357,7 +367,7 @@ def _decomposed_norm(x: Any, k: int) -> _NormMatch | None:
         return None
     for scaled, weight in (top.args, top.args[::-1]):
         wv = _val(weight)
-        if wv is None or tuple(wv.shape) != (k,) or wv.dtype != dtype or not isinstance(weight, fx.Node):
+        if wv is None or not _same(wv.shape, (k,)) or wv.dtype != dtype or not isinstance(weight, fx.Node):
             continue
         inner = _through_converts(scaled)
         if not _call(inner, _aten.mul.Tensor) or len(inner.args) != 2:
@@ -368,27 +378,29 @@ def _decomposed_norm(x: Any, k: int) -> _NormMatch | None:
             eps = _rsqrt_of_mean_square(rs, h)
             if eps is None:
                 continue
-            x0, r0 = _widened(h, dtype), None
-            if x0 is None and _call(h, _aten.add.Tensor) and len(h.args) == 2 and not h.kwargs:
+            x0 = r0 = None
+            if _call(h, _aten.add.Tensor) and len(h.args) == 2 and not h.kwargs:  # fused_add_rms_norm's h = x + r
                 x0, r0 = _widened(h.args[0], dtype), _widened(h.args[1], dtype)
-                if x0 is None or r0 is None or _val(x0).shape != _val(r0).shape:
-                    continue
-            if x0 is None or _val(x0).shape != xv.shape:
+                if x0 is None or r0 is None or not _same(_val(x0).shape, _val(r0).shape):
+                    x0 = r0 = None
+            if x0 is None:
+                x0 = _widened(h, dtype)
+            if x0 is None or not _same(_val(x0).shape, xv.shape):
                 continue
-            chain = _ancestors(x, stop=h) + [h]
+            chain = _ancestors(x, stop=h) + ([h] if x0 is not h else [])
             if r0 is not None:
                 chain += [a for a in h.args if a not in (x0, r0)]
-            # h's users beyond the norm: with a residual, only the copies in the model's dtype that carry it on
-            pow_or_mul = {u for u in h.users if u in chain}
-            rest = [u for u in h.users if u not in pow_or_mul]
+            # h's users beyond the norm carry the new residual on: in the model's dtype (copies of h rounded to it,
+            # or h itself in an fp32 model); without a residual add there must be none
+            rest = [u for u in h.users if u not in chain]
             if r0 is None and rest:
                 continue
             if dtype == torch.float32:
                 residuals = [h] if rest else []
-            else:
-                if any(not (_call(u, *_CONVERT) and u.args[1:2] == (dtype,)) for u in rest):
-                    continue
+            elif all(_call(u, *_CONVERT) and u.args[1:2] == (dtype,) for u in rest):
                 residuals = rest
+            else:
+                continue
             if any(len(n.users) != 1 for n in _ancestors(x, stop=h) if n is not x) or len(x.users) != 1:
                 continue
             return _NormMatch(x0, r0, weight, eps, h, chain, residuals)
@@ -397,7 +409,7 @@ def _decomposed_norm(x: Any, k: int) -> _NormMatch | None:
 
 def fuse_decomposed_norms(graph: fx.Graph, fuses: Callable[[int], bool] = route_fuses) -> int:
     """Rewrite every (traced RMSNorm, W4A8 linear) pair of `graph` (_decomposed_norm) whose route fuses norms into
-    anychip::w4a8_linear_norm, placed where h was computed; returns how many."""
+    anychip::w4a8_linear_norm, placed once h and the op's inputs exist; returns how many."""
     done = 0
     for linear in _linears(graph):
         lin = _bound(linear)
@@ -410,11 +422,14 @@ def fuse_decomposed_norms(graph: fx.Graph, fuses: Callable[[int], bool] = route_
             continue
         if m is None:
             continue
+        # the fused op goes after h and after every input it takes, and before whatever reads the new residual
         order = {node: i for i, node in enumerate(graph.nodes)}
-        if any(order[a] > order[m.h] for a in (m.weight, *linear.args[1:]) if isinstance(a, fx.Node)):
-            continue  # the fused op goes where h was: every input of it must be there by then
         new_args = (m.x0, m.r0, m.weight, m.eps, *linear.args[1:])
-        with graph.inserting_after(m.h):
+        anchor = max((a for a in (m.h, *new_args) if isinstance(a, fx.Node)), key=order.__getitem__)
+        readers = [u for r in m.residuals for u in r.users if u not in m.chain]
+        if any(order[u] <= order[anchor] for u in readers):
+            continue
+        with graph.inserting_after(anchor):
             fused = graph.call_function(NORM_LINEAR, new_args, dict(linear.kwargs))
         with graph.inserting_after(fused):
             y = graph.call_function(operator.getitem, (fused, 0))
@@ -425,7 +440,10 @@ def fuse_decomposed_norms(graph: fx.Graph, fuses: Callable[[int], bool] = route_
                 res = graph.call_function(operator.getitem, (fused, 1))
             res.meta["val"] = out[1]
             for r in m.residuals:
-                r.replace_all_uses_with(res) if r is not m.h else _replace_uses_outside(r, res, set(m.chain))
+                if r is m.h:  # an fp32 model: h itself is the new residual for its other users
+                    _replace_uses_outside(r, res, set(m.chain))
+                else:
+                    r.replace_all_uses_with(res)
         linear.replace_all_uses_with(y)
         graph.erase_node(linear)
         order = {node: i for i, node in enumerate(graph.nodes)}
