@@ -237,7 +237,7 @@ def test_traced_norms_fuse_on_cpu_routes(add: bool, dtype: torch.dtype) -> None:
     want = piece(*args)
     found: list[tuple[int, int]] = []
 
-    class Counting(fusion.CpuFusionPass):
+    class Counting(fusion.FusionPass):
         def __call__(self, graph: torch.fx.Graph) -> None:
             found.append(fusion.run_passes(graph, self.norms, True))
 
@@ -257,7 +257,7 @@ def test_traced_norms_left_alone(case: str) -> None:
                           extra_user=case == "norm output used elsewhere")
     found: list[tuple[int, int]] = []
 
-    class Counting(fusion.CpuFusionPass):
+    class Counting(fusion.FusionPass):
         def __call__(self, graph: torch.fx.Graph) -> None:
             found.append(fusion.run_passes(graph, True, True))
 
@@ -294,7 +294,7 @@ def test_silu_and_norm_fuse_in_one_cpu_block() -> None:
     want = block(*args)
     found: list[tuple[int, int]] = []
 
-    class Counting(fusion.CpuFusionPass):
+    class Counting(fusion.FusionPass):
         def __call__(self, graph: torch.fx.Graph) -> None:
             found.append(fusion.run_passes(graph, True, True))
 
@@ -304,19 +304,19 @@ def test_silu_and_norm_fuse_in_one_cpu_block() -> None:
     assert (got[0].float() - want[0].float()).abs().max().item() <= 2**-5 * want[0].float().abs().max().item()
 
 
-def test_cpu_pass_goes_into_stock_inductor_options(monkeypatch: pytest.MonkeyPatch) -> None:
-    """add_cpu_pass: into a stock-Inductor compile config's options (its uuid names the settings, so vLLM's compile
-    cache key moves with them); never over a pass that is already there; not when both rewrites are off."""
+def test_the_pass_goes_into_the_compile_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    """add_pass: into an Inductor compile config's options (its uuid names the settings, so vLLM's compile cache key
+    moves with them); never over a pass that is already there; not when both rewrites are off."""
     from types import SimpleNamespace
 
     monkeypatch.delenv("ANYCHIP_FUSE_NORM", raising=False)
     monkeypatch.delenv("ANYCHIP_FUSE_SILU", raising=False)
     cfg = SimpleNamespace(backend="inductor", inductor_compile_config={})
-    assert fusion.add_cpu_pass(cfg)
+    assert fusion.add_pass(cfg)
     on = cfg.inductor_compile_config["post_grad_custom_post_pass"]
-    assert isinstance(on, fusion.CpuFusionPass) and (on.norms, on.silu) == (True, None)
+    assert isinstance(on, fusion.FusionPass) and (on.norms, on.silu) == (True, None)
     monkeypatch.setenv("ANYCHIP_FUSE_SILU", "0")
-    assert fusion.add_cpu_pass(cfg)  # ours is replaced by ours with the new settings
+    assert fusion.add_pass(cfg)  # ours is replaced by ours with the new settings
     off = cfg.inductor_compile_config["post_grad_custom_post_pass"]
     assert off.silu is False and off.uuid() != on.uuid()
     import pickle
@@ -324,9 +324,9 @@ def test_cpu_pass_goes_into_stock_inductor_options(monkeypatch: pytest.MonkeyPat
     assert pickle.loads(pickle.dumps(off)).uuid() == off.uuid()  # vLLM pickles the config to its engine process
     mine = object()
     cfg2 = SimpleNamespace(backend="inductor", inductor_compile_config={"post_grad_custom_post_pass": mine})
-    assert not fusion.add_cpu_pass(cfg2)
+    assert not fusion.add_pass(cfg2)
     assert cfg2.inductor_compile_config["post_grad_custom_post_pass"] is mine
-    assert not fusion.add_cpu_pass(SimpleNamespace(backend="eager", inductor_compile_config={}))
+    assert not fusion.add_pass(SimpleNamespace(backend="eager", inductor_compile_config={}))
     monkeypatch.setenv("ANYCHIP_FUSE_NORM", "0")
     cfg3 = SimpleNamespace(backend="inductor", inductor_compile_config={})
-    assert not fusion.add_cpu_pass(cfg3) and cfg3.inductor_compile_config == {}
+    assert not fusion.add_pass(cfg3) and cfg3.inductor_compile_config == {}

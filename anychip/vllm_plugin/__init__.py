@@ -19,8 +19,7 @@ def register() -> None:
     from anychip.vllm_plugin.config import AnychipW4A8Config  # registers on import
 
     request_amx_tiles()  # before any attention runs: see there
-    fusion.install()  # RMSNorm (SiluAndMul) -> W4A8 linear, among vLLM's compile passes
-    fusion.install_cpu()  # the same for vLLM's CPU engines, which compile with stock Inductor
+    fusion.install()  # RMSNorm (SiluAndMul) -> W4A8 linear, in every engine's compile options
     # vLLM's CPU attention from C++, for the models this plugin's quantization config serves
     cpu_attention.install(lambda config: isinstance(getattr(config, "quant_config", None), AnychipW4A8Config))
     _registered = True

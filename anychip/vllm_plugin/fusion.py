@@ -18,9 +18,10 @@ fuses it; the pass changes nothing in a graph without such pairs (other models, 
 ANYCHIP_FUSE_NORM=0 turns the norm half off. The SiluAndMul half runs where the route fuses it by default
 (Route.fuse_silu_by_default: the C++ x86 routes) unless ANYCHIP_FUSE_SILU=0, and on the CUDA route only with
 ANYCHIP_FUSE_SILU=1 (one H200 run, docs/gpu-notes.md session 10, did not show it faster: each GEMV program
-recomputes silu over the whole row for the token's scale). The plugin installs
-it into vLLM's post-grad pass manager (`install`), where it runs after vLLM's own fusion passes and before the IR
-lowering.
+recomputes silu over the whole row for the token's scale). The plugin puts the pass into each engine's compile
+options (`install`, `add_pass`): a CUDA engine's post-grad pass manager runs it after vLLM's own fusion passes and
+before the IR lowering; a CPU engine, which vLLM compiles with stock Inductor and the IR ops off, runs it as
+Inductor's post-grad hook, where a norm is the IR op's traced native body (`_decomposed_norm`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from anychip import envs
 from anychip.kernels import ops, routes  # noqa: F401  (ops registers torch.ops.anychip.*)
+
+try:  # vLLM's pass base (a CustomGraphPass): its CUDA backend takes only those from the compile options
+    from vllm.compilation.passes.inductor_pass import InductorPass as _PassBase
+except Exception:  # a vLLM without it: stock Inductor still runs any CustomGraphPass
+    _PassBase = CustomGraphPass
 
 log = logging.getLogger(__name__)
 
@@ -471,11 +477,13 @@ def run_passes(graph: fx.Graph, norms: bool, silus: bool) -> tuple[int, int]:
     return n, s
 
 
-class CpuFusionPass(CustomGraphPass):
-    """The rewrites as an Inductor post-grad pass, for vLLM's CPU engines: vLLM compiles them with stock
-    torch.compile (backend "inductor", its inductor_compile_config as the options), not through its pass manager.
-    Module-level and holding only its settings, so that vLLM can pickle the config that carries it to its engine
-    process; uuid() names the rewrite's source and settings (vLLM hashes the compile config through it)."""
+class FusionPass(_PassBase):
+    """The rewrites as one Inductor post-grad pass, put into an engine's compile options (`add_pass`): vLLM's
+    CUDA engines hand a pass found there to their post-grad pass manager (after vLLM's own passes, before its IR
+    lowering), and its CPU engines compile with stock torch.compile (backend "inductor", the same options) and
+    Inductor runs it itself. Module-level and holding only its settings, so that vLLM can pickle the config that
+    carries it to its engine process; uuid() names the rewrite's source and settings, and vLLM hashes the compile
+    config through it: a compile cache made with other fusion settings is not reused."""
 
     def __init__(self, norms: bool, silu: bool | None) -> None:
         self.norms, self.silu = norms, silu
@@ -488,12 +496,12 @@ class CpuFusionPass(CustomGraphPass):
         return hashlib.sha256(f"{source}{self.norms}{self.silu}".encode()).hexdigest()
 
 
-_POST_GRAD_KEY = "post_grad_custom_post_pass"
+_POST_GRAD_KEY = "post_grad_custom_post_pass"  # vLLM's Platform.pass_key on every platform it has
 
 
-def add_cpu_pass(compilation_config: Any) -> bool:
-    """Put CpuFusionPass into a CPU engine's Inductor options when vLLM compiles with stock Inductor and nothing
-    else holds that hook (a user's own pass stays); returns whether it did."""
+def add_pass(compilation_config: Any) -> bool:
+    """Put FusionPass into an engine's Inductor options (compilation_config.inductor_compile_config) when it
+    compiles with Inductor and nothing else holds that hook (a user's own pass stays); returns whether it did."""
     norms, silu = envs.fuse_norm(), envs.fuse_silu()
     if not norms and silu is False:
         return False
@@ -503,10 +511,10 @@ def add_cpu_pass(compilation_config: Any) -> bool:
     if not isinstance(options, dict):
         return False
     current = options.get(_POST_GRAD_KEY)
-    if current is not None and not isinstance(current, CpuFusionPass):
+    if current is not None and not isinstance(current, FusionPass):
         log.info("anychip: the compile config already has a post-grad pass (%r); not adding the fusion pass", current)
         return False
-    options[_POST_GRAD_KEY] = CpuFusionPass(norms, silu)
+    options[_POST_GRAD_KEY] = FusionPass(norms, silu)
     return True
 
 
@@ -514,65 +522,25 @@ _installed = False
 
 
 def install() -> bool:
-    """Add the pass to vLLM's post-grad pass manager (its `configure`, once a process); False when this vLLM has no
-    such manager or the pass is turned off."""
+    """Have vLLM's platform add FusionPass to every engine config it finishes (its check_and_update_config, once a
+    process; after the platform's own settings, which choose the compile backend); False where this vLLM has no
+    platform to hook."""
     global _installed
     if _installed:
         return True
-    norms, silus = envs.fuse_norm(), envs.fuse_silu() is not False
-    if not norms and not silus:
-        return False
     try:
-        from vllm.compilation.passes.inductor_pass import InductorPass
-        from vllm.compilation.passes.pass_manager import PostGradPassManager
-    except Exception as exc:  # another vLLM layout (or a platform whose passes fail to import): serve unfused
+        from vllm.platforms import current_platform
+
+        platform = type(current_platform)
+        original = platform.check_and_update_config.__func__
+    except Exception as exc:  # another vLLM layout: serve unfused
         log.info("anychip: no fusion pass in this vLLM (%s: %s)", type(exc).__name__, exc)
         return False
-    if not callable(getattr(PostGradPassManager, "configure", None)) or not hasattr(PostGradPassManager(), "passes"):
-        log.info("anychip: no fusion pass in this vLLM (its PostGradPassManager has no configure / passes)")
-        return False
-
-    class AnychipNormFusion(InductorPass):
-        def __call__(self, graph: fx.Graph) -> None:
-            run_passes(graph, norms, silus)
-
-        def uuid(self) -> str:  # the rewrite's source and settings, not only this wrapper's: a change recompiles
-            return InductorPass.hash_source(inspect.getsource(inspect.getmodule(fuse_norms))
-                                            + f"{norms}{envs.fuse_silu()}")
-
-    original = PostGradPassManager.configure
-
-    def configure(self: Any, config: Any, _original: Callable = original) -> None:
-        _original(self, config)
-        if not any(type(p).__name__ == AnychipNormFusion.__name__ for p in self.passes):
-            self.passes.append(AnychipNormFusion())
-
-    PostGradPassManager.configure = configure
-    _installed = True
-    return True
-
-
-_cpu_installed = False
-
-
-def install_cpu() -> bool:
-    """Have vLLM's CPU platform add CpuFusionPass to every engine config it finishes (after its own settings, which
-    choose stock Inductor): the rewrites then run in the engine's compile, and vLLM's compile-cache key covers their
-    settings. False where this vLLM has no CPU platform class."""
-    global _cpu_installed
-    if _cpu_installed:
-        return True
-    try:
-        from vllm.platforms.cpu import CpuPlatform
-    except Exception as exc:  # a vLLM build without the CPU platform: nothing to do
-        log.info("anychip: no CPU fusion pass in this vLLM (%s: %s)", type(exc).__name__, exc)
-        return False
-    original = CpuPlatform.check_and_update_config.__func__
 
     def check_and_update_config(cls: Any, vllm_config: Any, _original: Callable = original) -> None:
         _original(cls, vllm_config)
-        add_cpu_pass(vllm_config.compilation_config)
+        add_pass(vllm_config.compilation_config)
 
-    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
-    _cpu_installed = True
+    platform.check_and_update_config = classmethod(check_and_update_config)
+    _installed = True
     return True
