@@ -209,6 +209,14 @@ def _silu_mul_source(x: Any, k: int) -> tuple[fx.Node, list[fx.Node]] | None:
     return None
 
 
+def _erase_unused(graph: fx.Graph, nodes: Any) -> None:
+    """Erase those of `nodes` that nothing uses any more, users before what they use."""
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    for node in sorted(set(nodes), key=order.__getitem__, reverse=True):
+        if not node.users:
+            graph.erase_node(node)
+
+
 def _ancestors(node: fx.Node, stop: fx.Node) -> list[fx.Node]:
     """node and the calls it depends on down to (not including) stop."""
     seen: list[fx.Node] = []
@@ -257,10 +265,7 @@ def fuse_silu_mul(graph: fx.Graph, fuses: Callable[[int], bool] = route_fuses_si
         fused.meta["val"] = _fake_call(SILU_LINEAR, new_args, dict(linear.kwargs))
         linear.replace_all_uses_with(fused)
         graph.erase_node(linear)
-        order = {node: i for i, node in enumerate(graph.nodes)}
-        for node in sorted(chain, key=order.__getitem__, reverse=True):  # users before what they use
-            if not node.users:
-                graph.erase_node(node)
+        _erase_unused(graph, chain)
         done += 1
     if done:
         graph.lint()
@@ -452,10 +457,7 @@ def fuse_decomposed_norms(graph: fx.Graph, fuses: Callable[[int], bool] = route_
                     r.replace_all_uses_with(res)
         linear.replace_all_uses_with(y)
         graph.erase_node(linear)
-        order = {node: i for i, node in enumerate(graph.nodes)}
-        for node in sorted(set(m.chain) | set(m.residuals), key=order.__getitem__, reverse=True):
-            if not node.users:
-                graph.erase_node(node)
+        _erase_unused(graph, set(m.chain) | set(m.residuals))
         done += 1
     if done:
         graph.lint()

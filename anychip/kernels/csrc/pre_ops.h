@@ -64,23 +64,24 @@ inline float residual_sum(const T* x, const T* r, int64_t i) {
   return r ? to_f(x[i]) + to_f(r[i]) : to_f(x[i]);
 }
 
+// exp(x) = 2^n exp(f), x = n ln2 + f, |f| <= ln2 / 2 (ln2 in two parts, so n ln2 subtracts exactly), and
+// exp(f) = 1 + f + f^2 P(f) with Cephes' expf polynomial P, highest power first.
+constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 #ifdef ANYCHIP_X86
 // ---------------------------------------------------------------- AVX512
 
-// exp(x) for 16 lanes: x = n ln2 + f, |f| <= ln2 / 2, exp(f) by Cephes' expf polynomial, 2^n by scalef (which
-// saturates to inf and 0 as exp does beyond fp32's range).
+// exp(x) for 16 lanes, 2^n by scalef (which saturates to inf and 0 as exp does beyond fp32's range).
 ANYCHIP_AVX512 inline __m512 exp_avx512(__m512 x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(89.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), f);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
+  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), f);
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExpPoly[i]));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(f, f), _mm512_add_ps(f, _mm512_set1_ps(1.f)));
   return _mm512_scalef_ps(p, n);
 }
@@ -150,18 +151,15 @@ ANYCHIP_AVX512 void rms_norm_avx512(const T* x, const T* r, const T* w, float ep
 
 // ---------------------------------------------------------------- AVX2 (fp16 takes the scalar path: no F16C here)
 
+// exp(x) for 8 lanes, 2^n built in the exponent bits (x clamped so that 2^n stays a normal number).
 ANYCHIP_AVX2 inline __m256 exp_avx2(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));  // 2^n stays normal
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  f = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), f);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.0000001201e-1f));
+  __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
+  f = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), f);
+  __m256 p = _mm256_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExpPoly[i]));
   p = _mm256_fmadd_ps(p, _mm256_mul_ps(f, f), _mm256_add_ps(f, _mm256_set1_ps(1.f)));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
