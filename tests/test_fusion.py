@@ -268,9 +268,15 @@ def test_traced_norms_left_alone(case: str) -> None:
     assert torch.equal(got[1], want[1])
 
 
-def test_silu_and_norm_fuse_in_one_cpu_block() -> None:
+@pytest.mark.parametrize("silu,env,found_silu", [(None, None, 1), (None, "0", 1), (False, None, 0), (True, "0", 1)])
+def test_silu_and_norm_fuse_in_one_cpu_block(silu, env, found_silu, monkeypatch: pytest.MonkeyPatch) -> None:
     """A whole MLP block as the CPU graph holds it (traced norm, gate/up, SiluAndMul, down) on a C++ route: both
-    rewrites, vLLM's outputs within the bound."""
+    rewrites, vLLM's outputs within the bound. The pass follows its own settings (those its uuid names), not the
+    environment of the process that compiles."""
+    if env is None:
+        monkeypatch.delenv("ANYCHIP_FUSE_SILU", raising=False)
+    else:
+        monkeypatch.setenv("ANYCHIP_FUSE_SILU", env)
     from vllm.ir.ops.layernorm import fused_add_rms_norm
 
     x, r, nw = _inputs()[:3]
@@ -296,10 +302,10 @@ def test_silu_and_norm_fuse_in_one_cpu_block() -> None:
 
     class Counting(fusion.FusionPass):
         def __call__(self, graph: torch.fx.Graph) -> None:
-            found.append(fusion.run_passes(graph, True, True))
+            found.append(fusion.run_passes(graph, self.norms, self.silu))
 
-    got = _compiled_with(block, Counting(True, None), *args)
-    assert found == [(1, 1)]
+    got = _compiled_with(block, Counting(True, silu), *args)
+    assert found == [(1, found_silu)]
     assert torch.equal(got[1], want[1])
     assert (got[0].float() - want[0].float()).abs().max().item() <= 2**-5 * want[0].float().abs().max().item()
 

@@ -230,13 +230,21 @@ def _ancestors(node: fx.Node, stop: fx.Node) -> list[fx.Node]:
     return seen
 
 
+def silu_fuser(setting: bool | None) -> Callable[[int | str], bool]:
+    """route -> whether the route computes SiluAndMul and the fusion is on for it under `setting` (ANYCHIP_FUSE_SILU's
+    value: True on, False off, None each route's default, Route.fuse_silu_by_default)."""
+
+    def fuses(route: int | str) -> bool:
+        if setting is False or not _route_has(route, "fuses_silu_mul"):
+            return False
+        return setting is True or _route_has(route, "fuse_silu_by_default")
+
+    return fuses
+
+
 def route_fuses_silu(route: int | str) -> bool:
-    """Whether the route computes SiluAndMul and the fusion is on for it: ANYCHIP_FUSE_SILU if set, else the
-    route's default (Route.fuse_silu_by_default)."""
-    setting = envs.fuse_silu()
-    if setting is False or not _route_has(route, "fuses_silu_mul"):
-        return False
-    return setting is True or _route_has(route, "fuse_silu_by_default")
+    """silu_fuser under this process's ANYCHIP_FUSE_SILU."""
+    return silu_fuser(envs.fuse_silu())(route)
 
 
 def fuse_silu_mul(graph: fx.Graph, fuses: Callable[[int], bool] = route_fuses_silu) -> int:
@@ -470,10 +478,11 @@ def _replace_uses_outside(node: fx.Node, new: fx.Node, inside: set[fx.Node]) -> 
             user.replace_input_with(node, new)
 
 
-def run_passes(graph: fx.Graph, norms: bool, silus: bool) -> tuple[int, int]:
-    """Both rewrites on `graph`: the norms (vLLM's IR ops, or their traced bodies) and SiluAndMul."""
+def run_passes(graph: fx.Graph, norms: bool, silu: bool | None) -> tuple[int, int]:
+    """Both rewrites on `graph`: the norms (vLLM's IR ops, or their traced bodies) and SiluAndMul, under these
+    settings (ANYCHIP_FUSE_NORM's and ANYCHIP_FUSE_SILU's values), whatever this process's environment says."""
     n = (fuse_norms(graph) + fuse_decomposed_norms(graph)) if norms else 0
-    s = fuse_silu_mul(graph) if silus else 0
+    s = fuse_silu_mul(graph, fuses=silu_fuser(silu)) if silu is not False else 0
     if n or s:
         log.info("anychip: RMSNorm moved into %d and SiluAndMul into %d W4A8 linears of a compiled graph", n, s)
     return n, s
@@ -491,7 +500,7 @@ class FusionPass(_PassBase):
         self.norms, self.silu = norms, silu
 
     def __call__(self, graph: fx.Graph) -> None:
-        run_passes(graph, self.norms, self.silu is not False)
+        run_passes(graph, self.norms, self.silu)
 
     def uuid(self) -> str:
         source = inspect.getsource(inspect.getmodule(fuse_norms))
