@@ -300,6 +300,27 @@ def fuse_norms(graph: fx.Graph, fuses: Callable[[int], bool] = route_fuses) -> i
     return done
 
 
+def _norm_linear_nodes(graph: fx.Graph, where: Any, new_args: tuple, linear: fx.Node,
+                       residual: bool) -> tuple[fx.Node, fx.Node | None]:
+    """anychip::w4a8_linear_norm(*new_args) inserted at `where` (a graph.inserting_* context) in place of `linear`,
+    which it replaces and erases: its output node and, when `residual`, its new-residual node."""
+    kwargs = dict(linear.kwargs)
+    with where:
+        fused = graph.call_function(NORM_LINEAR, new_args, kwargs)
+    with graph.inserting_after(fused):
+        y = graph.call_function(operator.getitem, (fused, 0))
+    out = _fake_call(NORM_LINEAR, new_args, kwargs)
+    fused.meta["val"], y.meta["val"] = out, out[0]
+    res = None
+    if residual:
+        with graph.inserting_after(y):
+            res = graph.call_function(operator.getitem, (fused, 1))
+        res.meta["val"] = out[1]
+    linear.replace_all_uses_with(y)
+    graph.erase_node(linear)
+    return y, res
+
+
 def _rewrite(graph: fx.Graph, pair: _Pair, order: dict[fx.Node, int]) -> bool:
     linear, norm = pair.linear, pair.norm
     rest = list(linear.args[1:])
@@ -311,19 +332,9 @@ def _rewrite(graph: fx.Graph, pair: _Pair, order: dict[fx.Node, int]) -> bool:
     a = pair.args
     new_args = (a["x"], a["x_residual"] if pair.add else None, a["weight"], float(a["epsilon"]), *rest)
     where = graph.inserting_after(norm) if early else graph.inserting_before(linear)
-    with where:
-        fused = graph.call_function(NORM_LINEAR, new_args, dict(linear.kwargs))
-    with graph.inserting_after(fused):
-        y = graph.call_function(operator.getitem, (fused, 0))
-    with graph.inserting_after(y):
-        residual = graph.call_function(operator.getitem, (fused, 1)) if pair.add else None
-    out = _fake_call(NORM_LINEAR, new_args, dict(linear.kwargs))
-    fused.meta["val"], y.meta["val"] = out, out[0]
-    linear.replace_all_uses_with(y)
-    graph.erase_node(linear)
+    _, residual = _norm_linear_nodes(graph, where, new_args, linear, pair.add)
     graph.erase_node(pair.out)
     if residual is not None:
-        residual.meta["val"] = out[1]
         for r in pair.residuals:
             r.replace_all_uses_with(residual)
             graph.erase_node(r)
@@ -448,23 +459,12 @@ def fuse_decomposed_norms(graph: fx.Graph, fuses: Callable[[int], bool] = route_
         readers = [u for r in m.residuals for u in r.users if u not in m.chain]
         if any(order[u] <= order[anchor] for u in readers):
             continue
-        with graph.inserting_after(anchor):
-            fused = graph.call_function(NORM_LINEAR, new_args, dict(linear.kwargs))
-        with graph.inserting_after(fused):
-            y = graph.call_function(operator.getitem, (fused, 0))
-        out = _fake_call(NORM_LINEAR, new_args, dict(linear.kwargs))
-        fused.meta["val"], y.meta["val"] = out, out[0]
-        if m.residuals:
-            with graph.inserting_after(y):
-                res = graph.call_function(operator.getitem, (fused, 1))
-            res.meta["val"] = out[1]
-            for r in m.residuals:
-                if r is m.h:  # an fp32 model: h itself is the new residual for its other users
-                    _replace_uses_outside(r, res, set(m.chain))
-                else:
-                    r.replace_all_uses_with(res)
-        linear.replace_all_uses_with(y)
-        graph.erase_node(linear)
+        _, res = _norm_linear_nodes(graph, graph.inserting_after(anchor), new_args, linear, bool(m.residuals))
+        for r in m.residuals:
+            if r is m.h:  # an fp32 model: h itself is the new residual for its other users
+                _replace_uses_outside(r, res, set(m.chain))
+            else:
+                r.replace_all_uses_with(res)
         _erase_unused(graph, set(m.chain) | set(m.residuals))
         done += 1
     if done:

@@ -84,7 +84,7 @@ inline std::atomic<uint8_t>* fused_flags() {
 }
 
 inline void note_fused(int64_t layer, uint8_t bit) {
-  if (layer < 0 || layer >= kFusedFlagLayers) return;
+  if (bit == 0 || layer < 0 || layer >= kFusedFlagLayers) return;
   std::atomic<uint8_t>& f = fused_flags()[layer];
   if (!(f.load(std::memory_order_relaxed) & bit)) f.fetch_or(bit, std::memory_order_relaxed);
 }

@@ -22,6 +22,7 @@
 #include <torch/library.h>
 
 #include <cstdlib>
+#include <optional>
 #include <vector>
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -219,6 +220,32 @@ std::tuple<at::Tensor, at::Tensor> quantize_act(const at::Tensor& x_in) {
   return {xq, sx};
 }
 
+// The linear of float x after `pre` (pre_ops.h; none for w4a8_linear itself), computed while its rows are
+// quantized; the fused ops (the plugin's graph pass puts them where vLLM's norm or SiluAndMul feeds one W4A8 linear)
+// flag their layer with `fused`.  x: contiguous (..., K), or (..., 2K) for SiluAndMul; the output (..., N) in x's
+// dtype.
+at::Tensor linear_of(const at::Tensor& xc, const PreArgs& pre, int64_t k, const at::Tensor& weight,
+                     const at::Tensor& scales, const c10::optional<at::Tensor>& bias, int64_t n, int64_t group_size,
+                     int64_t isa, const c10::optional<at::Tensor>& layer_id, uint8_t fused) {
+  const int64_t m = xc.numel() / xc.size(-1);
+  const c10::optional<at::Tensor> b = float_bias(bias);
+  Problem p = weight_problem(weight, scales, b, m, n, k, group_size);
+  const int64_t layer = layer_index(layer_id);
+  count_call(layer, m);
+  note_fused(layer, fused);
+  at::DimVector shape(xc.sizes());
+  shape.back() = n;
+  at::Tensor out = at::empty(shape, xc.options());
+  p.out = out.data_ptr();
+  p.out_type = out_type(xc.scalar_type());
+  Acts a;
+  a.x = xc.data_ptr();
+  a.x_type = xc.scalar_type();
+  a.pre = pre;
+  run_op<false>(p, isa, a);
+  return out;
+}
+
 at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                        const c10::optional<at::Tensor>& bias, int64_t n, int64_t k, int64_t group_size,
                        int64_t route, const c10::optional<at::Tensor>& layer_id) {
@@ -228,21 +255,7 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
                                             group_size, route, layer_id);
   check_isa(isa);
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "anychip w4a8_linear: x must be (..., K=", k, "), got ", x.sizes());
-  const at::Tensor xc = x.contiguous();
-  const int64_t m = xc.numel() / k;
-  const c10::optional<at::Tensor> b = float_bias(bias);
-  Problem p = weight_problem(weight, scales, b, m, n, k, group_size);
-  count_call(layer_index(layer_id), m);
-  at::DimVector shape(x.sizes());
-  shape.back() = n;
-  at::Tensor out = at::empty(shape, x.options());
-  p.out = out.data_ptr();
-  p.out_type = out_type(x.scalar_type());
-  Acts a;
-  a.x = xc.data_ptr();
-  a.x_type = xc.scalar_type();
-  run_op<false>(p, isa, a);
-  return out;
+  return linear_of(x.contiguous(), PreArgs{}, k, weight, scales, bias, n, group_size, isa, layer_id, 0);
 }
 
 at::Tensor w4a8_linear_q(const at::Tensor& xq_in, const at::Tensor& sx_in, const at::Tensor& weight,
@@ -273,30 +286,33 @@ at::Tensor w4a8_linear_q(const at::Tensor& xq_in, const at::Tensor& sx_in, const
   return out;
 }
 
-// The fused ops (the plugin's graph pass puts them where vLLM's norm or SiluAndMul feeds one W4A8 linear): the
-// linear of x after `pre` (pre_ops.h), computed while its rows are quantized.  x: (..., K), or (..., 2K) for
-// SiluAndMul; the output (..., N) in x's dtype.
-at::Tensor fused_linear(const at::Tensor& xc, const PreArgs& pre, int64_t k, const at::Tensor& weight,
-                        const at::Tensor& scales, const c10::optional<at::Tensor>& bias, int64_t n, int64_t group_size,
-                        int64_t isa, const c10::optional<at::Tensor>& layer_id, uint8_t fused) {
-  const int64_t m = xc.numel() / xc.size(-1);
-  const c10::optional<at::Tensor> b = float_bias(bias);
-  Problem p = weight_problem(weight, scales, b, m, n, k, group_size);
-  const int64_t layer = layer_index(layer_id);
-  count_call(layer, m);
-  note_fused(layer, fused);
-  at::DimVector shape(xc.sizes());
-  shape.back() = n;
-  at::Tensor out = at::empty(shape, xc.options());
-  p.out = out.data_ptr();
-  p.out_type = out_type(xc.scalar_type());
-  Acts a;
-  a.x = xc.data_ptr();
-  a.x_type = xc.scalar_type();
-  a.pre = pre;
-  run_op<false>(p, isa, a);
-  return out;
-}
+// An RMSNorm's operands checked against x (..., K) and held contiguous while `pre` points into them; residual_out:
+// where fused_add_rms_norm's new residual goes (empty without a residual).
+struct NormOperands {
+  at::Tensor weight, residual, residual_out;
+  PreArgs pre;
+
+  NormOperands(const at::Tensor& x, const c10::optional<at::Tensor>& r, const at::Tensor& norm_weight, double eps,
+               const char* op) {
+    const int64_t k = x.size(-1);
+    TORCH_CHECK(norm_weight.dim() == 1 && norm_weight.size(0) == k && norm_weight.scalar_type() == x.scalar_type(),
+                op, ": norm_weight must be (K=", k, ") in x's dtype ", x.scalar_type(), ", got ",
+                norm_weight.scalar_type(), " ", norm_weight.sizes());
+    weight = norm_weight.contiguous();
+    residual_out = at::empty({0}, x.options());
+    pre.op = PreOp::kRmsNorm;
+    pre.norm_weight = weight.data_ptr();
+    pre.eps = static_cast<float>(eps);
+    if (r.has_value()) {
+      TORCH_CHECK(r->sizes() == x.sizes() && r->scalar_type() == x.scalar_type(), op,
+                  ": the residual must be x's shape and dtype, got ", r->scalar_type(), " ", r->sizes());
+      residual = r->contiguous();
+      residual_out = at::empty(x.sizes(), x.options());
+      pre.residual = residual.data_ptr();
+      pre.residual_out = residual_out.data_ptr();
+    }
+  }
+};
 
 std::tuple<at::Tensor, at::Tensor> w4a8_linear_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                                                     const at::Tensor& norm_weight, double eps,
@@ -311,26 +327,9 @@ std::tuple<at::Tensor, at::Tensor> w4a8_linear_norm(const at::Tensor& x, const c
   check_isa(isa);
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "anychip w4a8_linear_norm: x must be (..., K=", k, "), got ",
               x.sizes());
-  TORCH_CHECK(norm_weight.dim() == 1 && norm_weight.size(0) == k && norm_weight.scalar_type() == x.scalar_type(),
-              "anychip w4a8_linear_norm: norm_weight must be (K=", k, ") in x's dtype ", x.scalar_type(), ", got ",
-              norm_weight.scalar_type(), " ", norm_weight.sizes());
-  const at::Tensor xc = x.contiguous(), wc = norm_weight.contiguous();
-  at::Tensor rc, rout = at::empty({0}, x.options());
-  PreArgs pre;
-  pre.op = PreOp::kRmsNorm;
-  pre.norm_weight = wc.data_ptr();
-  pre.eps = static_cast<float>(eps);
-  if (residual.has_value()) {
-    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
-                "anychip w4a8_linear_norm: the residual must be x's shape and dtype, got ", residual->scalar_type(),
-                " ", residual->sizes());
-    rc = residual->contiguous();
-    rout = at::empty(x.sizes(), x.options());
-    pre.residual = rc.data_ptr();
-    pre.residual_out = rout.data_ptr();
-  }
-  at::Tensor y = fused_linear(xc, pre, k, weight, scales, bias, n, group_size, isa, layer_id, kFusedNorm);
-  return {y, rout};
+  const NormOperands norm(x, residual, norm_weight, eps, "anychip w4a8_linear_norm");
+  at::Tensor y = linear_of(x.contiguous(), norm.pre, k, weight, scales, bias, n, group_size, isa, layer_id, kFusedNorm);
+  return {y, norm.residual_out};
 }
 
 at::Tensor w4a8_linear_silu_mul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
@@ -345,7 +344,7 @@ at::Tensor w4a8_linear_silu_mul(const at::Tensor& x, const at::Tensor& weight, c
               "), got ", x.sizes());
   PreArgs pre;
   pre.op = PreOp::kSiluMul;
-  return fused_linear(x.contiguous(), pre, k, weight, scales, bias, n, group_size, isa, layer_id, kFusedSiluMul);
+  return linear_of(x.contiguous(), pre, k, weight, scales, bias, n, group_size, isa, layer_id, kFusedSiluMul);
 }
 
 // Debug: the exact (M, N, K/G) int32 group dot products, through the same tile kernels.
@@ -380,30 +379,20 @@ std::tuple<at::Tensor, at::Tensor> pre_values(const at::Tensor& x_in, const c10:
   TORCH_CHECK(op == 1 || op == 2, "pre_values: op must be 1 (RMSNorm) or 2 (SiluAndMul)");
   const at::Tensor x = x_in.contiguous();
   const int64_t k = op == 2 ? x.size(-1) / 2 : x.size(-1), m = x.numel() / x.size(-1);
+  TORCH_CHECK(op == 2 || norm_weight.has_value(), "pre_values: RMSNorm needs a norm_weight");
+  std::optional<NormOperands> norm;
   PreArgs pre;
-  pre.op = static_cast<PreOp>(op);
-  pre.eps = static_cast<float>(eps);
-  at::Tensor w, r, rout = at::empty({0}, x.options());
+  pre.op = PreOp::kSiluMul;
   if (op == 1) {
-    TORCH_CHECK(norm_weight.has_value() && norm_weight->numel() == k && norm_weight->scalar_type() == x.scalar_type(),
-                "pre_values: RMSNorm needs a (K,) norm_weight in x's dtype");
-    w = norm_weight->contiguous();
-    pre.norm_weight = w.data_ptr();
-    if (residual.has_value()) {
-      TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
-                  "pre_values: the residual must be x's shape and dtype");
-      r = residual->contiguous();
-      rout = at::empty(x.sizes(), x.options());
-      pre.residual = r.data_ptr();
-      pre.residual_out = rout.data_ptr();
-    }
+    norm.emplace(x, residual, *norm_weight, eps, "pre_values");
+    pre = norm->pre;
   }
   at::Tensor v = at::empty({m, k}, x.options().dtype(at::kFloat));
   const int lvl = static_cast<int>(std::min<int64_t>(level, quant_simd()));
   with_x(x.scalar_type(), x.data_ptr(), [&](const auto* xs) {
     for (int64_t row = 0; row < m; ++row) pre_row(pre, xs, row, k, v.data_ptr<float>() + row * k, lvl);
   });
-  return {v, rout};
+  return {v, norm ? norm->residual_out : at::empty({0}, x.options())};
 }
 
 int64_t read_bytes(const at::Tensor& buf) {
