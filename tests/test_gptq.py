@@ -377,3 +377,84 @@ def test_block_tuning_keeps_the_contract_and_is_recorded(tmp_path):
     assert len(layers) == 2
     for t in layers:
         assert t["kept"] == (t["mse_tuned"] < t["mse_gptq"])
+
+
+def test_drift_correction_fits_the_float_output():
+    """Asymmetric calibration: GPTQ on drift_corrected weights fits the float output X~ W^T from the drifted inputs
+    X far better than GPTQ on W itself; with no drift the weights come back unchanged."""
+    from anychip.checkpoint.gptq import drift_corrected
+
+    xf = correlated_inputs(4096, 256)
+    g = torch.Generator().manual_seed(1)
+    x = xf + 0.3 * torch.randn(xf.shape, generator=g) * xf.std(dim=0)  # the quantized model's inputs
+    w = torch.randn(96, 256, generator=g) * 0.05
+    h, d = hessian(x), 2.0 * (xf - x).T @ x / x.shape[0]
+    errors = {}
+    for name, target in (("plain", w), ("corrected", drift_corrected(w, h, d, 0.01))):
+        wq, scales = gptq_quantize(target, h, 32, scale_search="mse", act_order=True, refit=2)
+        errors[name] = torch.linalg.norm(xf @ w.T - x @ dequantize_weight_ref(wq, scales).T).item()
+    assert errors["corrected"] < 0.6 * errors["plain"], errors
+    assert torch.equal(drift_corrected(w, h, torch.zeros_like(h), 0.01), w)
+    dead = h.clone()
+    dead[:, 7] = dead[7, :] = 0.0  # a column no input reaches keeps its weights
+    assert torch.equal(drift_corrected(w, dead, d, 0.01)[:, 7], w[:, 7])
+
+
+def test_forward_pairs_records_the_drift_between_float_and_quantized_layers(tmp_path):
+    """The drift hooks see the float layer's and the quantized layer's inputs of each linear on the same tokens:
+    zero where both layers are fed the same hidden states and weights, non-zero after a quantized linear."""
+    import copy
+
+    from conftest import write_tiny_llama
+    from transformers import AutoModelForCausalLM
+
+    from anychip.checkpoint.calibration import HessianHooks, forward_pairs, layer_inputs
+
+    src = write_tiny_llama(tmp_path / "bf16", num_hidden_layers=1)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        xs, kwargs = layer_inputs(model, torch.randint(0, 97, (2, 16)), torch.device("cpu"))
+        layer = model.model.layers[0]
+        reference = copy.deepcopy(layer)
+        qkv = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+        hooks = HessianHooks({n: layer.get_submodule(n) for n in qkv + ("self_attn.o_proj",)})
+        forward_pairs(layer, reference, xs, xs, kwargs[0], hooks)
+        assert all(torch.equal(hooks.drift(n), torch.zeros_like(hooks.drift(n))) for n in qkv)
+        v = layer.get_submodule("self_attn.v_proj")
+        v.weight.data = dequantize_weight_ref(*rtn_quantize(v.weight.data, 32))
+        hooks = HessianHooks({"self_attn.o_proj": layer.get_submodule("self_attn.o_proj")})
+        forward_pairs(layer, reference, xs, xs, kwargs[0], hooks)
+        assert hooks.drift("self_attn.o_proj").abs().max() > 0
+        assert hooks.reference is None  # cleared, hooks removed: a plain forward records nothing more
+        n = hooks.n["self_attn.o_proj"]
+        layer(xs[0], **kwargs[0])
+        assert hooks.n["self_attn.o_proj"] == n
+
+
+def test_asymmetric_calibration_is_recorded_only_when_on(tmp_path):
+    from dataclasses import replace
+
+    from conftest import write_tiny_llama
+
+    from anychip.checkpoint.gptq import DEFAULT_GPTQ
+
+    src = write_tiny_llama(tmp_path / "bf16", num_hidden_layers=2)
+    text = tmp_path / "calib.txt"
+    text.write_text(" ".join(f"w{(i * 7) % 97}" for i in range(2000)))
+    scheme = W4A8Scheme(group_size=32)
+    assert "asymmetric" not in DEFAULT_GPTQ.recipe()  # recipes made before it existed keep their cache key
+    made = {}
+    for asym in (False, True):
+        q = gptq_quantizer(src, scheme, calibration=text, samples=4, seq_len=32,
+                           config=replace(DEFAULT_GPTQ, asymmetric=asym))
+        assert q.recipe["gptq"].get("asymmetric", False) is asym
+        made[asym] = dict(q._weights)
+    assert made[True].keys() == made[False].keys() and len(made[True]) == 14
+    for prefix, (wq, scales) in made[True].items():
+        assert wq.dtype == torch.int8 and int(wq.min()) >= -8 and int(wq.max()) <= 7
+        assert scales.dtype == torch.bfloat16 and (scales.float() > 0).all()
+    # layer 0's q/k/v see identical float and quantized inputs: the same codes; later linears differ somewhere
+    for name in ("q_proj", "k_proj", "v_proj"):
+        prefix = f"model.layers.0.self_attn.{name}"
+        assert torch.equal(made[True][prefix][0], made[False][prefix][0]), prefix
+    assert any(not torch.equal(made[True][p][0], made[False][p][0]) for p in made[True])

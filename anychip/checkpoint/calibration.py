@@ -97,10 +97,14 @@ def layer_inputs(model, batch: torch.Tensor, device: torch.device) -> tuple[list
 
 class HessianHooks:
     """Accumulates H = 2 X^T X / n for each linear of a layer; linears fed the same tensor share one H. Once every
-    hooked linear has seen its input in a forward, the forward is stopped (Capture): what follows is not needed."""
+    hooked linear has seen its input in a forward, the forward is stopped (Capture): what follows is not needed.
+    With `reference` set to {name: X~} before a forward (the float model's input to the same linear on the same
+    tokens), it also accumulates the drift D = 2 (X~ - X)^T X / n."""
 
     def __init__(self, linears: dict[str, torch.nn.Linear]) -> None:
         self.h: dict[str, torch.Tensor] = {}
+        self.d: dict[str, torch.Tensor] = {}
+        self.reference: dict[str, torch.Tensor] | None = None
         self.n: dict[str, int] = {}
         self.alias: dict[str, str] = {}
         self._seen: dict[int, tuple[torch.Tensor, str]] = {}  # holds the tensor so its id stays unique
@@ -129,6 +133,12 @@ class HessianHooks:
         if h is None:
             h = self.h[name] = torch.zeros(x.shape[1], x.shape[1], device=x.device)
         h.mul_(n / (n + m)).addmm_(x.t(), x, alpha=2.0 / (n + m))
+        if self.reference is not None:
+            drift = self.reference[name].reshape(-1, x.shape[1]).float() - x
+            d = self.d.get(name)
+            if d is None:
+                d = self.d[name] = torch.zeros_like(h)
+            d.mul_(n / (n + m)).addmm_(drift.t(), x, alpha=2.0 / (n + m))
         self.n[name] = n + m
 
     def new_forward(self, tokens: int) -> None:
@@ -137,6 +147,9 @@ class HessianHooks:
 
     def hessian(self, name: str) -> torch.Tensor:
         return self.h[self.alias.get(name, name)]
+
+    def drift(self, name: str) -> torch.Tensor:
+        return self.d[self.alias.get(name, name)]
 
     def remove(self) -> None:
         for h in self._handles:
@@ -177,14 +190,60 @@ class InputSample:
             h.remove()
 
 
+class InputRecord:
+    """The input each hooked linear is fed in one forward ({name: tensor}); stops the forward like HessianHooks."""
+
+    def __init__(self, linears: dict[str, torch.nn.Linear]) -> None:
+        self.inputs: dict[str, torch.Tensor] = {}
+        self._names = set(linears)
+        self._handles = [m.register_forward_pre_hook(self._hook(name)) for name, m in linears.items()]
+
+    def _hook(self, name: str):
+        def hook(_module, args):
+            self.inputs[name] = args[0]
+            if set(self.inputs) == self._names:
+                raise Capture
+        return hook
+
+    def new_forward(self, tokens: int) -> None:
+        self.inputs = {}
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def forward_pairs(layer, reference, xs: list[torch.Tensor], floats: list[torch.Tensor], kwargs: dict,
+                  hooks: HessianHooks) -> None:
+    """forward_all for asymmetric calibration: each batch runs through the float `reference` layer (on the float
+    model's hidden states `floats`) and then through `layer` (on the quantized model's `xs`), so that `hooks` sees,
+    for every linear, the float model's input beside the quantized model's on the same tokens."""
+    record = InputRecord({name: reference.get_submodule(name) for name in hooks._names})
+    try:
+        for x, xf in zip(xs, floats):
+            record.new_forward(xf.shape[-2])
+            _run(reference, xf, kwargs)
+            hooks.new_forward(x.shape[-2])
+            hooks.reference = record.inputs
+            _run(layer, x, kwargs)
+    finally:
+        record.remove()
+        hooks.reference = None
+        hooks.remove()
+
+
+def _run(layer, x: torch.Tensor, kwargs: dict) -> None:
+    try:
+        layer(x, **kwargs)
+    except Capture:
+        pass
+
+
 def forward_all(layer, xs: list[torch.Tensor], kwargs: dict, hooks) -> None:
     """Run the layer on every calibration sequence until the hooks have what they need."""
     try:
         for x in xs:
             hooks.new_forward(x.shape[-2])
-            try:
-                layer(x, **kwargs)
-            except Capture:
-                pass
+            _run(layer, x, kwargs)
     finally:
         hooks.remove()

@@ -13,6 +13,10 @@ coming from the already-quantized earlier layers. Within a layer (GPTQConfig say
   a group's scale is computed from the error-updated weights when the sweep reaches its first column.
 - scales (scales.py): amax / 7, the clipped-range search of GPTQ's reference code, or the diag(H)-weighted MSE
   search with least-squares refinement;
+- asymmetric calibration (GPTAQ, Li et al., 2025; off unless asymmetric): each linear's target is the float
+  model's output X~ W^T on the float model's own inputs X~, not W applied to the quantized model's inputs X.
+  min |X~ W^T - X Q^T|^2 is GPTQ's min |X W*^T - X Q^T|^2 plus a constant, for the least-squares weights
+  W* = W + W D H^-1 (D = 2 (X~ - X)^T X / n, H damped as the sweep damps it): the sweep runs on W* unchanged;
 - refit (after the sweep): a row's output error on the calibration inputs is quadratic in its group scales for
   fixed codes, so they are re-solved against the full Hessian (not only its diagonal), rounded to BF16 and kept
   where the error drops; optionally the codes swept again with the new scales, and the scales re-solved.
@@ -26,6 +30,7 @@ would replace compressed-tensors (0.17.0 -> 0.19.0) and transformers (5.19.0 -> 
 
 from __future__ import annotations
 
+import copy
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -37,7 +42,7 @@ import torch
 
 from anychip.checkpoint.blocktune import tune_layer
 from anychip.checkpoint.calibration import (HessianHooks, InputSample, calibration_batch, forward_all,
-                                            generated_batch, layer_inputs)
+                                            forward_pairs, generated_batch, layer_inputs)
 from anychip.checkpoint.layout import Family, family_of
 from anychip.checkpoint.scales import SCALE_SEARCHES, search_scales
 from anychip.checkpoint.scheme import W4A8Scheme
@@ -68,7 +73,8 @@ class GPTQConfig:
     tokens the smoothing search scores on; refit: 0 keeps the sweep's scales; 1 re-solves them for the sweep's codes
     against the full Hessian; each count above 1 adds a round of codes swept again with those scales fixed and
     scales re-solved for the new codes (_refit_rounds); tune_steps: block-tuning steps per layer after GPTQ (0: off;
-    blocktune.py), each on tune_batch calibration sequences, step size tune_lr (None: 1 / tune_steps)."""
+    blocktune.py), each on tune_batch calibration sequences, step size tune_lr (None: 1 / tune_steps);
+    asymmetric: each linear quantized against the float model's output on its own inputs (drift_corrected)."""
 
     samples: int = 128
     seq_len: int = 512
@@ -85,6 +91,7 @@ class GPTQConfig:
     tune_steps: int = 0
     tune_batch: int = 4
     tune_lr: float | None = None
+    asymmetric: bool = False
 
     def __post_init__(self) -> None:
         if self.samples < 1:
@@ -121,6 +128,8 @@ class GPTQConfig:
         if not self.tune_steps:
             for key in ("tune_steps", "tune_batch", "tune_lr"):
                 out.pop(key)  # recipes made before block tuning existed keep their provenance (and cache key)
+        if not self.asymmetric:
+            out.pop("asymmetric")  # the same for recipes made before asymmetric calibration existed
         return out
 
 
@@ -206,6 +215,22 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, group_size: int, damp: float
         if refit:
             q, scales = _refit_rounds(w, h, q, scales, group_size, damp, refit - 1, static_sweep)
         return q, scales
+
+
+def drift_corrected(w: torch.Tensor, h: torch.Tensor, d: torch.Tensor, damp: float) -> torch.Tensor:
+    """The weights W* = W + W D (H + damp * mean(diag H) * I)^-1 that asymmetric calibration quantizes: W* X^T is
+    the least-squares fit, on the quantized model's inputs X, of the float model's output W X~^T (D = 2 (X~ - X)^T
+    X / n, H = 2 X^T X / n). GPTQ's error on W* differs from the error against the float output by a constant, so
+    the sweep, its scale searches and the refit all run on W* as they are. Columns no input reaches stay as they
+    are. Solved in float64."""
+    h64, d64 = h.double(), d.double()
+    live = torch.diag(h64) > 0
+    mean_diag = torch.mean(torch.diag(h64)[live]) if live.any() else h64.new_tensor(1.0)
+    hd = h64[live][:, live] + damp * mean_diag * torch.eye(int(live.sum()), dtype=torch.float64, device=h.device)
+    rhs = (w.double() @ d64[:, live]).t()  # (K_live, N): (W D)^T on the live columns
+    out = w.double().clone()
+    out[:, live] += torch.linalg.solve(hd, rhs).t()  # hd is symmetric: (W D hd^-1)^T = hd^-1 (W D)^T
+    return out.to(w.dtype)
 
 
 def _refit_rounds(w: torch.Tensor, h: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group_size: int,
@@ -346,9 +371,11 @@ def _smooth_layer(layer, xs: list[torch.Tensor], kwargs: dict, scheme: W4A8Schem
 
 
 def _quantize_layer(layer, xs: list[torch.Tensor], kwargs: dict, scheme: W4A8Scheme, config: GPTQConfig,
-                    family: Family) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
+                    family: Family, reference: tuple[torch.nn.Module, list[torch.Tensor]] | None = None
+                    ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
     """GPTQ every linear of one layer in place (weights replaced by their dequantized INT4 values); returns the
-    (wq, scales) and the quantized layer's output for each batch of xs."""
+    (wq, scales) and the quantized layer's output for each batch of xs. reference: (a float copy of the layer,
+    the float model's hidden states entering it) for asymmetric calibration."""
     linears = {name: m for name, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
     if config.true_sequential:
         stages = [[n for n in stage if n in linears] for stage in STAGES]
@@ -360,10 +387,16 @@ def _quantize_layer(layer, xs: list[torch.Tensor], kwargs: dict, scheme: W4A8Sch
     for stage in stages:
         tail = _MlpTail(layer, family) if stage is stages[-1] and stage[-1] == DOWN else None
         hooks = HessianHooks({name: linears[name] for name in stage})
-        forward_all(layer, xs, kwargs, hooks)
+        if reference is None:
+            forward_all(layer, xs, kwargs, hooks)
+        else:
+            forward_pairs(layer, reference[0], xs, reference[1], kwargs, hooks)
         for name in stage:
             lin = linears[name]
-            wq, sc = gptq_quantize(lin.weight.data, hooks.hessian(name), scheme.group_size, config.damp,
+            w = lin.weight.data
+            if reference is not None:
+                w = drift_corrected(w, hooks.hessian(name), hooks.drift(name), config.damp)
+            wq, sc = gptq_quantize(w, hooks.hessian(name), scheme.group_size, config.damp,
                                    config.block_size, config.scale_search, config.act_order, config.refit)
             lin.weight.data = (wq.float().view(wq.shape[0], -1, scheme.group_size)
                                * sc.float().unsqueeze(2)).reshape(wq.shape)
@@ -445,18 +478,20 @@ def run_gptq(src: str | Path, scheme: W4A8Scheme, calibration: str | Path | None
     log(f"{config.samples} x {config.seq_len} calibration tokens from {source}, {len(layers)} layers, "
         f"group size {scheme.group_size}, scales {config.scale_search}, act-order {config.act_order}, "
         f"true-sequential {config.true_sequential}, smoothing {','.join(config.smooth) or 'off'}, "
-        f"refit {config.refit}, block tuning {config.tune_steps or 'off'}, on {dev}")
+        f"refit {config.refit}, block tuning {config.tune_steps or 'off'}, asymmetric {config.asymmetric}, on {dev}")
     result = GPTQResult(weights={})
     with torch.inference_mode():
         xs, layer_kwargs = layer_inputs(model, batch, dev)
         layer_kwargs = _as_float(layer_kwargs)
         # Sequences go through each layer in batches (fewer, larger matmuls); kwargs broadcast over the batch.
         xs = [torch.cat(xs[i:i + LAYER_BATCH]).float() for i in range(0, len(xs), LAYER_BATCH)]
-        floats = list(xs) if config.tune_steps else None  # the float model's hidden states: tuning's targets
+        # The float model's hidden states: block tuning's targets, asymmetric calibration's reference inputs.
+        floats = list(xs) if config.tune_steps or config.asymmetric else None
         for li, layer in enumerate(layers):
             kwargs = layer_kwargs[li]
             layer.to(dev, torch.float32)
             prefix = f"model.layers.{li}."
+            floats_in = floats
             if floats is not None:
                 floats = [_first(layer(x, **kwargs)) for x in floats]
             if config.smooth:
@@ -466,9 +501,12 @@ def run_gptq(src: str | Path, scheme: W4A8Scheme, calibration: str | Path | None
                     result.dense[prefix + name] = layer.get_parameter(name).detach().to("cpu", torch.bfloat16)
             layer_in = xs
             originals = {name: m.weight.detach().clone() for name, m in layer.named_modules()
-                         if isinstance(m, torch.nn.Linear)} if floats is not None else {}
-            weights, xs = _quantize_layer(layer, xs, kwargs, scheme, config, family)  # the next layer: quantized
-            if floats is not None:
+                         if isinstance(m, torch.nn.Linear)} if config.tune_steps else {}
+            # The float reference is the layer as smoothed: the same function, and the inputs its linears see.
+            reference = (copy.deepcopy(layer), floats_in) if config.asymmetric else None
+            weights, xs = _quantize_layer(layer, xs, kwargs, scheme, config, family, reference)  # next: quantized
+            del reference
+            if config.tune_steps:
                 weights, xs, outcome = tune_layer(layer, weights, originals, layer_in, floats, kwargs,
                                                   scheme.group_size, config.tune_steps, config.tune_batch,
                                                   config.tune_lr, seed=config.seed + li)
