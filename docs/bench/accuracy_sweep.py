@@ -18,7 +18,8 @@ INT8; SimulatedW4A8Linear) and, where smoothing changed them, its RMSNorm weight
                                   calibration text sampled from the model (-gen)
                                   or read from the file `--text NAME=PATH` names (-xNAME; default: the shipped
                                   text)
-    default-fN[-tN][-as]          the default recipe with GPTQConfig.refit N (and tune_steps N, asymmetric)
+    default[-fN][-tN][-dX][-as]   the default recipe with GPTQConfig.refit N (and tune_steps N, damp X,
+                                  asymmetric)
     any of these + -wonly         activations left in float (INT4 weights alone)
     llama.cpp-TYPE                the peer: llama.cpp's own GGUF of the BF16 source (TYPE Q4_0, Q8_0 or F32, made
                                   by llama.cpp's quantizer) scored through llama-cpp-python on the CPU, on the
@@ -68,10 +69,12 @@ def parse_variant(name: str, texts: dict[str, Path] | None = None) -> tuple[str,
     texts = texts or {}
     head, _, rest = name.partition("-")
     extra = rest.split("-") if rest else []
-    if head == "default" and all(f == "as" or f[:1] in "ft" and f[1:].isdigit() for f in extra):
+    if head == "default" and all(f == "as" or f[:1] in "ft" and f[1:].isdigit()
+                                 or f[:1] == "d" and f[1:].replace(".", "", 1).isdigit() for f in extra):
         refit = next((int(f[1:]) for f in extra if f[0] == "f"), DEFAULT_GPTQ.refit)
         tune = next((int(f[1:]) for f in extra if f[0] == "t"), DEFAULT_GPTQ.tune_steps)
-        config = replace(DEFAULT_GPTQ, samples=DEFAULT_RECIPE.gptq_samples, refit=refit, tune_steps=tune,
+        damp = next((float(f[1:]) for f in extra if f[0] == "d"), DEFAULT_GPTQ.damp)
+        config = replace(DEFAULT_GPTQ, samples=DEFAULT_RECIPE.gptq_samples, refit=refit, tune_steps=tune, damp=damp,
                          asymmetric=DEFAULT_GPTQ.asymmetric or "as" in extra)
         return DEFAULT_RECIPE.method, DEFAULT_RECIPE.group_size or 32, config, None, True
     method, group, *flags = name.split("-")
