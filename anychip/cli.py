@@ -65,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPTQ: then tune each layer's codes and scales for N signed-gradient steps against the float "
                         "model's layer outputs, INT8 activations included (default: the default recipe's; "
                         "docs/bench/accuracy.md, 'Block tuning')")
+    s.add_argument("--asymmetric", action="store_true",
+                   help="GPTQ: fit each linear to the float model's output on the float model's own inputs, not "
+                        "to its own weights on the quantized model's inputs (GPTAQ); off by default: it cost the "
+                        "default model a HellaSwag point (docs/bench/accuracy.md, 'Asymmetric calibration')")
     s.add_argument("--rotate", type=int, metavar="SEED",
                    help="rotate the residual stream by a seeded orthogonal matrix folded into the weights before "
                         "quantizing (the head becomes untied, the norms' weights ones; GPTQ's smoothing is off "

@@ -458,3 +458,24 @@ def test_asymmetric_calibration_is_recorded_only_when_on(tmp_path):
         prefix = f"model.layers.0.self_attn.{name}"
         assert torch.equal(made[True][prefix][0], made[False][prefix][0]), prefix
     assert any(not torch.equal(made[True][p][0], made[False][p][0]) for p in made[True])
+
+
+def test_quantize_cli_asymmetric(tmp_path):
+    """`anychip quantize --method gptq --asymmetric` records it in the provenance; without GPTQ it is refused before
+    anything is written."""
+    import json
+
+    from conftest import write_tiny_llama
+
+    from anychip.cli import main
+
+    src = write_tiny_llama(tmp_path / "bf16", num_hidden_layers=1)
+    text = tmp_path / "calib.txt"
+    text.write_text(" ".join(f"w{(i * 7) % 97}" for i in range(2000)))
+    assert main(["quantize", str(src), str(tmp_path / "rtn"), "--asymmetric"]) != 0
+    assert not (tmp_path / "rtn").exists()
+    dst = tmp_path / "asym"
+    assert main(["quantize", str(src), str(dst), "--method", "gptq", "--group-size", "32", "--calibration",
+                 str(text), "--samples", "4", "--seq-len", "32", "--asymmetric"]) == 0
+    recipe = json.loads((dst / "config.json").read_text())["quantization_config"]["anychip"]["recipe"]
+    assert recipe["gptq"]["asymmetric"] is True

@@ -565,12 +565,12 @@ class GPTQWeights:
 
 def gptq_quantizer(src: str | Path, scheme: W4A8Scheme, calibration: str | Path | None = None,
                    samples: int | None = None, seq_len: int | None = None, damp: float | None = None,
-                   refit: int | None = None, tune_steps: int | None = None,
+                   refit: int | None = None, tune_steps: int | None = None, asymmetric: bool | None = None,
                    config: GPTQConfig = DEFAULT_GPTQ) -> GPTQWeights:
-    """Run GPTQ on `src` now (`config`, with samples / seq_len / damp / refit / tune_steps overriding it when
-    given); return the quantizer that hands each linear its precomputed (wq, scales)."""
+    """Run GPTQ on `src` now (`config`, with samples / seq_len / damp / refit / tune_steps / asymmetric overriding
+    it when given); return the quantizer that hands each linear its precomputed (wq, scales)."""
     overrides = {k: v for k, v in dict(samples=samples, seq_len=seq_len, damp=damp, refit=refit,
-                                       tune_steps=tune_steps).items() if v is not None}
+                                       tune_steps=tune_steps, asymmetric=asymmetric).items() if v is not None}
     config = replace(config, **overrides)
     result = run_gptq(src, scheme, calibration, config)
     recipe = {"gptq": config.recipe(),

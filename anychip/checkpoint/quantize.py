@@ -213,9 +213,11 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     options = {}
     if args.tune_steps is not None and args.method != "gptq":
         raise AnychipError(f"--tune-steps {args.tune_steps} tunes GPTQ's result: add --method gptq")
+    if args.asymmetric and args.method != "gptq":
+        raise AnychipError("--asymmetric is a way of calibrating GPTQ: add --method gptq")
     if args.method == "gptq":
         options = dict(calibration=args.calibration, samples=args.samples, seq_len=args.seq_len, damp=args.damp,
-                       refit=args.refit, tune_steps=args.tune_steps)
+                       refit=args.refit, tune_steps=args.tune_steps, asymmetric=args.asymmetric or None)
     if args.rotate is None:
         quantizer = make_quantizer(args.method, src, scheme, **options)
         out = quantize_checkpoint(src, dst, scheme, quantizer, method=args.method)
