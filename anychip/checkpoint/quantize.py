@@ -59,7 +59,8 @@ def rtn_quantizer(scheme: W4A8Scheme) -> WeightQuantizer:
 
 
 def make_quantizer(method: str, src: Path, scheme: W4A8Scheme, **options: Any) -> WeightQuantizer:
-    """The quantizer for `method`; `options` go to GPTQ (calibration, samples, seq_len, damp, refit, config)."""
+    """The quantizer for `method`; `options` go to GPTQ (calibration, samples, seq_len, damp, refit, tune_steps,
+    asymmetric, config)."""
     if method == "rtn":
         return rtn_quantizer(scheme)
     if method == "gptq":
