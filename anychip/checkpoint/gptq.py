@@ -217,16 +217,22 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, group_size: int, damp: float
         return q, scales
 
 
+def _damped(h: torch.Tensor, damp: float) -> torch.Tensor:
+    """H + damp * mean(diag H) * I in H's dtype: the damping of the refit and of the drift correction (the sweep's
+    _inverse_cholesky starts from the same)."""
+    return h + damp * torch.mean(torch.diag(h)) * torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+
+
 def drift_corrected(w: torch.Tensor, h: torch.Tensor, d: torch.Tensor, damp: float) -> torch.Tensor:
     """The weights W* = W + W D (H + damp * mean(diag H) * I)^-1 that asymmetric calibration quantizes: W* X^T is
     the least-squares fit, on the quantized model's inputs X, of the float model's output W X~^T (D = 2 (X~ - X)^T
     X / n, H = 2 X^T X / n). GPTQ's error on W* differs from the error against the float output by a constant, so
     the sweep, its scale searches and the refit all run on W* as they are. Columns no input reaches stay as they
-    are. Solved in float64."""
-    h64, d64 = h.double(), d.double()
+    are; H's diagonal there counts as 1 in the damping, as gptq_quantize counts it. Solved in float64."""
+    h64, d64 = h.to(torch.float64, copy=True), d.double()
     live = torch.diag(h64) > 0
-    mean_diag = torch.mean(torch.diag(h64)[live]) if live.any() else h64.new_tensor(1.0)
-    hd = h64[live][:, live] + damp * mean_diag * torch.eye(int(live.sum()), dtype=torch.float64, device=h.device)
+    h64[~live, ~live] = 1.0
+    hd = _damped(h64, damp)[live][:, live]
     rhs = (w.double() @ d64[:, live]).t()  # (K_live, N): (W D)^T on the live columns
     out = w.double().clone()
     out[:, live] += torch.linalg.solve(hd, rhs).t()  # hd is symmetric: (W D hd^-1)^T = hd^-1 (W D)^T
@@ -273,7 +279,7 @@ def refit_scales(w: torch.Tensor, h: torch.Tensor, q: torch.Tensor, scales: torc
     scales, each row's output error with them)."""
     n, k = w.shape
     ng = k // group_size
-    hd = h.float() + damp * torch.mean(torch.diag(h)).float() * torch.eye(k, dtype=torch.float32, device=h.device)
+    hd = _damped(h.float(), damp)
     qf = q.float()
     rhs = (qf * (w.float() @ hd)).view(n, ng, group_size).sum(dim=2)  # (N, g): A^T H w
     hv = hd.view(k, ng, group_size)
