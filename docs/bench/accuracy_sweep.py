@@ -8,9 +8,10 @@ INT8; SimulatedW4A8Linear) and, where smoothing changed them, its RMSNorm weight
     a8                            BF16 weights, INT8 activations only
     default                       the recipe `anychip prepare` uses (PrepareRecipe + gptq.DEFAULT_GPTQ)
     rtn-gG[-amax|-clip|-mse]      round to nearest, scales by scales.py (default amax)
-    gptq-gG[-sN][-dX][-rN][-amax|-clip|-mse][-ao][-ts][-sm|-smn][-fN][-tN][-as][-gen|-xNAME]
-                                  GPTQ: N calibration sequences of 512 tokens (default 128), damp X, calibration
-                                  windows drawn with seed N (default 0; to see run-to-run spread), scale search,
+    gptq-gG[-sN][-lN][-dX][-rN][-amax|-clip|-mse][-ao][-ts][-sm|-smn][-fN][-tN][-as][-gen|-xNAME]
+                                  GPTQ: N calibration sequences (default 128) of N tokens each (-l, default
+                                  512), damp X, calibration windows drawn with seed N (default 0; to see
+                                  run-to-run spread), scale search,
                                   act-order (static groups), true-sequential, smoothing at all four points (-sm)
                                   or at the two RMSNorms only (-smn), scales refit against the full Hessian
                                   (GPTQConfig.refit N), N block-tuning steps a layer after GPTQ
@@ -18,8 +19,9 @@ INT8; SimulatedW4A8Linear) and, where smoothing changed them, its RMSNorm weight
                                   calibration text sampled from the model (-gen)
                                   or read from the file `--text NAME=PATH` names (-xNAME; default: the shipped
                                   text)
-    default[-fN][-tN][-dX][-as]   the default recipe with GPTQConfig.refit N (and tune_steps N, damp X,
-                                  asymmetric)
+    default[-fN][-tN][-dX][-as][-sN][-lN]
+                                  the default recipe with GPTQConfig.refit N (and tune_steps N, damp X,
+                                  asymmetric, N calibration sequences of N tokens)
     any of these + -wonly         activations left in float (INT4 weights alone)
     llama.cpp-TYPE                the peer: llama.cpp's own GGUF of the BF16 source (TYPE Q4_0, Q8_0 or F32, made
                                   by llama.cpp's quantizer) scored through llama-cpp-python on the CPU, on the
@@ -69,12 +71,14 @@ def parse_variant(name: str, texts: dict[str, Path] | None = None) -> tuple[str,
     texts = texts or {}
     head, _, rest = name.partition("-")
     extra = rest.split("-") if rest else []
-    if head == "default" and all(f == "as" or f[:1] in "ft" and f[1:].isdigit()
+    if head == "default" and all(f == "as" or f[:1] in "ftsl" and f[1:].isdigit()
                                  or f[:1] == "d" and f[1:].replace(".", "", 1).isdigit() for f in extra):
         refit = next((int(f[1:]) for f in extra if f[0] == "f"), DEFAULT_GPTQ.refit)
         tune = next((int(f[1:]) for f in extra if f[0] == "t"), DEFAULT_GPTQ.tune_steps)
         damp = next((float(f[1:]) for f in extra if f[0] == "d"), DEFAULT_GPTQ.damp)
-        config = replace(DEFAULT_GPTQ, samples=DEFAULT_RECIPE.gptq_samples, refit=refit, tune_steps=tune, damp=damp,
+        samples = next((int(f[1:]) for f in extra if f[0] == "s"), DEFAULT_RECIPE.gptq_samples)
+        seq_len = next((int(f[1:]) for f in extra if f[0] == "l"), DEFAULT_GPTQ.seq_len)
+        config = replace(DEFAULT_GPTQ, samples=samples, seq_len=seq_len, refit=refit, tune_steps=tune, damp=damp,
                          asymmetric=DEFAULT_GPTQ.asymmetric or "as" in extra)
         return DEFAULT_RECIPE.method, DEFAULT_RECIPE.group_size or 32, config, None, True
     method, group, *flags = name.split("-")
@@ -86,19 +90,20 @@ def parse_variant(name: str, texts: dict[str, Path] | None = None) -> tuple[str,
     search = next((f for f in flags if f in SCALE_SEARCHES), "amax" if method == "rtn" else None)
     known = {"wonly", "gen", "ao", "ts", "sm", "smn", "as", *SCALE_SEARCHES, *named}
     for f in flags:
-        if f not in known and not (f[0] in "sdrft" and f[1:].replace(".", "").isdigit()):
+        if f not in known and not (f[0] in "sldrft" and f[1:].replace(".", "").isdigit()):
             raise SystemExit(f"variant {name!r}: unknown option -{f} (-xNAME needs --text NAME=PATH)")
     if method == "rtn":
         return method, int(group[1:]), search, None, act
     samples = next((int(f[1:]) for f in flags if f[0] == "s" and f[1:].isdigit()), 128)
+    seq_len = next((int(f[1:]) for f in flags if f[0] == "l" and f[1:].isdigit()), 512)
     damp = next((float(f[1:]) for f in flags if f[0] == "d" and f[1:].replace(".", "").isdigit()), 0.01)
     seed = next((int(f[1:]) for f in flags if f[0] == "r" and f[1:].isdigit()), 0)
     refit = next((int(f[1:]) for f in flags if f[0] == "f" and f[1:].isdigit()), 0)
     tune = next((int(f[1:]) for f in flags if f[0] == "t" and f[1:].isdigit()), 0)
     smooth = POINT_NAMES if "sm" in flags else NORM_POINTS if "smn" in flags else ()
-    config = replace(GPTQConfig(), samples=samples, damp=damp, seed=seed, scale_search=search or "clip",
-                     act_order="ao" in flags, true_sequential="ts" in flags, smooth=smooth, refit=refit,
-                     tune_steps=tune, asymmetric="as" in flags)
+    config = replace(GPTQConfig(), samples=samples, seq_len=seq_len, damp=damp, seed=seed,
+                     scale_search=search or "clip", act_order="ao" in flags, true_sequential="ts" in flags,
+                     smooth=smooth, refit=refit, tune_steps=tune, asymmetric="as" in flags)
     return method, int(group[1:]), config, calibration, act
 
 
