@@ -4,11 +4,17 @@ One binary serves every CPU of an architecture (the SIMD paths carry function-le
 chosen at run time), but the build is still cached per CPU-feature set, torch version and csrc/ hash under the
 build folder of the kernel policy (KernelPolicy.build_dir), so a cache shared between machines (NFS home, container
 image) never hands one CPU a binary compiled and tested on another.
+
+The build compiles a copy of csrc/ kept inside its own folder, and the folder's name also carries the torch
+installation it compiles against: torch's builder recompiles whenever its build file changes, and that file names
+the source and include paths. Compiled from csrc/ where it lies, two checkouts (or venvs) with the same sources
+shared one folder and rebuilt it in turn, a minute of engine start at every switch.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import platform
 from pathlib import Path
 from types import ModuleType
@@ -50,17 +56,42 @@ def loaded() -> ModuleType | None:
     return _module
 
 
+def _sources() -> list[Path]:
+    return sorted(CSRC.glob("*.[ch]*"))
+
+
+def build_folder(build_dir: Path) -> Path:
+    """Where this csrc/, CPU and torch installation build: keyed by the sources' contents (not where they lie) and
+    by the torch installation (its headers and libraries are paths in the build file)."""
+    src_hash = hashlib.sha1(b"".join(f.name.encode() + f.read_bytes() for f in _sources())).hexdigest()[:10]
+    torch_tag = torch.__version__.split("+")[0].replace(".", "_")
+    torch_dir = hashlib.sha1(str(Path(torch.__file__).resolve().parent).encode()).hexdigest()[:8]
+    return build_dir / f"w4a8_cpu-{feature_tag()}-torch{torch_tag}-{torch_dir}-{src_hash}"
+
+
+def stage_sources(build: Path) -> Path:
+    """The copy of csrc/ that `build` compiles (build/src), written once: a file already there has these contents
+    (the folder is named by their hash) and is left alone, so its time stamp never makes the build stale."""
+    src = build / "src"
+    src.mkdir(parents=True, exist_ok=True)
+    for f in _sources():
+        target = src / f.name
+        if not target.exists():
+            tmp = src / f".{f.name}.{os.getpid()}.tmp"
+            tmp.write_bytes(f.read_bytes())
+            os.replace(tmp, target)  # atomic: a concurrent build never compiles half a file
+    return src
+
+
 def _build(build_dir: Path) -> ModuleType:
     from torch.utils import cpp_extension
 
-    src_hash = hashlib.sha1(b"".join(f.read_bytes() for f in sorted(CSRC.glob("*.[ch]*")))).hexdigest()[:10]
-    torch_tag = torch.__version__.split("+")[0].replace(".", "_")
-    build = build_dir / f"w4a8_cpu-{feature_tag()}-torch{torch_tag}-{src_hash}"
-    build.mkdir(parents=True, exist_ok=True)
+    build = build_folder(build_dir)
+    src = stage_sources(build)
     try:
         return cpp_extension.load(
             name="anychip_w4a8_cpu",
-            sources=[str(SOURCE), str(HEAD_SOURCE), str(ATTENTION_SOURCE)],
+            sources=[str(src / f.name) for f in (SOURCE, HEAD_SOURCE, ATTENTION_SOURCE)],
             build_directory=str(build),
             extra_cflags=["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno"],
             extra_ldflags=["-fopenmp"],
