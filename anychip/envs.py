@@ -16,6 +16,12 @@ from anychip.kernels.policy import KernelPolicy
 #: What anychip sets for the vLLM engines it starts (bench, eval, tests; a user's own value wins): the engine core
 #: in-process, so a decode step pays no inter-process round trip (twice the decode speed on a 2-core CPU).
 VLLM_STARTUP: dict[str, str] = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+#: The same for the CPU engines (serve's profile, every vLLM system of `bench latency --device cpu`; a user's own
+#: value wins). vLLM 0.32's CPU engines save their compiled forward ahead of time but cannot load it back (stock
+#: Inductor's compiled function lacks the `finalize_loading` vLLM's loader calls), so with AOT compilation on every
+#: start compiles again; off, vLLM's own compile cache serves a warm start: 37-50 s down to 13 s for the default
+#: W4A8 model, 52 s to 14 s for its BF16 source (docs/benchmarks.md).
+VLLM_CPU_STARTUP: dict[str, str] = {"VLLM_USE_AOT_COMPILE": "0"}
 #: The compile caches a vLLM engine reads and fills at start (Inductor's, Triton's, vLLM's own compile cache under
 #: its cache root): `anychip bench latency` gives every system empty ones of its own, so that no engine starts on
 #: kernels an earlier system or run compiled. A variable the user set is left alone (then caches are shared).

@@ -93,3 +93,19 @@ def test_one_compiled_graph_on_the_cpu_and_pieces_on_a_gpu() -> None:
     assert "--compilation-config" not in build_profile(cpu, device="cuda").flags()
     cmd, _ = server_command(Path("/m"), "127.0.0.1", 8000, ["--compilation-config", '{"mode": 0}'])
     assert cmd.count("--compilation-config") == 1 and cmd[cmd.index("--compilation-config") + 1] == '{"mode": 0}'
+
+
+def test_cpu_engines_start_without_aot_compilation():
+    """vLLM 0.32's CPU engines cannot load the forward they compile ahead of time (every start compiled again):
+    serve's CPU profile and every vLLM system of a CPU benchmark turn it off, the user's value winning; a CUDA
+    engine keeps vLLM's default."""
+    from anychip.bench import latency
+
+    cpu = detect_cpu(TREES / "graviton3")
+    assert build_profile(cpu, device="cpu").env()["VLLM_USE_AOT_COMPILE"] == "0"
+    assert "VLLM_USE_AOT_COMPILE" not in build_profile(cpu, device="cuda").env()
+    stock = latency.System("vllm-bf16", "vllm", "BF16")
+    assert latency.system_env(stock, 2, None, device="cpu")["VLLM_USE_AOT_COMPILE"] == "0"
+    assert "VLLM_USE_AOT_COMPILE" not in latency.system_env(stock, 2, None, device="cuda")
+    assert "VLLM_USE_AOT_COMPILE" not in latency.system_env(latency.System("llama.cpp-q4_0", "llama.cpp", "Q4_0"), 2,
+                                                            None, device="cpu")

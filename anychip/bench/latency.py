@@ -229,12 +229,14 @@ def plugins_without_anychip() -> str:
     return ",".join(sorted(names - {"anychip"}))
 
 
-def system_env(system: System, threads: int, coverage: Path | None, caches: Path | None = None) -> dict[str, str]:
+def system_env(system: System, threads: int, coverage: Path | None, caches: Path | None = None,
+               device: str = "cpu") -> dict[str, str]:
     """The environment a system's process gets on top of the user's (recorded in its row). caches: a folder for
     the engine's own empty compile caches (envs.COMPILE_CACHES; a start with nothing compiled), None: shared."""
     env = {"OMP_NUM_THREADS": str(threads)}
     if system.engine == "vllm":
-        env.update({name: os.environ.get(name, value) for name, value in envs.VLLM_STARTUP.items()})  # user's wins
+        startup = {**envs.VLLM_STARTUP, **(envs.VLLM_CPU_STARTUP if device == "cpu" else {})}
+        env.update({name: os.environ.get(name, value) for name, value in startup.items()})  # the user's wins
         if caches is not None:
             env.update({name: str(caches / name.lower()) for name in envs.COMPILE_CACHES if name not in os.environ})
         if system.plugin:
@@ -312,7 +314,8 @@ def run_system(system: System, args: argparse.Namespace, workdir: Path) -> dict[
                    reps=args.reps, threads=args.threads, eager=args.eager, budget_s=args.budget_s,
                    graph_tokens=getattr(args, "graph_tokens", None),
                    device=args.device, batch=args.batch if system.engine == "vllm" else 0,
-                   env=system_env(system, args.threads, coverage, _cold_caches(args, workdir, system)),
+                   env=system_env(system, args.threads, coverage, _cold_caches(args, workdir, system),
+                                  args.device),
                    notes=system.notes)
     result = _run_child(spec, workdir, timeout_s=args.budget_s + 900)
     if not result.get("ok") and not result.get("timed_out") and system.engine == "vllm" and not args.eager:

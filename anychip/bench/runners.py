@@ -93,7 +93,8 @@ class VllmTimed:
 
     def __init__(self, spec: RunSpec, max_len: int):
         seqs = max(1, spec.batch)
-        for name, value in envs.VLLM_STARTUP.items():  # the child process owns its environment
+        cpu = envs.VLLM_CPU_STARTUP if spec.device == "cpu" else {}
+        for name, value in {**envs.VLLM_STARTUP, **cpu}.items():  # the child process owns its environment
             os.environ.setdefault(name, value)
         from anychip.vllm_plugin import offline  # vLLM's public offline API only
 
