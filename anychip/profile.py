@@ -291,7 +291,7 @@ def build_profile(cpu: CpuInfo | None = None, tensor_parallel: int = 1, device: 
     if device == "cpu":
         settings.extend(Setting(name, value, "vLLM's CPU engines cannot load the forward they compile ahead of time "
                                 "and compile it again at every start; off, vLLM's compile cache serves a warm start "
-                                "(about 13 s instead of 40-50 s for the default model)", "env")
+                                "(about 13 s instead of 37-50 s for the default model)", "env")
                         for name, value in VLLM_CPU_STARTUP.items())
         settings.append(Setting("--compilation-config", json.dumps(VLLM_CPU_COMPILATION),
                                 "one compiled graph for the whole forward: the pieces between attention calls only "
