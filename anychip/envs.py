@@ -22,6 +22,12 @@ VLLM_STARTUP: dict[str, str] = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 #: start compiles again; off, vLLM's own compile cache serves a warm start: 37-50 s down to 13 s for the default
 #: W4A8 model, 52 s to 14 s for its BF16 source (docs/benchmarks.md).
 VLLM_CPU_STARTUP: dict[str, str] = {"VLLM_USE_AOT_COMPILE": "0"}
+
+
+def vllm_startup(device: str) -> dict[str, str]:
+    """What anychip sets for a vLLM engine it starts on `device` ("cpu" or "cuda"): VLLM_STARTUP, and on the CPU
+    VLLM_CPU_STARTUP too."""
+    return {**VLLM_STARTUP, **(VLLM_CPU_STARTUP if device == "cpu" else {})}
 #: The compile caches a vLLM engine reads and fills at start (Inductor's, Triton's, vLLM's own compile cache under
 #: its cache root): `anychip bench latency` gives every system empty ones of its own, so that no engine starts on
 #: kernels an earlier system or run compiled. A variable the user set is left alone (then caches are shared).

@@ -235,7 +235,7 @@ def system_env(system: System, threads: int, coverage: Path | None, caches: Path
     the engine's own empty compile caches (envs.COMPILE_CACHES; a start with nothing compiled), None: shared."""
     env = {"OMP_NUM_THREADS": str(threads)}
     if system.engine == "vllm":
-        startup = {**envs.VLLM_STARTUP, **(envs.VLLM_CPU_STARTUP if device == "cpu" else {})}
+        startup = envs.vllm_startup(device)
         env.update({name: os.environ.get(name, value) for name, value in startup.items()})  # the user's wins
         if caches is not None:
             env.update({name: str(caches / name.lower()) for name in envs.COMPILE_CACHES if name not in os.environ})

@@ -93,8 +93,7 @@ class VllmTimed:
 
     def __init__(self, spec: RunSpec, max_len: int):
         seqs = max(1, spec.batch)
-        cpu = envs.VLLM_CPU_STARTUP if spec.device == "cpu" else {}
-        for name, value in {**envs.VLLM_STARTUP, **cpu}.items():  # the child process owns its environment
+        for name, value in envs.vllm_startup(spec.device).items():  # the child process owns its environment
             os.environ.setdefault(name, value)
         from anychip.vllm_plugin import offline  # vLLM's public offline API only
 

@@ -95,7 +95,7 @@ def parse_variant(name: str, texts: dict[str, Path] | None = None) -> tuple[str,
     if method == "rtn":
         return method, int(group[1:]), search, None, act
     samples = next((int(f[1:]) for f in flags if f[0] == "s" and f[1:].isdigit()), 128)
-    seq_len = next((int(f[1:]) for f in flags if f[0] == "l" and f[1:].isdigit()), 512)
+    seq_len = next((int(f[1:]) for f in flags if f[0] == "l" and f[1:].isdigit()), GPTQConfig.seq_len)
     damp = next((float(f[1:]) for f in flags if f[0] == "d" and f[1:].replace(".", "").isdigit()), 0.01)
     seed = next((int(f[1:]) for f in flags if f[0] == "r" and f[1:].isdigit()), 0)
     refit = next((int(f[1:]) for f in flags if f[0] == "f" and f[1:].isdigit()), 0)
