@@ -165,6 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "stay (same model, threads, pp/tg/reps required)")
     b.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where the engines run (auto: cuda when torch sees a GPU); picks the peers and targets")
+    b.add_argument("--interleave", action="store_true",
+                   help="CPU: start every system's engine and keep them all loaded, then time one repetition of "
+                        "each system in turn, round after round, so that a slow stretch of a shared machine slows "
+                        "every system alike; the targets add the round-by-round ratios (more memory: every engine at "
+                        "once)")
     b.add_argument("--batch", type=int, default=None, metavar="N",
                    help="also N requests of pp tokens generating tg each, at once: output tok/s (default: 64 on "
                         "cuda, off on cpu)")

@@ -707,3 +707,24 @@ def test_graph_tokens_is_a_gpu_engine_setting():
     for device, tokens in (("cpu", 512), ("cuda", 0)):
         with pytest.raises(ValueError, match="--graph-tokens"):
             RunSpec("anychip-w4a8", "vllm", "m", 512, 128, 5, 1, device=device, graph_tokens=tokens)
+
+
+def test_round_by_round_ratios_pair_the_repetitions_of_one_interleaved_run(tmp_path):
+    """The targets of an --interleave run carry ours ÷ peer for each round (repetition k of both rows); rows of
+    other runs, and the engine start, get none; the report shows min / median / max."""
+    ours, peer = _latency_row("anychip-w4a8", 2000, 100), _latency_row("llama.cpp-q4_0", 500, 80)
+    ours["timings"] = [[512 / 2000, 128 / 100], [512 / 1800, 128 / 120]]
+    peer["timings"] = [[512 / 500, 128 / 80], [512 / 600, 128 / 80]]
+    assert latency.round_ratios(ours, peer, "tg") is None  # not interleaved
+    ours["interleaved_run"] = peer["interleaved_run"] = "run-1"
+    assert latency.round_ratios(ours, peer, "tg") == [1.25, 1.5]
+    assert latency.round_ratios(ours, peer, "pp") == [4.0, 3.0]
+    assert latency.round_ratios(ours, peer, "start") is None
+    assert latency.round_ratios(ours, dict(peer, interleaved_run="run-2"), "tg") is None
+    checks = {(t["metric"], t["peer"]): t for t in latency.target_checks([ours, peer])}
+    assert checks[("tg128", "llama.cpp-q4_0")]["round_ratios"] == [1.25, 1.5]
+    doc = {"commands": ["c"], "created": "now", "machine": {"cpu": "cpu", "cpus": 2}, "threads": 2,
+           "requested": {"pp": 512, "tg": 128, "reps": 2}, "rows": [ours, peer],
+           "targets": latency.target_checks([ours, peer])}
+    md = latency.render_markdown(doc)
+    assert "| 1.25 / 1.38 / 1.50x (2 rounds) |" in md and "interleaved (anychip-w4a8, llama.cpp-q4_0)" in md

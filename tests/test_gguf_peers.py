@@ -155,3 +155,38 @@ def test_a_model_llama_cpp_would_run_differently_is_refused(tiny_llama, copy_dir
     with pytest.raises(PeerUnavailable, match="every 6th layer global"):
         make_f32_gguf(src, None, out / "model.F32.gguf")
     assert not list(out.iterdir())
+
+
+@pytest.mark.skipif(not HAVE_LLAMA_CPP, reason="llama-cpp-python is not installed (the bench's llama.cpp peers)")
+@pytest.mark.parametrize("bpe_llama", ["LlamaForCausalLM"], indirect=True)
+def test_interleaved_systems_take_turns_with_their_engines_loaded(bpe_llama, tmp_path):
+    """`bench latency --interleave` with two real runner processes (llama.cpp Q4_0 and Q8_0 of one model) and one
+    that fails to start: every repetition of round k ends before any of round k + 1 starts, the two alternate
+    (the order rotated each round), each row keeps its own timings, and the failed system is a failed row that
+    says why while the others are measured."""
+    import argparse
+
+    from anychip.bench import latency
+    from anychip.bench.gguf_peers import llama_cpp_quantized
+
+    def gguf(kind: str):
+        return lambda: llama_cpp_quantized(bpe_llama, kind)
+
+    systems = [latency.System("llama.cpp-q4_0", "llama.cpp", "Q4_0", build=gguf("Q4_0")),
+               latency.System("llama.cpp-q4_1", "llama.cpp", "broken", build=lambda: tmp_path / "missing.gguf"),
+               latency.System("llama.cpp-q8_0", "llama.cpp", "Q8_0", build=gguf("Q8_0"))]
+    args = argparse.Namespace(pp=16, tg=4, reps=3, threads=1, eager=False, budget_s=60.0, device="cpu", batch=0,
+                              wait_idle=0, compile_cache="shared")
+    probed = []
+    rows = latency.run_interleaved(systems, args, tmp_path, after_rounds=lambda: probed.append(True))
+    assert probed == [True]
+    q4, broken, q8 = rows
+    assert broken["status"] == "failed" and "missing.gguf" in broken["error"], broken
+    for row in (q4, q8):
+        assert row["status"] == "ok" and row["reps"] == 3 and len(row["timings"]) == 3, row
+        assert row["interleaved_run"] == tmp_path.name
+    windows = sorted([(*w, row["system"], k) for row in (q4, q8) for k, w in enumerate(row["rep_windows"])])
+    assert [k for *_, k in windows] == [0, 0, 1, 1, 2, 2]  # round by round
+    assert all(a[1] <= b[0] for a, b in zip(windows, windows[1:]))  # one at a time
+    assert [name for *_, name, _ in windows] == ["llama.cpp-q4_0", "llama.cpp-q8_0", "llama.cpp-q8_0",
+                                                 "llama.cpp-q4_0", "llama.cpp-q4_0", "llama.cpp-q8_0"]

@@ -11,8 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import contextlib
 import re
+import select
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -25,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from anychip import envs
-from anychip.bench import gguf_peers, peers
+from anychip.bench import gguf_peers, peers, runners
 from anychip.bench.host import machine, wait_for_idle
 from anychip.bench.metrics import MeanSd, RepTiming, mean_sd, ratio, summarize_latency
 from anychip.bench.report import command_line, fmt, markdown_table, now, source_notes, write_outputs
@@ -251,10 +254,28 @@ def system_env(system: System, threads: int, coverage: Path | None, caches: Path
     return env
 
 
-def _run_child(spec: RunSpec, workdir: Path, timeout_s: float) -> dict[str, Any]:
+def _child_files(spec: RunSpec, workdir: Path) -> tuple[Path, Path, Path]:
+    """The runner's spec, result and log files (written here: the spec)."""
     tag = f"{spec.system}{'-eager' if spec.eager else ''}"
     spec_path, out_path, log_path = (workdir / f"{tag}.{ext}" for ext in ("spec.json", "out.json", "log"))
     spec_path.write_text(json.dumps(asdict(spec), indent=1))
+    return spec_path, out_path, log_path
+
+
+def _child_result(returncode: int, spec: RunSpec, out_path: Path, log_path: Path) -> dict[str, Any]:
+    """What an ended runner left: its out.json, or an error that says how it ended."""
+    if not out_path.exists():
+        errors = [ln for ln in log_path.read_text().splitlines() if "Error" in ln and "WARNING" not in ln]
+        return {"ok": False, "error": f"runner {peers.exit_reason(returncode, spec.engine)} without a result"
+                + (f": {errors[-1].strip()}" if errors else "") + f" (log: {log_path})"}
+    result = json.loads(out_path.read_text())
+    if not result.get("ok"):
+        result["error"] = f"{result.get('error')} (log: {log_path})"
+    return result
+
+
+def _run_child(spec: RunSpec, workdir: Path, timeout_s: float) -> dict[str, Any]:
+    spec_path, out_path, log_path = _child_files(spec, workdir)
     env = dict(os.environ, **spec.env)
     cmd = [sys.executable, "-m", "anychip.bench.runners", str(spec_path), str(out_path)]
     with open(log_path, "w") as log:
@@ -262,14 +283,68 @@ def _run_child(spec: RunSpec, workdir: Path, timeout_s: float) -> dict[str, Any]
             proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, check=False)
         except subprocess.TimeoutExpired:
             return {"ok": False, "timed_out": True, "error": f"timed out after {timeout_s:.0f} s (log: {log_path})"}
-    if not out_path.exists():
-        errors = [ln for ln in log_path.read_text().splitlines() if "Error" in ln and "WARNING" not in ln]
-        return {"ok": False, "error": f"runner {peers.exit_reason(proc.returncode, spec.engine)} without a result"
-                + (f": {errors[-1].strip()}" if errors else "") + f" (log: {log_path})"}
-    result = json.loads(out_path.read_text())
-    if not result.get("ok"):
-        result["error"] = f"{result.get('error')} (log: {log_path})"
-    return result
+    return _child_result(proc.returncode, spec, out_path, log_path)
+
+
+class _ControlledChild:
+    """A runner started with a control channel (`--interleave`): its engine stays loaded and times one repetition
+    each time it is asked (`anychip.bench.runners.serve_control`)."""
+
+    def __init__(self, spec: RunSpec, workdir: Path, timeout_s: float) -> None:
+        self.spec, self.timeout_s = spec, timeout_s
+        spec_path, self.out_path, self.log_path = _child_files(spec, workdir)
+        to_child, from_parent = os.pipe()
+        from_child, to_parent = os.pipe()
+        cmd = [sys.executable, "-m", "anychip.bench.runners", str(spec_path), str(self.out_path),
+               "--control", f"{to_child},{to_parent}"]
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(cmd, env=dict(os.environ, **spec.env), stdout=log, stderr=subprocess.STDOUT,
+                                         pass_fds=(to_child, to_parent))
+        os.close(to_child), os.close(to_parent)  # the child's ends: EOF here once the child has gone
+        self.control = runners.Control(os.fdopen(from_child, "r", buffering=1),
+                                       os.fdopen(from_parent, "w", buffering=1))
+        self.timed_out = False
+        self._result: dict[str, Any] | None = None
+        # its plan once its engine has started, probed and warmed up; None when it ended first
+        self.plan: dict[str, Any] | None = self._recv()
+
+    def _recv(self) -> dict[str, Any] | None:
+        """The child's next message; None when it has gone or did not answer within timeout_s (then killed)."""
+        ready, _, _ = select.select([self.control], [], [], self.timeout_s)
+        if not ready:
+            self.timed_out = True
+            self.proc.kill()
+            return None
+        return self.control.recv()
+
+    def rep(self) -> dict[str, Any] | None:
+        """One timed repetition ({"timing": ..., "remaining": n}, or {"done": true}); None when the child ended."""
+        try:
+            self.control.send({"cmd": "rep"})
+        except OSError:  # the child has gone (BrokenPipeError)
+            return None
+        return self._recv()
+
+    def result(self) -> dict[str, Any]:
+        """Tell the child to finish (its batched part, if any) and return what it wrote."""
+        if self._result is None:
+            self._result = self._finish()
+        return self._result
+
+    def _finish(self) -> dict[str, Any]:
+        with contextlib.suppress(OSError, ValueError):
+            self.control.send({"cmd": "finish"})
+        try:
+            returncode = self.proc.wait(timeout=self.timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            self.timed_out = True
+        self.control.close()
+        if self.timed_out:
+            return {"ok": False, "timed_out": True,
+                    "error": f"timed out after {self.timeout_s:.0f} s (log: {self.log_path})"}
+        return _child_result(returncode, self.spec, self.out_path, self.log_path)
 
 
 def _coverage_summary(path: Path) -> dict[str, Any] | None:
@@ -294,21 +369,23 @@ def _cold_caches(args: argparse.Namespace, workdir: Path, system: System) -> Pat
     return folder
 
 
-def run_system(system: System, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    """Measure one system (retrying eager when compiled mode fails) and return its row."""
+def _system_spec(system: System, args: argparse.Namespace, workdir: Path) -> tuple[dict[str, Any], RunSpec | None]:
+    """The system's row so far, and the spec its runner measures (None: the row is already final, a skipped
+    system or a checkpoint that could not be built)."""
     row: dict[str, Any] = {"system": system.name, "engine": system.engine, "weights": system.weights,
                            "requested": {"pp": args.pp, "tg": args.tg, "reps": args.reps}, "notes": system.notes}
     if system.skipped:
-        return dict(row, status="skipped", reason=system.skipped)
+        return dict(row, status="skipped", reason=system.skipped), None
     try:
         model = system.build()
     except peers.PeerUnavailable as exc:  # e.g. a model the GGUF conversion does not take: known before any run
-        return dict(row, status="skipped", reason=str(exc))
+        return dict(row, status="skipped", reason=str(exc)), None
     except AnychipError as exc:
-        return dict(row, status="failed", error=f"could not build its checkpoint: {exc}")
+        return dict(row, status="failed", error=f"could not build its checkpoint: {exc}"), None
     except Exception as exc:  # a peer's own tooling failing (a converter, a library) fails its row, not the bench
-        return dict(row, status="failed", error=f"could not build its checkpoint: {type(exc).__name__}: {exc}")
-    waited = wait_for_idle(args.wait_idle) if args.wait_idle else None
+        return dict(row, status="failed", error=f"could not build its checkpoint: {type(exc).__name__}: {exc}"), None
+    row["waited_for_idle_s"] = wait_for_idle(args.wait_idle) if args.wait_idle else None
+    row["model"] = str(model)
     coverage = workdir / f"{system.name}.coverage.json" if system.plugin else None
     spec = RunSpec(system=system.name, engine=system.engine, model=str(model), pp=args.pp, tg=args.tg,
                    reps=args.reps, threads=args.threads, eager=args.eager, budget_s=args.budget_s,
@@ -317,13 +394,18 @@ def run_system(system: System, args: argparse.Namespace, workdir: Path) -> dict[
                    env=system_env(system, args.threads, coverage, _cold_caches(args, workdir, system),
                                   args.device),
                    notes=system.notes)
-    result = _run_child(spec, workdir, timeout_s=args.budget_s + 900)
-    if not result.get("ok") and not result.get("timed_out") and system.engine == "vllm" and not args.eager:
-        compiled_error = result.get("error")
-        spec.eager = True
-        result = _run_child(spec, workdir, timeout_s=args.budget_s + 900)
-        row["notes"] = system.notes + [f"compiled mode failed ({compiled_error}); measured eager"]
-    row["model"] = str(model)
+    return row, spec
+
+
+def _retry_eager(result: dict[str, Any], spec: RunSpec, args: argparse.Namespace) -> bool:
+    """A vLLM system whose compiled run failed (not by timing out) is measured again eager."""
+    return not result.get("ok") and not result.get("timed_out") and spec.engine == "vllm" and not args.eager
+
+
+def _system_row(row: dict[str, Any], system: System, spec: RunSpec, result: dict[str, Any],
+                workdir: Path) -> dict[str, Any]:
+    """The row from the runner's result (and, for vLLM, its log)."""
+    waited = row.pop("waited_for_idle_s", None)
     log = workdir / f"{system.name}{'-eager' if spec.eager else ''}.log"
     if system.engine == "vllm" and not system.plugin:
         row["vllm_kernels"] = chosen_kernels(log)
@@ -332,9 +414,82 @@ def run_system(system: System, args: argparse.Namespace, workdir: Path) -> dict[
     if not result.get("ok"):
         return dict(row, status="failed", error=result.get("error"))
     row.update(measured_row(result), waited_for_idle_s=waited)
-    if coverage is not None:
-        row["coverage"] = _coverage_summary(coverage)
+    coverage = spec.env.get(envs.ANYCHIP_COVERAGE)
+    if system.plugin and coverage:
+        row["coverage"] = _coverage_summary(Path(coverage))
     return row
+
+
+def run_system(system: System, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """Measure one system (retrying eager when compiled mode fails) and return its row."""
+    row, spec = _system_spec(system, args, workdir)
+    if spec is None:
+        return row
+    result = _run_child(spec, workdir, timeout_s=args.budget_s + 900)
+    if _retry_eager(result, spec, args):
+        compiled_error = result.get("error")
+        spec.eager = True
+        result = _run_child(spec, workdir, timeout_s=args.budget_s + 900)
+        row["notes"] = system.notes + [f"compiled mode failed ({compiled_error}); measured eager"]
+    return _system_row(row, system, spec, result, workdir)
+
+
+def run_interleaved(systems: list[System], args: argparse.Namespace, workdir: Path,
+                    after_rounds: Callable[[], None] | None = None) -> list[dict[str, Any]]:
+    """--interleave: start every system's engine (one after the other, each start timed as usual), then time
+    their repetitions in rounds, one repetition of each live system a round, the order rotated by one each round,
+    so that a slow minute of a shared machine falls on every system alike. Rep k of each row is round k's.
+    after_rounds runs once the rounds are over, before the runners finish (the read-bandwidth probe)."""
+    timeout_s = args.budget_s + 900
+    rows: dict[str, dict[str, Any]] = {}
+    live: list[tuple[System, dict[str, Any], RunSpec, _ControlledChild]] = []
+    for system in systems:
+        t0 = time.perf_counter()
+        print(f"  {system.name:<16} ", end="", flush=True)
+        row, spec = _system_spec(system, args, workdir)
+        if spec is None:
+            rows[system.name] = row
+            print(f"{row['status']}: {row.get('reason') or row.get('error')}")
+            continue
+        child = _ControlledChild(spec, workdir, timeout_s)
+        if child.plan is None and _retry_eager(result := child.result(), spec, args):
+            row["notes"] = system.notes + [f"compiled mode failed ({result.get('error')}); measured eager"]
+            spec.eager = True
+            child = _ControlledChild(spec, workdir, timeout_s)
+        if child.plan is None:  # it ended before its first repetition
+            rows[system.name] = _system_row(row, system, spec, child.result(), workdir)
+            print(f"failed: {rows[system.name].get('error')}")
+            continue
+        live.append((system, row, spec, child))
+        plan = child.plan
+        print(f"ready: {plan['reps']} x pp{plan['pp']} tg{plan['tg']} ({time.perf_counter() - t0:.0f} s)")
+    if args.wait_idle and live:
+        wait_for_idle(args.wait_idle)
+    active = list(live)
+    rounds = 0
+    while active:
+        turn = active[rounds % len(active):] + active[:rounds % len(active)]
+        rates = []
+        for entry in turn:
+            system, _, _, child = entry
+            reply = child.rep()
+            if reply is None or reply.get("done"):
+                active.remove(entry)
+                continue
+            pp_s, tg_s = reply["timing"]
+            rates.append(f"{system.name} {child.plan['pp'] / pp_s:,.0f}/{child.plan['tg'] / tg_s:,.1f}")
+            if not reply.get("remaining"):
+                active.remove(entry)
+        rounds += 1
+        if rates:
+            print(f"  round {rounds} (pp/tg tok/s): " + ", ".join(rates), flush=True)
+    if after_rounds is not None:
+        after_rounds()
+    for system, row, spec, child in live:
+        rows[system.name] = _system_row(row, system, spec, child.result(), workdir)
+        if rows[system.name]["status"] == "ok":
+            rows[system.name]["interleaved_run"] = workdir.name
+    return [rows[s.name] for s in systems]
 
 
 def measured_row(result: dict[str, Any]) -> dict[str, Any]:
@@ -347,6 +502,8 @@ def measured_row(result: dict[str, Any]) -> dict[str, Any]:
                peak_rss_mib=result.get("peak_rss_mib"))
     if result.get("gpu_sm_clock_mhz"):
         row["gpu_sm_clock_mhz"] = result["gpu_sm_clock_mhz"]
+    if result.get("rep_windows"):
+        row["rep_windows"] = result["rep_windows"]
     if result.get("batch_timings"):
         n, tg = result["batch"], result["batch_tg"]
         row.update(batch=n, batch_pp=result["batch_pp"], batch_tg=tg, batch_timings=result["batch_timings"],
@@ -399,9 +556,25 @@ def target_checks(rows: list[dict[str, Any]], device: str = "cpu") -> list[dict[
             continue
         value = ratio(ours[f"{metric}_tps"].mean, theirs[f"{metric}_tps"].mean)
         same = ours[metric] == theirs[metric]
-        out.append({"system": mine, "metric": f"{metric}{ours[metric]}", "peer": peer, "target": target, "ratio": value,
-                    "met": value >= target, "same_size": same})
+        check = {"system": mine, "metric": f"{metric}{ours[metric]}", "peer": peer, "target": target, "ratio": value,
+                 "met": value >= target, "same_size": same}
+        if (rounds := round_ratios(ours, theirs, metric)) is not None:
+            check["round_ratios"] = rounds
+        out.append(check)
     return out
+
+
+def round_ratios(ours: dict[str, Any], theirs: dict[str, Any], metric: str) -> list[float] | None:
+    """Ours ÷ peer round by round, for two rows measured in the same --interleave run: repetition k of each was
+    timed in round k, minutes apart at most, so the spread of these ratios is the comparison's own (a slow stretch
+    of a shared machine slows both). None for other rows or metrics (batch, start)."""
+    if metric not in ("pp", "tg") or not ours.get("interleaved_run") or \
+            ours.get("interleaved_run") != theirs.get("interleaved_run"):
+        return None
+    index = 0 if metric == "pp" else 1
+    size_ours, size_theirs = ours[metric], theirs[metric]
+    return [round((size_ours / a[index]) / (size_theirs / b[index]), 4)
+            for a, b in zip(ours["timings"], theirs["timings"])]
 
 
 def _size(row: dict[str, Any], key: str) -> str:
@@ -440,11 +613,20 @@ def render_markdown(doc: dict[str, Any]) -> str:
     lines.append(markdown_table(headers, table, text_columns=2))
     if doc["targets"]:
         lines += ["", "## Targets (ours ÷ peer)", ""]
-        lines.append(markdown_table(["system", "metric", "peer", "target", "measured", "met"], text_columns=3, rows=[
-            [t.get("system", OURS), t["metric"], t["peer"],
-             f"{'≤' if t.get('at_most') else '≥'} {t['target']:.2f}x",
-             f"{fmt(t['ratio'], 2)}x"
-             + ("" if t["same_size"] else " (sizes differ)"), "yes" if t["met"] else "no"] for t in doc["targets"]]))
+        paired = any(t.get("round_ratios") for t in doc["targets"])
+        headers = ["system", "metric", "peer", "target", "measured"] + \
+            (["round by round (min / median / max)"] if paired else []) + ["met"]
+        table = []
+        for t in doc["targets"]:
+            bound = "≤" if t.get("at_most") else "≥"
+            cells = [t.get("system", OURS), t["metric"], t["peer"], f"{bound} {t['target']:.2f}x",
+                     f"{fmt(t['ratio'], 2)}x" + ("" if t["same_size"] else " (sizes differ)")]
+            if paired:
+                r = sorted(t.get("round_ratios") or [])
+                cells.append(f"{r[0]:.2f} / {statistics.median(r):.2f} / {r[-1]:.2f}x ({len(r)} rounds)"
+                             if r else "–")
+            table.append(cells + ["yes" if t["met"] else "no"])
+        lines.append(markdown_table(headers, table, text_columns=3))
     notes = []
     for r in doc["rows"]:
         if r["status"] == "skipped":
@@ -497,6 +679,12 @@ def render_markdown(doc: dict[str, Any]) -> str:
             notes.append(f"- CUDA graphs replay steps of up to {graphs} tokens (vLLM sizes them from max_num_seqs "
                          "unless --graph-tokens sets them); "
                          "a longer step, such as a pp prefill above that, launches every kernel from the host")
+    runs = Counter(r["interleaved_run"] for r in doc["rows"] if r.get("interleaved_run"))
+    for run, count in runs.items():
+        names = ", ".join(r["system"] for r in doc["rows"] if r.get("interleaved_run") == run)
+        notes.append(f"- interleaved ({names}): every engine started and stayed loaded, then each round timed one "
+                     "repetition of every system in turn, the order rotated by one a round; repetition k of each "
+                     "row is round k's, and the targets' round-by-round ratios pair them")
     cold = [r["system"] for r in doc["rows"] if r["status"] == "ok" and r["engine"] == "vllm"
             and all(name in (r["settings"].get("env") or {}) for name in envs.COMPILE_CACHES)]
     if cold:
@@ -607,24 +795,44 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
         return doc
 
     _report([])  # --append onto an incompatible report fails now, not after measuring
+    interleave = getattr(args, "interleave", False)
+    if interleave and args.device != "cpu":
+        raise AnychipError("--interleave: CPU engines only (on a GPU every engine would have to fit in its memory "
+                           "at once; not tried): leave it out")
+    probed: list[float] = []
+
+    def probe_bandwidth() -> None:
+        if args.device == "cpu" and not probed:
+            from anychip.bench.kernels import read_bandwidth_gbs
+
+            probed.append(read_bandwidth_gbs()["read_gbs"])
+
+    def finish_row(row: dict[str, Any]) -> None:
+        if row["system"] == OURS and row["status"] == "ok" and probed:
+            # probed right after our repetitions, on the same machine state: the streaming read rate a decode step
+            # could reach at best
+            row["bandwidth"] = bandwidth_bound(row, probed[0], decode_bytes(md))
+        row.update(command=command, measured_at=now(), source=where.get("source"))
+
     rows: list[dict[str, Any]] = []
-    for system in systems:
+    if interleave:
+        rows = run_interleaved(systems, args, workdir,
+                               after_rounds=probe_bandwidth if any(s.name == OURS for s in systems) else None)
+        for row in rows:
+            finish_row(row)
+    for system in [] if interleave else systems:
         t0 = time.perf_counter()
         print(f"  {system.name:<16} ", end="", flush=True)
         row = run_system(system, args, workdir)
-        if system.name == OURS and args.device == "cpu" and row["status"] == "ok":
-            from anychip.bench.kernels import read_bandwidth_gbs
-
-            # probed right after the system ran, on the same machine state: the streaming read rate a decode
-            # step could reach at best
-            row["bandwidth"] = bandwidth_bound(row, read_bandwidth_gbs()["read_gbs"], decode_bytes(md))
+        if system.name == OURS and row["status"] == "ok":
+            probe_bandwidth()
         rows.append(row)
         if row["status"] == "ok":
             print(f"pp {row['pp_tps']} tok/s   tg {row['tg_tps']} tok/s   total {row['total_tps']} tok/s"
                   f"   ({time.perf_counter() - t0:.0f} s)" + ("   [reduced]" if row["reduced"] else ""))
         else:
             print(f"{row['status']}: {row.get('reason') or row.get('error')}")
-        row.update(command=command, measured_at=now(), source=where.get("source"))
+        finish_row(row)
         if args.json and system is not systems[-1]:  # the report so far: a later failure loses no row
             write_outputs(Path(args.json), (partial := _report(rows)), render_markdown(partial), plot)
     doc = _report(rows)

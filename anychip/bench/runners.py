@@ -6,6 +6,10 @@ that both engines share (`measure`): a probe, a warm-up, and `reps` repetitions 
 tokens and `tg` single-token decode steps, each on an empty KV cache (prefix caching off, fresh random ids);
 with `batch`, then `batch` requests of `pp` random tokens generating `tg` each, all submitted at once (vLLM only).
 It records raw seconds only; `anychip.bench.metrics` turns them into rates.
+
+With `--control FD_IN,FD_OUT` (`anychip bench latency --interleave`) the runner starts its engine, probes and warms
+up, then times one repetition each time the bench asks, so that the bench can alternate the systems' repetitions
+while every engine stays loaded.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import IO, Any, Literal, Protocol
 
 import numpy as np
 
@@ -205,55 +209,95 @@ def _kv_cache_bytes(cfg: dict[str, Any], max_len: int) -> int:
     return max(256 << 20, 2 * per_token * max_len)
 
 
+class Repetitions:
+    """The llama-bench loop of one engine, in steps: made, it probes (sizing the run to the budget) and warms up;
+    `rep()` times one repetition of a prefill of pp random tokens and tg decode steps; `finish()` runs the batched
+    part, if any, and returns what `measure` returns. `measure` calls them in a row; `anychip bench latency
+    --interleave` calls `rep()` of every system in turn (`serve_control`)."""
+
+    def __init__(self, engine: Timed, spec: RunSpec, probe: tuple[int, int] = (32, 4)) -> None:
+        self.engine, self.spec = engine, spec
+        self.rng = np.random.default_rng(spec.seed)
+        self.load_before = os.getloadavg()[0]
+        t_start = time.perf_counter()
+        pp_probe, tg_probe = min(spec.pp, probe[0]), min(spec.tg, probe[1])
+        engine.prefill(self.ids(pp_probe)), engine.decode(self.ids(1)[0], tg_probe)  # first calls pay one-offs
+        # best of two: a burst of other work during one probe should not shrink the whole run
+        self.s_pp = min(engine.prefill(self.ids(pp_probe)) for _ in range(2)) / pp_probe
+        self.s_tg = min(engine.decode(self.ids(1)[0], tg_probe) for _ in range(2)) / tg_probe
+        self.plan = plan_within_budget(spec.pp, spec.tg, spec.reps, self.s_pp, self.s_tg,
+                                       spec.budget_s - (time.perf_counter() - t_start))
+        engine.prefill(self.ids(self.plan.pp)), engine.decode(self.ids(1)[0], self.plan.tg)  # warm-up, those sizes
+        # the seconds this engine has run so far: probe, warm-up, then its repetitions (not other systems' turns)
+        self.spent_s = time.perf_counter() - t_start
+        self.timings: list[list[float]] = []
+        self.windows: list[tuple[float, float, float]] = []
+        self.cpu_s = 0.0
+        self.reason = self.plan.reason
+        self._stopped = False
+        self._stack = contextlib.ExitStack()
+        self.sampler = ClockSampler.for_device(spec.device)
+        if self.sampler is not None:
+            self._stack.enter_context(self.sampler)
+
+    def ids(self, n: int) -> list[int]:
+        return self.rng.integers(0, self.engine.vocab_size, n).tolist()
+
+    @property
+    def remaining(self) -> int:
+        return 0 if self._stopped else self.plan.reps - len(self.timings)
+
+    def rep(self) -> list[float]:
+        """One timed repetition: [prefill seconds, decode seconds]."""
+        if not self.remaining:
+            raise RuntimeError("no repetition left")
+        cpu0 = _process_cpu_s()
+        t0 = time.monotonic()
+        pp_s = self.engine.prefill(self.ids(self.plan.pp))
+        t1 = time.monotonic()
+        timing = [pp_s, self.engine.decode(self.ids(1)[0], self.plan.tg)]
+        t2 = time.monotonic()
+        self.timings.append(timing)
+        self.windows.append((t0, t1, t2))
+        self.cpu_s += _process_cpu_s() - cpu0
+        self.spent_s += t2 - t0
+        if self.remaining and self.spent_s > 1.5 * self.spec.budget_s:
+            # the machine got slower than the probe said (other work): stop rather than run for hours
+            self.reason = (f"{self.reason + '; ' if self.reason else ''}stopped after {len(self.timings)} of "
+                           f"{self.plan.reps} repetitions: 1.5x the {self.spec.budget_s:.0f} s budget spent")
+            self._stopped = True
+        return timing
+
+    def finish(self) -> dict[str, Any]:
+        self._stack.close()
+        spec, timings = self.spec, self.timings
+        # the median SM clock (MHz) during each repetition's prefill and decode; None where no reading arrived
+        clocks = None if self.sampler is None else [
+            [self.sampler.median_between(a, b), self.sampler.median_between(b, c)] for a, b, c in self.windows]
+        # CPU seconds this process got per wall second per thread: well below 1 means other work took the cores
+        cpu_share = self.cpu_s / (sum(map(sum, timings)) * spec.threads) if timings else None
+        batched: dict[str, Any] = {}
+        if spec.batch:  # at the requested sizes: the budget plan sizes the batch-one loop only
+            def prompts() -> list[list[int]]:
+                return [self.ids(spec.pp) for _ in range(spec.batch)]
+
+            self.engine.batch(prompts(), spec.tg)  # warm-up
+            batched = {"batch": spec.batch, "batch_pp": spec.pp, "batch_tg": spec.tg,
+                       "batch_timings": [self.engine.batch(prompts(), spec.tg) for _ in range(spec.batch_reps)]}
+        return {"pp": self.plan.pp, "tg": self.plan.tg, "reps": len(timings), "reduced": self.reason,
+                "timings": timings, **batched, "probe_s_per_token": {"pp": self.s_pp, "tg": self.s_tg},
+                "loadavg": [self.load_before, os.getloadavg()[0]], "cpu_share": cpu_share,
+                "gpu_sm_clock_mhz": clocks,
+                # when each repetition ran (CLOCK_MONOTONIC, the same clock in every process of the machine)
+                "rep_windows": [[round(a, 4), round(c, 4)] for a, _, c in self.windows]}
+
+
 def measure(engine: Timed, spec: RunSpec, probe: tuple[int, int] = (32, 4)) -> dict[str, Any]:
     """The llama-bench loop: probe (sizes the run to the budget), warm-up, then spec.reps timed repetitions."""
-    rng = np.random.default_rng(spec.seed)
-
-    def ids(n: int) -> list[int]:
-        return rng.integers(0, engine.vocab_size, n).tolist()
-
-    load_before = os.getloadavg()[0]
-    t_start = time.perf_counter()
-    pp_probe, tg_probe = min(spec.pp, probe[0]), min(spec.tg, probe[1])
-    engine.prefill(ids(pp_probe)), engine.decode(ids(1)[0], tg_probe)  # first calls pay one-off costs
-    # best of two: a burst of other work during one probe should not shrink the whole run
-    s_pp = min(engine.prefill(ids(pp_probe)) for _ in range(2)) / pp_probe
-    s_tg = min(engine.decode(ids(1)[0], tg_probe) for _ in range(2)) / tg_probe
-    spent = time.perf_counter() - t_start
-    plan = plan_within_budget(spec.pp, spec.tg, spec.reps, s_pp, s_tg, spec.budget_s - spent)
-    engine.prefill(ids(plan.pp)), engine.decode(ids(1)[0], plan.tg)  # warm-up at the measured sizes
-    timings, cpu_s, reason, windows = [], 0.0, plan.reason, []
-    sampler = ClockSampler.for_device(spec.device)
-    with sampler if sampler is not None else contextlib.nullcontext():
-        for rep in range(plan.reps):
-            cpu0 = _process_cpu_s()
-            t0 = time.monotonic()
-            pp_s = engine.prefill(ids(plan.pp))
-            t1 = time.monotonic()
-            timings.append([pp_s, engine.decode(ids(1)[0], plan.tg)])
-            windows.append((t0, t1, time.monotonic()))
-            cpu_s += _process_cpu_s() - cpu0
-            if rep + 1 < plan.reps and time.perf_counter() - t_start > 1.5 * spec.budget_s:
-                # the machine got slower than the probe said (other work): stop rather than run for hours
-                reason = (f"{reason + '; ' if reason else ''}stopped after {rep + 1} of {plan.reps} repetitions: "
-                          f"1.5x the {spec.budget_s:.0f} s budget spent")
-                break
-    # the median SM clock (MHz) during each repetition's prefill and decode; None where no reading arrived
-    clocks = None if sampler is None else [[sampler.median_between(a, b), sampler.median_between(b, c)]
-                                           for a, b, c in windows]
-    # CPU seconds this process got per wall second per thread: well below 1 means other work took the cores
-    cpu_share = cpu_s / (sum(map(sum, timings)) * spec.threads)
-    batched: dict[str, Any] = {}
-    if spec.batch:  # at the requested sizes: the budget plan sizes the batch-one loop only
-        def prompts() -> list[list[int]]:
-            return [ids(spec.pp) for _ in range(spec.batch)]
-
-        engine.batch(prompts(), spec.tg)  # warm-up
-        batched = {"batch": spec.batch, "batch_pp": spec.pp, "batch_tg": spec.tg,
-                   "batch_timings": [engine.batch(prompts(), spec.tg) for _ in range(spec.batch_reps)]}
-    return {"pp": plan.pp, "tg": plan.tg, "reps": len(timings), "reduced": reason, "timings": timings, **batched,
-            "probe_s_per_token": {"pp": s_pp, "tg": s_tg}, "loadavg": [load_before, os.getloadavg()[0]],
-            "cpu_share": cpu_share, "gpu_sm_clock_mhz": clocks}
+    reps = Repetitions(engine, spec, probe)
+    while reps.remaining:
+        reps.rep()
+    return reps.finish()
 
 
 def _process_cpu_s() -> float:
@@ -261,12 +305,60 @@ def _process_cpu_s() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
-def run(spec: RunSpec) -> dict[str, Any]:
+class Control:
+    """The line-delimited JSON channel between `anychip bench latency --interleave` and a runner: two pipes, one
+    each way. recv() is None when the other side has closed its end."""
+
+    def __init__(self, reader: IO[str], writer: IO[str]) -> None:
+        self._reader, self._writer = reader, writer
+
+    @classmethod
+    def from_fds(cls, fd_in: int, fd_out: int) -> Control:
+        return cls(os.fdopen(fd_in, "r", buffering=1), os.fdopen(fd_out, "w", buffering=1))
+
+    def fileno(self) -> int:
+        """The reading end's descriptor (for select)."""
+        return self._reader.fileno()
+
+    def send(self, message: dict[str, Any]) -> None:
+        self._writer.write(json.dumps(message) + "\n")
+        self._writer.flush()
+
+    def recv(self) -> dict[str, Any] | None:
+        line = self._reader.readline()
+        return json.loads(line) if line else None
+
+    def close(self) -> None:
+        for stream in (self._reader, self._writer):
+            with contextlib.suppress(OSError):
+                stream.close()
+
+
+def serve_control(reps: Repetitions, control: Control) -> None:
+    """Answer the bench's requests until it says finish (or goes away): "rep" times one repetition ({"timing":
+    [prefill s, decode s], "remaining": n}), or says {"done": true} when this engine has none left."""
+    control.send({"ready": True, "reps": reps.plan.reps, "pp": reps.plan.pp, "tg": reps.plan.tg})
+    while (message := control.recv()) is not None and message.get("cmd") != "finish":
+        if message.get("cmd") != "rep":
+            raise ValueError(f"unknown request from the bench: {message}")
+        if reps.remaining:
+            control.send({"timing": reps.rep(), "remaining": reps.remaining})
+        else:
+            control.send({"done": True})
+
+
+def run(spec: RunSpec, control: Control | None = None) -> dict[str, Any]:
+    """Start the engine and measure it; with `control`, one repetition at a time when the bench asks."""
     max_len = (spec.pp + spec.tg if spec.batch else max(spec.pp, spec.tg)) + 16
     t0 = time.perf_counter()
     engine: Timed = (VllmTimed if spec.engine == "vllm" else LlamaCppTimed)(spec, max_len)
     start_s = time.perf_counter() - t0
-    result = measure(engine, spec)
+    if control is None:
+        result = measure(engine, spec)
+    else:
+        reps = Repetitions(engine, spec)
+        serve_control(reps, control)
+        result = reps.finish()
     settings = engine.settings()
     settings.setdefault("threads", spec.threads)
     settings["env"] = spec.env
@@ -292,14 +384,24 @@ def peak_rss_mib(status: Path = Path("/proc/self/status")) -> float:
 
 
 def main(argv: list[str]) -> int:
+    """SPEC.json OUT.json [--control FD_IN,FD_OUT]: the result goes to OUT.json; with --control the repetitions
+    run when the bench asks for them over those two pipe descriptors (`anychip bench latency --interleave`)."""
     spec_path, out_path = Path(argv[0]), Path(argv[1])
+    control = None
+    if len(argv) > 2:
+        if len(argv) != 4 or argv[2] != "--control":
+            raise SystemExit(f"usage: SPEC.json OUT.json [--control FD_IN,FD_OUT], got {argv}")
+        fd_in, fd_out = (int(fd) for fd in argv[3].split(","))
+        control = Control.from_fds(fd_in, fd_out)
     spec = RunSpec(**json.loads(spec_path.read_text()))
     try:
-        result = run(spec)
+        result = run(spec, control)
     except Exception as exc:  # the parent reports it as this system's row
         traceback.print_exc()
         result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
     out_path.write_text(json.dumps({"spec": asdict(spec), **result}, indent=1))
+    if control is not None:
+        control.close()  # after the result is written: the bench reads it once this side has gone
     return 0 if result["ok"] else 1
 
 
