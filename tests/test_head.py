@@ -122,3 +122,31 @@ def test_head_int8_quantization_is_the_same_in_row_blocks():
     assert torch.equal(whole_s, expect_s) and whole_s[5] == 0 and not whole_q[5].any()
     safe = torch.where(expect_s > 0, expect_s, torch.ones_like(expect_s))
     assert torch.equal(whole_q, torch.round(wf / safe[:, None]).clamp(-127, 127).to(torch.int8))
+
+
+def test_each_head_op_refuses_the_other_kinds_isa_code():
+    """AVX512-BF16 (code 2) has only a BF16 head kernel and AVX512-VNNI (code 3) only an INT8 one: the ops refuse
+    the other kind's code instead of running some other kernel for it. On a CPU without the instruction set the
+    code is refused as unsupported, which the same check covers."""
+    from anychip.kernels.routes.head import Bf16Avx512, Int8Avx512Vnni
+
+    BF16[0].prepare(torch.zeros(4, 8, dtype=torch.bfloat16), KernelPolicy())  # loads the extension
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    w = torch.randn(8, 64).to(torch.bfloat16)
+    wq, sw = quantize_head_int8_ref(w)
+    with pytest.raises(RuntimeError, match="ISA code 3"):
+        torch.ops.anychip.head_bf16(x, w, None, Int8Avx512Vnni.code)
+    with pytest.raises(RuntimeError, match="ISA code 2"):
+        torch.ops.anychip.head_int8(x, wq, sw, None, Bf16Avx512.code)
+
+
+def test_the_vnni_int8_head_is_chosen_where_the_cpu_has_it():
+    """The INT8 head's best route: AVX512-VNNI, then AVX2, then portable; a forced AVX2 linear route takes the
+    AVX2 head."""
+    from anychip.kernels.routes.head import Int8Avx2, Int8Avx512Vnni
+
+    vnni, avx2 = Int8Avx512Vnni().unavailable() is None, Int8Avx2().unavailable() is None
+    expected = Int8Avx512Vnni.id if vnni else Int8Avx2.id if avx2 else "cpu.head_int8.portable"
+    assert select_head(KernelPolicy(head="int8")).id == expected
+    if avx2:
+        assert select_head(KernelPolicy(head="int8", route="cpu.avx2")).id == Int8Avx2.id

@@ -49,6 +49,8 @@ void check_head(const at::Tensor& x, const at::Tensor& weight, const c10::option
                 at::ScalarType wtype) {
   TORCH_CHECK(isa >= 0 && isa < kHeadIsaCount && head_isa_supported(isa), "anychip head: ISA code ", isa,
               " is unknown or not supported by this CPU: pick a head route that `anychip routes` lists as available");
+  TORCH_CHECK(head_isa_serves(isa, wtype == at::kChar), "anychip head: ISA code ", isa, " has no ",
+              wtype == at::kChar ? "INT8" : "BF16", " head kernel: pick a head route of that kind");
   TORCH_CHECK(x.dim() >= 1 && x.device().is_cpu(), "anychip head: x must be a CPU tensor (..., K)");
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == wtype && weight.is_contiguous() &&
                   weight.size(1) == x.size(-1),
@@ -120,6 +122,18 @@ at::Tensor head_int8(const at::Tensor& x_in, const at::Tensor& weight, const at:
   p.sw = scales.data_ptr<float>();
   p.xq = xq.data_ptr<int8_t>();
   p.sx = sx.data_ptr<float>();
+  at::Tensor xsum;
+  if (isa == kHeadAvx512Vnni) {  // the offset its tiles take off: 128 * sum(xq) per token
+    xsum = at::empty({m}, x.options().dtype(at::kInt));
+    const int8_t* q = xq.data_ptr<int8_t>();
+    int32_t* s = xsum.data_ptr<int32_t>();
+    for (int64_t r = 0; r < m; ++r) {
+      int32_t t = 0;
+      for (int64_t i = 0; i < k; ++i) t += q[r * k + i];
+      s[r] = t;
+    }
+    p.xsum = s;
+  }
   p.bias = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   p.out = out.data_ptr();
   p.out_type = head_out_type(x.scalar_type());

@@ -111,6 +111,14 @@ class Bf16Portable(CppHead):
     summary = "C++ scalar"
 
 
+class Int8Avx512Vnni(CppHead):
+    id = "cpu.head_int8.avx512_vnni"
+    kind = "int8"
+    code = 3
+    flags = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+    summary = "C++ vpdpbusd(w ^ 0x80, x) less 128 * sum(x), per-channel INT8 weights, per-token INT8 x"
+
+
 class Int8Avx2(CppHead):
     id = "cpu.head_int8.avx2"
     kind = "int8"
@@ -160,7 +168,8 @@ class Int8Reference(HeadReference):
 
 #: Best first within a kind.
 HEAD_ROUTES: tuple[HeadRoute, ...] = (
-    Bf16Avx512(), Bf16Avx2(), Bf16Portable(), Int8Avx2(), Int8Portable(), Bf16Reference(), Int8Reference(),
+    Bf16Avx512(), Bf16Avx2(), Bf16Portable(), Int8Avx512Vnni(), Int8Avx2(), Int8Portable(), Bf16Reference(),
+    Int8Reference(),
 )
 
 
