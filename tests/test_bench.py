@@ -728,3 +728,17 @@ def test_round_by_round_ratios_pair_the_repetitions_of_one_interleaved_run(tmp_p
            "targets": latency.target_checks([ours, peer])}
     md = latency.render_markdown(doc)
     assert "| 1.25 / 1.38 / 1.50x (2 rounds) |" in md and "interleaved (anychip-w4a8, llama.cpp-q4_0)" in md
+
+
+def test_a_rows_coverage_note_names_the_linears_routes_and_the_heads(tmp_path):
+    cov = tmp_path / "cov.json"
+    cov.write_text(json.dumps({"layers": {"a": {"route": "cpu.amx_int8", "fused": ["rms_norm"]},
+                                          "b": {"route": "cpu.amx_int8"}},
+                               "head_route": {"layer": "lm_head", "route": "cpu.head_int8.avx512_vnni"}}))
+    summary = latency._coverage_summary(cov)
+    assert summary["routes"] == {"cpu.amx_int8": 2} and summary["head_route"] == "cpu.head_int8.avx512_vnni"
+    row = dict(_latency_row("anychip-w4a8", 2000, 100), coverage=summary)
+    doc = {"commands": ["c"], "created": "now", "machine": {"cpu": "cpu", "cpus": 2}, "threads": 2,
+           "requested": {"pp": 512, "tg": 128, "reps": 2}, "rows": [row], "targets": []}
+    assert ("coverage: 2 quantized linears (cpu.amx_int8: 2); rms_norm computed inside the kernels of 1; output head "
+            "on cpu.head_int8.avx512_vnni") in latency.render_markdown(doc)

@@ -357,7 +357,9 @@ def _coverage_summary(path: Path) -> dict[str, Any] | None:
     for layer in layers.values():
         routes[layer.get("route", "?")] += 1
         fused.update(layer.get("fused") or ())
-    return {"linears": len(layers), "routes": dict(routes), "fused": dict(fused), "file": str(path)}
+    head = doc.get("head_route") or {}
+    return {"linears": len(layers), "routes": dict(routes), "fused": dict(fused), "head_route": head.get("route"),
+            "file": str(path)}
 
 
 def _cold_caches(args: argparse.Namespace, workdir: Path, system: System) -> Path | None:
@@ -654,7 +656,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
                 routes = ", ".join(f"{k}: {v}" for k, v in cov["routes"].items())
                 fused = "".join(f"; {what} computed inside the kernels of {count}"
                                 for what, count in (cov.get("fused") or {}).items())
-                notes.append(f"- {r['system']}: coverage: {cov['linears']} quantized linears ({routes}){fused}")
+                head = f"; output head on {cov['head_route']}" if cov.get("head_route") else ""
+                notes.append(f"- {r['system']}: coverage: {cov['linears']} quantized linears ({routes}){fused}{head}")
     loads = [f"{r['system']} {r['loadavg'][0]:.1f}/{r['loadavg'][1]:.1f}"
              + (f", CPU share {r['cpu_share']:.2f}" if r.get("cpu_share") is not None else "")
              + (f", waited {r['waited_for_idle_s']:.0f} s for idle" if r.get("waited_for_idle_s") else "")
