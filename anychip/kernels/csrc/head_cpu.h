@@ -32,10 +32,9 @@ inline bool head_isa_supported(int64_t isa) {
   if (isa == kHeadAvx512Bf16)
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
-  if (isa == kHeadAvx512Vnni)
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-  if (isa == kHeadAvx2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  // the INT8 and AVX2 tiles are built for the W4A8 kernels' targets (ANYCHIP_AVX512, ANYCHIP_AVX2): the same check
+  if (isa == kHeadAvx512Vnni) return isa_supported(kAvx512Vnni);
+  if (isa == kHeadAvx2) return isa_supported(kAvx2);
 #endif
   return isa == kHeadPortable;
 }
