@@ -85,6 +85,9 @@ ANYCHIP_CPU_AMX = "ANYCHIP_CPU_AMX"
 #: "0" launches the GPU route's Triton kernels through Triton's JIT at every call (kernels/gpu/direct.py; default:
 #: the compiled kernels directly).
 ANYCHIP_DIRECT_LAUNCH = "ANYCHIP_DIRECT_LAUNCH"
+#: "0" launches the GPU route's batch-one GEMVs as plain launches (default: programmatic dependent launches on
+#: Hopper and newer, kernels/gpu/launch.py).
+ANYCHIP_GPU_PDL = "ANYCHIP_GPU_PDL"
 
 
 def _flag(name: str, default: bool) -> bool:
@@ -164,11 +167,12 @@ def precompile_threads() -> int:
 
 def kernel_policy(allow_fallback: bool | None = None) -> KernelPolicy:
     """The kernel policy from the environment (ANYCHIP_KERNEL_ISA, ANYCHIP_ALLOW_FALLBACK / ANYCHIP_STRICT,
-    ANYCHIP_BUILD_DIR, ANYCHIP_HEAD, ANYCHIP_GPU_TUNE, ANYCHIP_GPU_PRECOMPILE, ANYCHIP_DIRECT_LAUNCH, ANYCHIP_CPU_AMX);
-    `allow_fallback` overrides the environment's answer (a CLI flag)."""
+    ANYCHIP_BUILD_DIR, ANYCHIP_HEAD, ANYCHIP_GPU_TUNE, ANYCHIP_GPU_PRECOMPILE, ANYCHIP_DIRECT_LAUNCH, ANYCHIP_GPU_PDL,
+    ANYCHIP_CPU_AMX); `allow_fallback` overrides the environment's answer (a CLI flag)."""
     return KernelPolicy(route=forced_isa(), build_dir=build_dir(), head=os.environ.get(ANYCHIP_HEAD) or "bf16",
                         gpu_tuning=os.environ.get(ANYCHIP_GPU_TUNE) or "load", tuning_dir=tuning_dir(),
                         gpu_precompile=precompile_threads(), gpu_direct_launch=_flag(ANYCHIP_DIRECT_LAUNCH, True),
+                        gpu_pdl=_flag(ANYCHIP_GPU_PDL, True),
                         cpu_amx=_flag(ANYCHIP_CPU_AMX, True),
                         allow_fallback=fallback_allowed() if allow_fallback is None else allow_fallback)
 

@@ -152,7 +152,9 @@ def test_direct_launch_fills_the_signature_and_keys_like_the_jit(monkeypatch) ->
     gemv = launch.GemvConfig(64, 512, fused=True)
     _, args, options = launch.gemv_launch(gemv, 576, 2048, 128, *[None] * 10)
     tail = Direct(triton_w4a8._w4a8_gemv_kernel)._tail(args, options)
-    assert tail == (128, 64, 512, 1, False, False, True, True, 2048, 1, 0)  # ..., FUSED, XBLOCK, AHEAD (default), PRE
+    assert tail == (128, 64, 512, 1, False, False, True, True, 2048, 1, 0, False)  # ..., AHEAD, PRE, PDL (defaults)
+    _, args, options = launch.gemv_launch(gemv, 576, 2048, 128, *[None] * 10, pdl=True)
+    assert Direct(triton_w4a8._w4a8_gemv_kernel)._tail(args, options)[-1] is True and options["launch_pdl"] is True
     assert Direct(triton_w4a8._w4a8_gemm_kernel)._tail(args[:5], options) is None  # a runtime argument missing
     from anychip import envs
     from anychip.kernels.gpu import direct
@@ -161,6 +163,12 @@ def test_direct_launch_fills_the_signature_and_keys_like_the_jit(monkeypatch) ->
     assert envs.kernel_policy().gpu_direct_launch is False
     monkeypatch.delenv("ANYCHIP_DIRECT_LAUNCH")
     assert envs.kernel_policy().gpu_direct_launch is True
+    monkeypatch.setenv("ANYCHIP_GPU_PDL", "0")
+    assert envs.kernel_policy().gpu_pdl is False
+    monkeypatch.delenv("ANYCHIP_GPU_PDL")
+    assert envs.kernel_policy().gpu_pdl is True
+    assert not launch.gemv_pdl(torch.device("cpu"))  # the interpreter's tensors: never PDL
+    assert "launch_pdl" not in launch.gemv_launch(gemv, 576, 2048, 128, torch.zeros(1, 2048), *[None] * 9)[2]
     monkeypatch.setitem(direct._SETTINGS, "enabled", True)
     direct.set_enabled(False)
     assert direct._launcher_api() is None  # every launch through the JIT

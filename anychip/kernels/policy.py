@@ -27,6 +27,9 @@ class KernelPolicy:
     at its first launch; kernels/gpu/precompile.py).
     gpu_direct_launch: launch the compiled Triton kernels without the JIT's per-call work (kernels/gpu/direct.py);
     the process's setting follows the last policy a GPU linear was prepared with.
+    gpu_pdl: launch the batch-one GEMVs as programmatic dependent launches on Hopper and newer, so that one behind
+    another streams its first weights while that one finishes (kernels/gpu/launch.py, set_pdl); process-wide as
+    gpu_direct_launch.
     cpu_amx: whether route cpu.amx_int8 (AMX-INT8 prefill tiles, the same bits as cpu.avx512_vnni) may be picked
     where the CPU has it (False: cpu.avx512_vnni serves; ANYCHIP_CPU_AMX=0); forcing the route overrides it.
     """
@@ -39,6 +42,7 @@ class KernelPolicy:
     tuning_dir: Path | None = None
     gpu_precompile: int = 0
     gpu_direct_launch: bool = True
+    gpu_pdl: bool = True
     cpu_amx: bool = True
 
     def __post_init__(self) -> None:

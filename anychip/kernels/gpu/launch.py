@@ -431,22 +431,50 @@ def gemv_split(cfg: GemvConfig, n: int) -> int:
 
 
 def gemv_launch(cfg: GemvConfig, n, kk, g, xw, sx, weight32, scales, bias, out, parts, locks, cell, slot,
-                pre: Prologue | None = None) -> tuple[tuple[int, int], tuple, dict]:
-    """(grid, arguments, compile-time options) of one GEMV launch (the launch's and precompile.py's)."""
+                pre: Prologue | None = None, pdl: bool | None = None) -> tuple[tuple[int, int], tuple, dict]:
+    """(grid, arguments, compile-time options) of one GEMV launch (the launch's and precompile.py's). pdl: launch
+    it as a programmatic dependent launch (None: where `gemv_pdl` says xw's device can)."""
     split = gemv_split(cfg, n)
+    if pdl is None:
+        pdl = isinstance(xw, torch.Tensor) and gemv_pdl(xw.device)
     grid = (cdiv(n, cfg.block_n), split)
     pre_args = _NO_PROLOGUE if pre is None else pre.inputs()
     args = (xw, sx, weight32, scales, bias, out, parts, locks, cell, slot, n, kk, kk // 8, *pre_args)
     if pre is not None and not cfg.fused:
         raise ValueError(f"{cfg}: {type(pre).__name__} runs inside the fused GEMV only")
     return grid, args, _gemv_options(cfg, kk, g, split, bias is not None, cell is not None, _compiled(weight32),
-                                     0 if pre is None else pre.kind)
+                                     0 if pre is None else pre.kind, pdl)
+
+
+_PDL = {"enabled": True}  # process-wide, as direct.py's settings
+
+
+def set_pdl(on: bool) -> None:
+    """GEMVs launched as programmatic dependent launches where the GPU can (the default) or not (the route applies
+    the policy's gpu_pdl: ANYCHIP_GPU_PDL=0)."""
+    _PDL["enabled"] = bool(on)
+
+
+def gemv_pdl(device: torch.device) -> bool:
+    """Whether a GEMV on `device` launches with PDL: on a CUDA GPU of compute capability 9.0 or newer (Hopper's
+    griddepcontrol), with a Triton that has gdc_wait, unless set_pdl(False)."""
+    return _PDL["enabled"] and device.type == "cuda" and _pdl_capable(indexed(device).index)
+
+
+@functools.cache
+def _pdl_capable(index: int) -> bool:
+    import triton.language as tl
+
+    cuda = getattr(getattr(tl, "extra", None), "cuda", None)
+    has = all(hasattr(cuda, name) for name in ("gdc_wait", "gdc_launch_dependents"))
+    return has and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 @functools.lru_cache(maxsize=4096)
 def _gemv_options(cfg: GemvConfig, kk: int, g: int, split: int, has_bias: bool, count: bool, asm: bool,
-                  pre: int) -> dict:
-    """The GEMV's compile-time options (one dict a combination, which nobody mutates)."""
+                  pre: int, pdl: bool = False) -> dict:
+    """The GEMV's compile-time options (one dict a combination, which nobody mutates). pdl: the kernel's PDL
+    branch and Triton's launch_pdl option, which makes its launcher ask for a programmatic dependent launch."""
     options = dict(G=g, BN=cfg.block_n, BK=cfg.block_k, SPLIT_K=split, HAS_BIAS=has_bias, COUNT=count, ASM=asm,
                    num_warps=cfg.num_warps)
     if cfg.fused:  # the amax pass: the whole row in one block up to 1024 channels a warp (32 fp32 a thread)
@@ -455,6 +483,8 @@ def _gemv_options(cfg: GemvConfig, kk: int, g: int, split: int, has_bias: bool, 
         options["AHEAD"] = cfg.ahead
     if pre:
         options["PRE"] = pre
+    if pdl:
+        options.update(PDL=True, launch_pdl=True)
     return options
 
 

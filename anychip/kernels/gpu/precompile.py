@@ -60,7 +60,8 @@ def gemm_specs(n: int, kk: int, g: int, device: torch.device, buckets: Iterable[
                 kernel = kern._w4a8_gemv_kernel
                 spec = launch.gemv_launch(cfg, n, kk, g, bf16 if cfg.fused else i32, None if cfg.fused else f32,
                                           i32, scales_dtype, None, bf16, f32 if split > 1 else None,
-                                          i32 if split > 1 else None, torch.int64, i32)
+                                          i32 if split > 1 else None, torch.int64, i32,
+                                          pdl=launch.gemv_pdl(device))
                 key = (cfg, split)
             else:
                 split = launch.split_of(cfg, m, n)

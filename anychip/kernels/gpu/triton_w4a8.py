@@ -383,7 +383,7 @@ def _w4a8_gemv_kernel(
     N, K, words, r_ptr, nw_ptr, rout_ptr, eps,
     G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     COUNT: tl.constexpr, ASM: tl.constexpr, FUSED: tl.constexpr = False, XBLOCK: tl.constexpr = 0,
-    AHEAD: tl.constexpr = 1, PRE: tl.constexpr = 0,
+    AHEAD: tl.constexpr = 1, PRE: tl.constexpr = 0, PDL: tl.constexpr = False,
 ):
     """out (1, N) = the W4A8 linear of one token, on the CUDA cores: the weights as int32 words of eight nibbles,
     each word's low and high nibbles widened in place to bytes holding 16 * w (two integer ops a word), then one
@@ -401,14 +401,17 @@ def _w4a8_gemv_kernel(
     PRE (FUSED only; 1: rms_norm, 2: fused_add_rms_norm, 3: SiluAndMul): xw is the input of what vLLM computes ahead
     of the linear: the norm's x, with r the residual (PRE 2) and nw the norm's weight, or SiluAndMul's row of 2K.
     Every program computes it (_pre_values) as it packs, so it is no launch of its own; program (0, 0) writes the
-    new residual x + r to rout (PRE 2)."""
+    new residual x + r to rout (PRE 2).
+    PDL (compiled, sm_90+, launched with launch_pdl): programmatic dependent launch. The next kernel, when it is
+    launched so too, may start as soon as every program here has begun (launch_dependents, first thing); each
+    program requests its first steps' weight words, which no kernel writes, then waits for the kernel ahead of it
+    to have finished and flushed (griddepcontrol.wait) before it reads or writes anything else: the token, the
+    residual, the counters, the split-K scratch and semaphores, the output. So a GEMV behind another one streams
+    its first weights while that one finishes, instead of after."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    if COUNT:
-        if (pid_n == 0) & (pid_k == 0):
-            at = count_ptr + tl.load(slot_ptr).to(tl.int64) * 2
-            tl.atomic_add(at, 1)
-            tl.atomic_add(at + 1, 1)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     offs_n = pid_n * BN + tl.arange(0, BN)
     mask_n = offs_n < N
     groups = K // G
@@ -423,6 +426,13 @@ def _w4a8_gemv_kernel(
     w = _gemv_step_words(rows, s_begin, s_end, words, mask_n, W)
     if AHEAD == 2:
         w_after = _gemv_step_words(rows, s_begin + 1, s_end, words, mask_n, W)
+    if PDL:  # nothing but the weights before the kernel ahead has finished
+        tl.extra.cuda.gdc_wait()
+    if COUNT:
+        if (pid_n == 0) & (pid_k == 0):
+            at = count_ptr + tl.load(slot_ptr).to(tl.int64) * 2
+            tl.atomic_add(at, 1)
+            tl.atomic_add(at + 1, 1)
     if FUSED:  # PRE 0: the token's row itself
         rstd, scale, safe = _pre_stats(xw_ptr, r_ptr, rout_ptr, nw_ptr, K, eps, (pid_n == 0) & (pid_k == 0),
                                        XBLOCK, PRE)

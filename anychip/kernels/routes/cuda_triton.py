@@ -44,10 +44,11 @@ class CudaTriton(Route):
         return f"K={problem.k} is odd (INT4 weights pack two per byte)" if problem.k % 2 else None
 
     def prepare(self, weights: CheckpointWeights, policy: KernelPolicy) -> tuple[torch.Tensor, torch.Tensor]:
-        from anychip.kernels.gpu import direct, tuning
+        from anychip.kernels.gpu import direct, launch, tuning
         from anychip.kernels.gpu.layout import triton_layout
 
         direct.set_enabled(policy.gpu_direct_launch)
+        launch.set_pdl(policy.gpu_pdl)
         weight, scales = triton_layout(weights)
         # every M bucket's config known now, at load: no request waits for the tuner
         tuning.tune_linear(weight, scales, weights.n, weights.k, weights.group_size, policy.gpu_tuning,
