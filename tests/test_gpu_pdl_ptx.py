@@ -1,0 +1,123 @@
+"""Programmatic dependent launch, checked in the compiled code without a GPU.
+
+A kernel launched with PDL may start while the kernel ahead of it still runs; before its griddepcontrol.wait it
+may touch only what no kernel writes (the weights). A load of the token, a counter update or a store placed above
+the wait would read or clobber data the kernel ahead has not finished with, and the bits would still come out right
+on most runs. So the order is checked where it is decided: Triton compiles the route's kernels for sm_90 here (its
+CUDA backend needs no GPU), with the options the launches use (`launch.gemv_launch`, `gemm_launch`,
+`quantize_options`), and the PTX is read: launch_dependents first, then only weight loads (the GEMV) or L2
+prefetches (the GEMM), then the wait, then everything else.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="triton is not installed: pip install triton (`make install` does)")
+
+from anychip.kernels.gpu import launch  # noqa: E402
+from anychip.kernels.gpu import triton_w4a8 as kern  # noqa: E402
+
+_TYPES = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32", torch.int64: "*i64",
+          torch.int8: "*i8"}
+_LAUNCH_OPTIONS = ("num_warps", "num_stages", "launch_pdl")
+
+
+def _ptx(kernel, args: tuple, options: dict) -> str:
+    """sm_90 PTX of `kernel` for launch arguments given as dtypes (tensors), numbers and None (an unused pointer),
+    as precompile.py gives them."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature, constexprs = {}, {}
+    for name, arg in zip([p.name for p in kernel.params], args):
+        if arg is None:  # a pointer the kernel does not touch under these options: any pointer type compiles it
+            signature[name] = "*i32"
+        elif isinstance(arg, torch.dtype):
+            signature[name] = _TYPES[arg]
+        else:
+            signature[name] = "fp32" if isinstance(arg, float) else "i32"
+    for param in kernel.params[len(args):]:  # the constexprs: the launch's options, else their defaults
+        signature[param.name] = "constexpr"
+        constexprs[param.name] = options.get(param.name, param.default)
+    compile_options = {k: v for k, v in options.items() if k in _LAUNCH_OPTIONS}
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+                              options=compile_options)
+    assert compiled.metadata.launch_pdl == options.get("launch_pdl", False)
+    return compiled.asm["ptx"]
+
+
+@triton.jit
+def _probe(x_ptr):
+    triton.language.store(x_ptr, triton.language.load(x_ptr) + 1.0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _sm90() -> None:
+    """Skips (visibly) where this Triton cannot compile for sm_90 at all (no CUDA backend or ptxas); where it can,
+    a kernel of ours that fails to compile fails its test."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    try:
+        triton.compile(ASTSource(_probe, {"x_ptr": "*fp32"}, {}), target=GPUTarget("cuda", 90, 32))
+    except Exception as exc:
+        pytest.skip(f"Triton cannot compile for sm_90 here: {exc!r}"[:300])
+
+
+def _before_and_after_wait(ptx: str) -> tuple[list[str], list[str]]:
+    lines = [line.strip() for line in ptx.splitlines()]
+    ops = [line for line in lines if re.search(r"griddepcontrol|prefetch|ld\.global|st\.global|atom\.|red\.", line)]
+    assert ops and "griddepcontrol.launch_dependents" in ops[0], ops[:3]
+    waits = [i for i, op in enumerate(ops) if "griddepcontrol.wait" in op]
+    assert len(waits) == 1, waits
+    return ops[1:waits[0]], ops[waits[0] + 1:]
+
+
+_BF16, _F32, _I8, _I32, _I64 = torch.bfloat16, torch.float32, torch.int8, torch.int32, torch.int64
+
+
+@pytest.mark.parametrize("split,pre", [(1, 2), (4, 0)])
+def test_gemv_reads_only_weights_before_the_wait(split: int, pre: int) -> None:
+    n, k, g = 2048, 2048, 128
+    cfg = launch.GemvConfig(16, 512, split_k=split, fused=True)
+    pre_obj = launch.Norm(None, 1e-5, _BF16, _BF16) if pre == 2 else None
+    grid, args, options = launch.gemv_launch(cfg, n, k, g, _BF16, None, _I32, _BF16, None, _BF16,
+                                             _F32 if split > 1 else None, _I32 if split > 1 else None, _I64, _I32,
+                                             pre_obj, pdl=True)
+    if pre_obj is not None:  # the norm's weight and residuals as dtypes, as the launch passes tensors
+        args = args[:13] + (_BF16, _BF16, _BF16, 1e-5)
+    before, after = _before_and_after_wait(_ptx(kern._w4a8_gemv_kernel, args, options))
+    assert before and all(re.search(r"ld\.global(\.v\d)?\.b32", op) for op in before), before  # the weight words
+    assert any("atom." in op for op in after) and any("st.global" in op for op in after)  # counter, output
+    plain = _ptx(kern._w4a8_gemv_kernel, args, {k: v for k, v in options.items() if k not in ("PDL", "launch_pdl")})
+    assert "griddepcontrol" not in plain
+
+
+@pytest.mark.parametrize("m,cfg", [(64, launch.GemmConfig(64, 64, 128, split_k=2)),
+                                   (512, launch.GemmConfig(128, 128, 128, swap=True, num_warps=8))])
+def test_gemm_prefetches_weights_and_waits_before_any_load(m: int, cfg: launch.GemmConfig) -> None:
+    n, k, g = 2048, 2048, 128
+    split = launch.split_of(cfg, m, n)
+    grid, args, options = launch.gemm_launch(cfg, m, n, k, g, _I8, _F32, _I8, _BF16, None, _BF16,
+                                             _F32 if split > 1 else None, _I32 if split > 1 else None, _I64, _I32,
+                                             k, n, pdl=True)
+    before, after = _before_and_after_wait(_ptx(kern._w4a8_gemm_kernel, args, options))
+    assert before and all("prefetch.global.L2" in op for op in before), before
+    assert any("ld.global" in op for op in after) and any("st.global" in op for op in after)
+
+
+@pytest.mark.parametrize("pre", [0, 2])
+def test_quantize_kernels_wait_first(pre: int) -> None:
+    k = 2048
+    options = launch.quantize_options(k, pre, True)
+    if pre:
+        kernel = kern._pre_quantize_rows_kernel
+        args = (_BF16, _BF16, _BF16, _BF16, _I8, _F32, k, 1e-5, k, k, k, k)
+    else:
+        kernel, args = kern._quantize_rows_kernel, (_BF16, _I8, _F32, k, k, k)
+    before, after = _before_and_after_wait(_ptx(kernel, args, options))
+    assert before == [] and after
