@@ -85,9 +85,8 @@ ANYCHIP_CPU_AMX = "ANYCHIP_CPU_AMX"
 #: "0" launches the GPU route's Triton kernels through Triton's JIT at every call (kernels/gpu/direct.py; default:
 #: the compiled kernels directly).
 ANYCHIP_DIRECT_LAUNCH = "ANYCHIP_DIRECT_LAUNCH"
-#: Which of the GPU route's Triton kernels launch as programmatic dependent launches on Hopper and newer
-#: (kernels/gpu/launch.py): "1" or "gemv" the batch-one GEMV (default), "all" the quantize kernels and GEMMs too,
-#: "0" or "off" none.
+#: "0" launches the GPU route's batch-one GEMVs as plain launches (default: programmatic dependent launches on
+#: Hopper and newer, kernels/gpu/launch.py).
 ANYCHIP_GPU_PDL = "ANYCHIP_GPU_PDL"
 
 
@@ -166,14 +165,6 @@ def precompile_threads() -> int:
     return int(value)
 
 
-def pdl_scope() -> str:
-    value = os.environ.get(ANYCHIP_GPU_PDL, "").strip().lower()
-    scopes = {"": "gemv", "1": "gemv", "gemv": "gemv", "on": "gemv", "0": "off", "off": "off", "all": "all"}
-    if value not in scopes:
-        raise ValueError(f"{ANYCHIP_GPU_PDL}={value!r}: 1 (or gemv: the batch-one GEMV, the default), all, or 0")
-    return scopes[value]
-
-
 def kernel_policy(allow_fallback: bool | None = None) -> KernelPolicy:
     """The kernel policy from the environment (ANYCHIP_KERNEL_ISA, ANYCHIP_ALLOW_FALLBACK / ANYCHIP_STRICT,
     ANYCHIP_BUILD_DIR, ANYCHIP_HEAD, ANYCHIP_GPU_TUNE, ANYCHIP_GPU_PRECOMPILE, ANYCHIP_DIRECT_LAUNCH, ANYCHIP_GPU_PDL,
@@ -181,7 +172,7 @@ def kernel_policy(allow_fallback: bool | None = None) -> KernelPolicy:
     return KernelPolicy(route=forced_isa(), build_dir=build_dir(), head=os.environ.get(ANYCHIP_HEAD) or "bf16",
                         gpu_tuning=os.environ.get(ANYCHIP_GPU_TUNE) or "load", tuning_dir=tuning_dir(),
                         gpu_precompile=precompile_threads(), gpu_direct_launch=_flag(ANYCHIP_DIRECT_LAUNCH, True),
-                        gpu_pdl=pdl_scope(),
+                        gpu_pdl=_flag(ANYCHIP_GPU_PDL, True),
                         cpu_amx=_flag(ANYCHIP_CPU_AMX, True),
                         allow_fallback=fallback_allowed() if allow_fallback is None else allow_fallback)
 

@@ -393,14 +393,13 @@ def test_cuda_graph_capture(tuned_first: bool) -> None:
         assert torch.equal(y, eager)
 
 
-@pytest.mark.parametrize("m,split", [(1, 1), (1, 4), (64, None), (300, None)])
-def test_pdl_chain_in_a_graph_is_the_plain_chain(m: int, split: int | None) -> None:
-    """Linears back to back, each reading the one ahead's output (every other one with the norm and residual inside,
-    as vLLM's decode step chains them), split-K semaphores and scratch shared: the GEMV at one token, the quantize
-    kernels and GEMM at more. Launched as programmatic dependent launches (each starts while the one ahead finishes
-    and waits for it before reading) they give the bits of plain launches, captured in a CUDA graph and replayed
-    on fresh inputs, and the counter counts each replay once a launch."""
-    if not launch.uses_pdl(DEV):  # the default scope (gemv) on this GPU
+@pytest.mark.parametrize("split", [1, 4])
+def test_pdl_chain_in_a_graph_is_the_plain_chain(split: int) -> None:
+    """GEMVs back to back, each reading the one ahead's output and residual (norm inside, as vLLM's decode step
+    chains them), split-K semaphores and scratch shared: launched as programmatic dependent launches (each starts
+    while the one ahead finishes and waits for it before reading) they give the bits of plain launches, captured in
+    a CUDA graph and replayed on fresh inputs, and the counter counts each replay once a launch."""
+    if not launch.gemv_pdl(DEV):
         pytest.skip(f"{torch.cuda.get_device_name(DEV)}: no programmatic dependent launch (compute capability < 9.0)")
     n, k, g, links = 2048, 2048, 128, 12
     layers = []
@@ -409,18 +408,15 @@ def test_pdl_chain_in_a_graph_is_the_plain_chain(m: int, split: int | None) -> N
         p = prepare_w4a8(q.to(DEV), s.to(DEV).bfloat16(), g, packed=False)
         layers.append((p.weight, p.scales))
     norm = torch.rand(k, generator=torch.Generator().manual_seed(3)).add(0.5).bfloat16().to(DEV)
-    cfg = launch.GemvConfig(16, 512, split_k=split, fused=True) if m == 1 else None
-    x = activations(m, k, torch.bfloat16, seed=41).to(DEV)
-    r = activations(m, k, torch.bfloat16, seed=42).to(DEV)
+    cfg = launch.GemvConfig(16, 512, split_k=split, fused=True)
+    x = activations(1, k, torch.bfloat16, seed=41).to(DEV)
+    r = activations(1, k, torch.bfloat16, seed=42).to(DEV)
     counter = hooks.DeviceCounter(torch.zeros((len(hooks.SLOTS), 2), dtype=torch.int64, device=DEV),
                                   torch.zeros(1, dtype=torch.int32, device=DEV))
 
     def chain():
         y, res = x, r
-        for i, (w, sw) in enumerate(layers):
-            if i % 2:
-                y = launch.w4a8_linear(y, w, sw, None, n, k, g, config=cfg, counter=counter)
-                continue
+        for w, sw in layers:
             out = torch.empty_like(res)
             y = launch.w4a8_linear_pre(y, launch.Norm(norm, 1e-5, res, out), w, sw, None, n, k, g, config=cfg,
                                        counter=counter)
@@ -430,11 +426,8 @@ def test_pdl_chain_in_a_graph_is_the_plain_chain(m: int, split: int | None) -> N
     results = {}
     try:
         for pdl in (False, True):
-            launch.set_pdl("all" if pdl else "off")
-            if m == 1:
-                assert launch.gemv_launch(cfg, n, k, g, x, *[None] * 9)[2].get("launch_pdl", False) is pdl
-            else:
-                assert launch.quantize_options(k, 2, launch.uses_pdl(DEV, "gemm")).get("launch_pdl", False) is pdl
+            launch.set_pdl(pdl)
+            assert launch.gemv_launch(cfg, n, k, g, x, *[None] * 9)[2].get("launch_pdl", False) is pdl
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
@@ -445,16 +438,16 @@ def test_pdl_chain_in_a_graph_is_the_plain_chain(m: int, split: int | None) -> N
             torch.cuda.current_stream().wait_stream(stream)
             got = []
             for seed in (43, 44, 45):
-                x.copy_(activations(m, k, torch.bfloat16, seed=seed).to(DEV))
+                x.copy_(activations(1, k, torch.bfloat16, seed=seed).to(DEV))
                 graph.replay()
                 got.append(tuple(t.clone() for t in outs))
             torch.cuda.synchronize()
             results[pdl] = got
     finally:
-        launch.set_pdl("gemv")
+        launch.set_pdl(True)
     for plain, pdl in zip(results[False], results[True]):
         assert all(torch.equal(a, b) for a, b in zip(plain, pdl))
-    assert counter.cell[0].tolist() == [2 * 4 * links, 2 * 4 * links * m]  # eager + 3 replays, PDL off and on
+    assert counter.cell[0].tolist() == [2 * 4 * links, 2 * 4 * links]  # eager + 3 replays, PDL off and on
     assert not launch._locks(DEV).any()
 
 

@@ -148,7 +148,7 @@ def test_direct_launch_fills_the_signature_and_keys_like_the_jit(monkeypatch) ->
     cfg = launch.GemmConfig(128, 64, 128, split_k=2)
     _, args, options = launch.gemm_launch(cfg, 512, 576, 2048, 128, *[None] * 10, 2048, 576)
     tail = Direct(triton_w4a8._w4a8_gemm_kernel)._tail(args, options)
-    assert tail == (128, 128, 64, 128, False, 2, 8, False, False, False, True, False)  # G BM BN ... ASM, PDL
+    assert tail == (128, 128, 64, 128, False, 2, 8, False, False, False, True)  # G BM BN BK SWAP SPLIT_K ... ASM
     gemv = launch.GemvConfig(64, 512, fused=True)
     _, args, options = launch.gemv_launch(gemv, 576, 2048, 128, *[None] * 10)
     tail = Direct(triton_w4a8._w4a8_gemv_kernel)._tail(args, options)
@@ -163,22 +163,11 @@ def test_direct_launch_fills_the_signature_and_keys_like_the_jit(monkeypatch) ->
     assert envs.kernel_policy().gpu_direct_launch is False
     monkeypatch.delenv("ANYCHIP_DIRECT_LAUNCH")
     assert envs.kernel_policy().gpu_direct_launch is True
-    for value, scope in (("0", "off"), ("1", "gemv"), ("all", "all")):
-        monkeypatch.setenv("ANYCHIP_GPU_PDL", value)
-        assert envs.kernel_policy().gpu_pdl == scope
-    monkeypatch.setenv("ANYCHIP_GPU_PDL", "some")
-    with pytest.raises(ValueError, match="ANYCHIP_GPU_PDL"):
-        envs.kernel_policy()
+    monkeypatch.setenv("ANYCHIP_GPU_PDL", "0")
+    assert envs.kernel_policy().gpu_pdl is False
     monkeypatch.delenv("ANYCHIP_GPU_PDL")
-    assert envs.kernel_policy().gpu_pdl == "gemv"
-    try:
-        for scope in launch.PDL_SCOPES:
-            launch.set_pdl(scope)
-            assert not launch.uses_pdl(torch.device("cpu")) and not launch.uses_pdl(torch.device("cpu"), "gemm")
-        with pytest.raises(ValueError, match="scope"):
-            launch.set_pdl("gemm")
-    finally:
-        launch.set_pdl("gemv")
+    assert envs.kernel_policy().gpu_pdl is True
+    assert not launch.gemv_pdl(torch.device("cpu"))  # the interpreter's tensors: never PDL
     assert "launch_pdl" not in launch.gemv_launch(gemv, 576, 2048, 128, torch.zeros(1, 2048), *[None] * 9)[2]
     monkeypatch.setitem(direct._SETTINGS, "enabled", True)
     direct.set_enabled(False)

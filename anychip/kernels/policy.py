@@ -14,9 +14,6 @@ HEAD_KINDS = ("bf16", "int8")
 #: GPU GEMM configs (kernels/gpu/tuning.py): "load" times the shapes no table or cache knows, once, at load;
 #: "off" never times (those shapes run the default config).
 GPU_TUNING = ("load", "off")
-#: Which GPU kernels launch as programmatic dependent launches (kernels/gpu/launch.py): none, the batch-one GEMV
-#: (default), every kernel of the route.
-GPU_PDL = ("off", "gemv", "all")
 
 
 @dataclass(frozen=True)
@@ -30,10 +27,9 @@ class KernelPolicy:
     at its first launch; kernels/gpu/precompile.py).
     gpu_direct_launch: launch the compiled Triton kernels without the JIT's per-call work (kernels/gpu/direct.py);
     the process's setting follows the last policy a GPU linear was prepared with.
-    gpu_pdl: one of GPU_PDL, which of the GPU route's kernels launch as programmatic dependent launches on
-    Hopper and newer, so that one behind another is resident, and streams its first weights, while that one
-    finishes: "gemv" (the batch-one GEMV, the default), "all" (the quantize kernels and GEMMs too), "off"
-    (kernels/gpu/launch.py, set_pdl); process-wide as gpu_direct_launch.
+    gpu_pdl: launch the batch-one GEMVs as programmatic dependent launches on Hopper and newer, so that one behind
+    another streams its first weights while that one finishes (kernels/gpu/launch.py, set_pdl); process-wide as
+    gpu_direct_launch.
     cpu_amx: whether route cpu.amx_int8 (AMX-INT8 prefill tiles, the same bits as cpu.avx512_vnni) may be picked
     where the CPU has it (False: cpu.avx512_vnni serves; ANYCHIP_CPU_AMX=0); forcing the route overrides it.
     """
@@ -46,7 +42,7 @@ class KernelPolicy:
     tuning_dir: Path | None = None
     gpu_precompile: int = 0
     gpu_direct_launch: bool = True
-    gpu_pdl: str = "gemv"
+    gpu_pdl: bool = True
     cpu_amx: bool = True
 
     def __post_init__(self) -> None:
@@ -55,9 +51,6 @@ class KernelPolicy:
         if self.gpu_tuning not in GPU_TUNING:
             raise ValueError(f"gpu_tuning={self.gpu_tuning!r} is not one of {GPU_TUNING}: set ANYCHIP_GPU_TUNE=load "
                              "or off")
-        if self.gpu_pdl not in GPU_PDL:
-            raise ValueError(f"gpu_pdl={self.gpu_pdl!r} is not one of {GPU_PDL}: set ANYCHIP_GPU_PDL=0, 1 (gemv) or "
-                             "all")
         if not isinstance(self.gpu_precompile, int) or self.gpu_precompile < 0:
             raise ValueError(f"gpu_precompile={self.gpu_precompile!r}: a number of threads, 0 for off "
                              "(ANYCHIP_GPU_PRECOMPILE)")

@@ -20,7 +20,6 @@ import torch
 from anychip.kernels.gpu import triton_w4a8 as k
 from anychip.kernels.gpu.direct import Direct
 from anychip.kernels.hooks import DeviceCounter
-from anychip.kernels.policy import GPU_PDL
 
 DECODE_M = 16
 MID_M = 64
@@ -183,25 +182,16 @@ def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xq = torch.empty((m, kk), dtype=torch.int8, device=x.device)
     sx = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m:
-        _run(k._quantize_rows_kernel, (m,), (x, xq, sx, kk, x.stride(0), xq.stride(0)),
-             quantize_options(kk, 0, uses_pdl(x.device, "gemm")))
+        _run(k._quantize_rows_kernel, (m,), (x, xq, sx, kk, x.stride(0), xq.stride(0)), quantize_options(kk))
     return xq, sx
 
 
 @functools.lru_cache(maxsize=1024)
-def quantize_options(kk: int, pre: int = 0, pdl: bool = False) -> dict[str, int]:
+def quantize_options(kk: int, pre: int = 0) -> dict[str, int]:
     """The quantization kernels' compile-time options for rows of K (precompile.py compiles the same); pre: the
-    prologue's kind (Prologue.kind), 0 for none; pdl: launched as a programmatic dependent launch.  Cached: one
-    dict a shape, which nobody mutates."""
+    prologue's kind (Prologue.kind), 0 for none.  Cached: one dict a shape, which nobody mutates."""
     block = min(next_pow2(kk), 4096)
-    return {"BLOCK": block, "num_warps": 4 if block <= 1024 else 8, **({"PRE": pre} if pre else {}),
-            **_pdl_options(pdl)}
-
-
-def _pdl_options(pdl: bool) -> dict:
-    """A kernel's PDL branch and Triton's launch_pdl option, which makes its launcher ask for a programmatic
-    dependent launch."""
-    return {"PDL": True, "launch_pdl": True} if pdl else {}
+    return {"BLOCK": block, "num_warps": 4 if block <= 1024 else 8, **({"PRE": pre} if pre else {})}
 
 
 def _run(kernel, grid: tuple[int, ...], args: tuple, options: dict):
@@ -278,7 +268,7 @@ def pre_quantize(x: torch.Tensor, pre: Prologue, kk: int) -> tuple[torch.Tensor,
         r, nw, ro, eps = pre.inputs()
         _run(k._pre_quantize_rows_kernel, (m,), (x, r, nw, ro, xq, sx, kk, eps, x.stride(0),
                                                 0 if r is None else r.stride(0), 0 if ro is None else ro.stride(0),
-                                                xq.stride(0)), quantize_options(kk, pre.kind, uses_pdl(x.device, "gemm")))
+                                                xq.stride(0)), quantize_options(kk, pre.kind))
     return xq, sx
 
 
@@ -443,10 +433,10 @@ def gemv_split(cfg: GemvConfig, n: int) -> int:
 def gemv_launch(cfg: GemvConfig, n, kk, g, xw, sx, weight32, scales, bias, out, parts, locks, cell, slot,
                 pre: Prologue | None = None, pdl: bool | None = None) -> tuple[tuple[int, int], tuple, dict]:
     """(grid, arguments, compile-time options) of one GEMV launch (the launch's and precompile.py's). pdl: launch
-    it as a programmatic dependent launch (None: where `uses_pdl` says xw's device does)."""
+    it as a programmatic dependent launch (None: where `gemv_pdl` says xw's device can)."""
     split = gemv_split(cfg, n)
     if pdl is None:
-        pdl = isinstance(xw, torch.Tensor) and uses_pdl(xw.device)
+        pdl = isinstance(xw, torch.Tensor) and gemv_pdl(xw.device)
     grid = (cdiv(n, cfg.block_n), split)
     pre_args = _NO_PROLOGUE if pre is None else pre.inputs()
     args = (xw, sx, weight32, scales, bias, out, parts, locks, cell, slot, n, kk, kk // 8, *pre_args)
@@ -456,27 +446,19 @@ def gemv_launch(cfg: GemvConfig, n, kk, g, xw, sx, weight32, scales, bias, out, 
                                      0 if pre is None else pre.kind, pdl)
 
 
-PDL_SCOPES = GPU_PDL  # which kernels launch with PDL: none, the batch-one GEMV, every kernel
-_PDL = {"scope": "gemv"}  # process-wide, as direct.py's settings
+_PDL = {"enabled": True}  # process-wide, as direct.py's settings
 
 
-def set_pdl(scope: str) -> None:
-    """Which kernels launch as programmatic dependent launches where the GPU can (PDL_SCOPES; the route applies
-    the policy's gpu_pdl, ANYCHIP_GPU_PDL)."""
-    if scope not in PDL_SCOPES:
-        raise ValueError(f"PDL scope {scope!r} is not one of {PDL_SCOPES}")
-    _PDL["scope"] = scope
+def set_pdl(on: bool) -> None:
+    """GEMVs launched as programmatic dependent launches where the GPU can (the default) or not (the route applies
+    the policy's gpu_pdl: ANYCHIP_GPU_PDL=0)."""
+    _PDL["enabled"] = bool(on)
 
 
-def uses_pdl(device: torch.device, kernel: str = "gemv") -> bool:
-    """Whether `kernel` ("gemv": the batch-one GEMV; "gemm": the quantize kernels and the GEMM) launches on
-    `device` with PDL (programmatic dependent launch: each lets the next kernel start early and waits for the one
-    ahead before touching what a kernel writes): where set_pdl's scope covers it, on a CUDA GPU of compute
-    capability 9.0 or newer (Hopper's griddepcontrol), with a Triton that has gdc_wait."""
-    scope = _PDL["scope"]
-    if scope == "off" or (scope == "gemv" and kernel != "gemv"):
-        return False
-    return device.type == "cuda" and _pdl_capable(indexed(device).index)
+def gemv_pdl(device: torch.device) -> bool:
+    """Whether a GEMV on `device` launches with PDL: on a CUDA GPU of compute capability 9.0 or newer (Hopper's
+    griddepcontrol), with a Triton that has gdc_wait, unless set_pdl(False)."""
+    return _PDL["enabled"] and device.type == "cuda" and _pdl_capable(indexed(device).index)
 
 
 @functools.cache
@@ -491,7 +473,8 @@ def _pdl_capable(index: int) -> bool:
 @functools.lru_cache(maxsize=4096)
 def _gemv_options(cfg: GemvConfig, kk: int, g: int, split: int, has_bias: bool, count: bool, asm: bool,
                   pre: int, pdl: bool = False) -> dict:
-    """The GEMV's compile-time options (one dict a combination, which nobody mutates)."""
+    """The GEMV's compile-time options (one dict a combination, which nobody mutates). pdl: the kernel's PDL
+    branch and Triton's launch_pdl option, which makes its launcher ask for a programmatic dependent launch."""
     options = dict(G=g, BN=cfg.block_n, BK=cfg.block_k, SPLIT_K=split, HAS_BIAS=has_bias, COUNT=count, ASM=asm,
                    num_warps=cfg.num_warps)
     if cfg.fused:  # the amax pass: the whole row in one block up to 1024 channels a warp (32 fp32 a thread)
@@ -500,7 +483,8 @@ def _gemv_options(cfg: GemvConfig, kk: int, g: int, split: int, has_bias: bool, 
         options["AHEAD"] = cfg.ahead
     if pre:
         options["PRE"] = pre
-    options.update(_pdl_options(pdl))
+    if pdl:
+        options.update(PDL=True, launch_pdl=True)
     return options
 
 
@@ -560,24 +544,20 @@ def split_of(cfg: GemmConfig, m: int, n: int) -> int:
 
 
 def gemm_launch(cfg: GemmConfig, m, n, kk, g, xq, sx, weight, scales, bias, out, parts, locks, cell, slot,
-                stride_x: int, stride_out: int, pdl: bool | None = None) -> tuple[tuple[int, int], tuple, dict]:
+                stride_x: int, stride_out: int) -> tuple[tuple[int, int], tuple, dict]:
     """(grid, arguments, compile-time options) of one GEMM launch: the one place they are spelled, for the launch
-    and for precompile.py (which passes dtypes where the launch passes tensors: Triton compiles the same kernel,
-    and says whether it is a programmatic dependent launch: `pdl`, else `uses_pdl` of xq's device)."""
+    and for precompile.py (which passes dtypes where the launch passes tensors: Triton compiles the same kernel)."""
     split = split_of(cfg, m, n)
     grid = (cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n), split)
     args = (xq, sx, weight, scales, bias, out, parts, locks, cell, slot, m, n, kk, stride_x, stride_out, m * n)
-    if pdl is None:
-        pdl = isinstance(xq, torch.Tensor) and uses_pdl(xq.device, "gemm")
-    return grid, args, _gemm_options(cfg, g, split, bias is not None, cell is not None, _compiled(weight), pdl)
+    return grid, args, _gemm_options(cfg, g, split, bias is not None, cell is not None, _compiled(weight))
 
 
 @functools.lru_cache(maxsize=4096)
-def _gemm_options(cfg: GemmConfig, g: int, split: int, has_bias: bool, count: bool, asm: bool,
-                  pdl: bool = False) -> dict:
+def _gemm_options(cfg: GemmConfig, g: int, split: int, has_bias: bool, count: bool, asm: bool) -> dict:
     """The GEMM's compile-time options (one dict a combination, which nobody mutates)."""
     return dict(G=g, BM=cfg.block_m, BN=cfg.block_n, BK=max(cfg.block_k, g), SWAP=cfg.swap, SPLIT_K=split,
-                GROUP_M=cfg.group_m, HAS_BIAS=has_bias, COUNT=count, PIPE=cfg.pipe, ASM=asm, **_pdl_options(pdl),
+                GROUP_M=cfg.group_m, HAS_BIAS=has_bias, COUNT=count, PIPE=cfg.pipe, ASM=asm,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 

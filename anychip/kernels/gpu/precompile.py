@@ -52,7 +52,6 @@ def gemm_specs(n: int, kk: int, g: int, device: torch.device, buckets: Iterable[
     the GEMV on the activation words of one token, or on its bf16 row when fused)."""
     f32, i8, i32, bf16 = torch.float32, torch.int8, torch.int32, torch.bfloat16
     seen, specs = set(), []
-    pdl = launch.uses_pdl(device)
     for bucket in buckets:
         for m in token_counts(bucket):
             cfg = launch.serving_config(m, n, kk, g, device)
@@ -62,14 +61,14 @@ def gemm_specs(n: int, kk: int, g: int, device: torch.device, buckets: Iterable[
                 spec = launch.gemv_launch(cfg, n, kk, g, bf16 if cfg.fused else i32, None if cfg.fused else f32,
                                           i32, scales_dtype, None, bf16, f32 if split > 1 else None,
                                           i32 if split > 1 else None, torch.int64, i32,
-                                          pdl=pdl)
+                                          pdl=launch.gemv_pdl(device))
                 key = (cfg, split)
             else:
                 split = launch.split_of(cfg, m, n)
                 kernel = kern._w4a8_gemm_kernel
                 spec = launch.gemm_launch(cfg, m, n, kk, g, i8, f32, i8, scales_dtype, None, bf16,
                                           f32 if split > 1 else None, i32 if split > 1 else None, torch.int64, i32,
-                                          kk, n, pdl=launch.uses_pdl(device, "gemm"))
+                                          kk, n)
                 key = (cfg, split, m == 1, m % 16 == 0)
             if key not in seen:
                 seen.add(key)
@@ -91,7 +90,7 @@ def submit(n: int, kk: int, g: int, device: torch.device, buckets: Iterable[str 
         _done.add(key)
     jobs = gemm_specs(n, kk, g, device, buckets, scales_dtype)
     jobs.append((kern._quantize_rows_kernel, ((1,), (torch.bfloat16, torch.int8, torch.float32, kk, kk, kk),
-                                              launch.quantize_options(kk, 0, launch.uses_pdl(device, "gemm")))))
+                                              launch.quantize_options(kk))))
     if any(kernel is kern._w4a8_gemv_kernel and not spec[2].get("FUSED") for kernel, spec in jobs):
         jobs.append((kern._quantize_words_kernel, ((1,), (torch.bfloat16, torch.int32, torch.float32, kk, kk // 8,
                                                           kk), launch.quantize_words_options(kk))))

@@ -16,10 +16,8 @@ import triton
 import triton.language as tl
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    """One program per token: sx = amax / 127, q = rint(x / sx), both IEEE round-to-nearest-even like torch.
-    PDL: as _pdl_begin says (nothing to prefetch: the row is the kernel ahead's output)."""
-    _pdl_begin(PDL)
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr):
+    """One program per token: sx = amax / 127, q = rint(x / sx), both IEEE round-to-nearest-even like torch."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     _quantize_row(x_row, x_row, x_row, x_row, q_ptr + row * stride_q, s_ptr + row, K, 0.0, False, BLOCK, 0)
@@ -101,21 +99,21 @@ def _w4a8_gemm_kernel(
     M, N, K, stride_xm, stride_om, stride_split,
     G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr,
     SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, COUNT: tl.constexpr,
-    PIPE: tl.constexpr = False, ASM: tl.constexpr = False, PDL: tl.constexpr = False,
+    PIPE: tl.constexpr = False, ASM: tl.constexpr = False,
 ):
     """out (M, N) = the W4A8 linear.  SPLIT_K > 1: part (SPLIT_K, M, N) fp32 scratch, lock (>= tiles) int32 zeros.
     COUNT: count (slots, 2) int64 [calls, rows] of this layer, bumped at slot[0] by one program (hooks.py).
     PIPE: rescale group g-1's integer sums while group g's dot runs (the dot's result
     is first read one step later, so the tensor cores need not wait for the rescale); the fp32 sum adds the
     same terms in the same order, so the result is the same bits.  ASM: widen nibbles with inline PTX (compiled
-    only; the interpreter runs the int8 operators).  PDL (compiled, sm_90+, launched with launch_pdl): the next
-    kernel may start once every program here has begun; each program asks L2 for the start of its weight rows
-    (PF_LINES lines of 128 bytes a row, which no kernel writes), then waits for the kernel ahead of it
-    (griddepcontrol.wait) before it reads or writes anything else."""
+    only; the interpreter runs the int8 operators)."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+    if COUNT:
+        if (pid == 0) & (pid_k == 0):  # once a launch, so a CUDA-graph replay counts too
+            at = count_ptr + tl.load(slot_ptr).to(tl.int64) * 2
+            tl.atomic_add(at, 1)
+            tl.atomic_add(at + 1, tl.cast(M, tl.int64))
     grid_m = tl.cdiv(M, BM)
     grid_n = tl.cdiv(N, BN)
     width = GROUP_M * grid_n  # GROUP_M row tiles sweep the columns together: weight tiles reused from L2
@@ -134,16 +132,6 @@ def _w4a8_gemm_kernel(
     g_end = tl.minimum(g_begin + per_split, groups)
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + tl.arange(0, G)[None, :]
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * (K // 2) + tl.arange(0, G // 2)[None, :]
-    if PDL:
-        lines = g_begin * (G // 2) + tl.arange(0, PF_LINES) * 128  # byte offsets in a row
-        _prefetch_l2(w_ptr + offs_n[:, None].to(tl.int64) * (K // 2) + lines[None, :],
-                     mask_n[:, None] & (lines < g_end * (G // 2))[None, :])
-        tl.extra.cuda.gdc_wait()
-    if COUNT:
-        if (pid == 0) & (pid_k == 0):  # once a launch, so a CUDA-graph replay counts too
-            at = count_ptr + tl.load(slot_ptr).to(tl.int64) * 2
-            tl.atomic_add(at, 1)
-            tl.atomic_add(at + 1, tl.cast(M, tl.int64))
     if SWAP:
         acc = tl.zeros((BN, BM), dtype=tl.float32)
     else:
@@ -186,26 +174,6 @@ def _w4a8_gemm_kernel(
                                    offs, mask_m[:, None] & mask_n[None, :], SPLIT_K)
         if last:
             _epilogue(total, offs_m, offs_n, mask_m, mask_n, sx_ptr, bias_ptr, out_ptr, stride_om, HAS_BIAS)
-
-
-PF_LINES = tl.constexpr(4)  # 128-byte lines of each weight row a GEMM program asks L2 for before it waits (PDL)
-
-
-@triton.jit
-def _prefetch_l2(ptrs, mask):
-    """Asks L2 for the 128-byte line at each of ptrs where mask holds (PTX prefetch.global.L2: no register, no
-    wait). Compiled only."""
-    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
-                              "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _pdl_begin(PDL: tl.constexpr):
-    """A kernel with nothing to prefetch, launched with PDL: let the next kernel launch, then wait for the one
-    ahead to have finished and flushed before anything is read or written."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
 
 
 @triton.jit
@@ -394,12 +362,10 @@ def _pre_stats(x_row, r_row, rout_row, nw_ptr, K, eps, write, XBLOCK: tl.constex
 
 @triton.jit
 def _pre_quantize_rows_kernel(x_ptr, r_ptr, nw_ptr, rout_ptr, q_ptr, s_ptr, K, eps, stride_x, stride_r, stride_ro,
-                              stride_q, BLOCK: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr = False):
+                              stride_q, BLOCK: tl.constexpr, PRE: tl.constexpr):
     """One program per token: what vLLM computes ahead of a linear (_pre_values: its RMSNorm, writing the new
     residual to rout for PRE 2, or SiluAndMul), quantized per token as _quantize_rows_kernel quantizes a row: the
-    W4A8 linear's INT8 input in one pass over the activations instead of vLLM's kernel's and the quantization's.
-    PDL: as _quantize_rows_kernel."""
-    _pdl_begin(PDL)
+    W4A8 linear's INT8 input in one pass over the activations instead of vLLM's kernel's and the quantization's."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     if PRE == 2:
