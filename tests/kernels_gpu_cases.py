@@ -47,3 +47,13 @@ def config_id(v: object) -> str:
         flags = ("s" if v.swap else "") + ("p" if v.pipe else "")
         return f"{v.block_m}x{v.block_n}x{v.block_k}{flags}k{v.split_k}w{v.num_warps}"
     return str(v)
+
+
+def new_counter(device: torch.device | str = "cpu", slot: str | None = None):
+    """A layer's coverage counter (hooks.DeviceCounter) on `device`, all counts zero, the current slot `slot`
+    (a name in hooks.SLOTS; None: slot 0)."""
+    from anychip.kernels import hooks
+
+    index = 0 if slot is None else hooks.SLOTS.index(slot)
+    return hooks.DeviceCounter(torch.zeros((len(hooks.SLOTS), 2), dtype=torch.int64, device=device),
+                               torch.full((1,), index, dtype=torch.int32, device=device))

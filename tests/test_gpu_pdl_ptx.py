@@ -28,9 +28,6 @@ _LAUNCH_OPTIONS = ("num_warps", "num_stages", "launch_pdl")
 def _ptx(kernel, args: tuple, options: dict) -> str:
     """sm_90 PTX of `kernel` for launch arguments given as dtypes (tensors), numbers and None (an unused pointer),
     as precompile.py gives them."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     signature, constexprs = {}, {}
     for name, arg in zip([p.name for p in kernel.params], args):
         if arg is None:  # a pointer the kernel does not touch under these options: any pointer type compiles it
@@ -43,10 +40,16 @@ def _ptx(kernel, args: tuple, options: dict) -> str:
         signature[param.name] = "constexpr"
         constexprs[param.name] = options.get(param.name, param.default)
     compile_options = {k: v for k, v in options.items() if k in _LAUNCH_OPTIONS}
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
-                              options=compile_options)
+    compiled = _compile_sm90(kernel, signature, constexprs, compile_options)
     assert compiled.metadata.launch_pdl == options.get("launch_pdl", False)
     return compiled.asm["ptx"]
+
+
+def _compile_sm90(kernel, signature: dict, constexprs: dict, options: dict):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    return triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32), options=options)
 
 
 @triton.jit
@@ -58,11 +61,8 @@ def _probe(x_ptr):
 def _sm90() -> None:
     """Skips (visibly) where this Triton cannot compile for sm_90 at all (no CUDA backend or ptxas); where it can,
     a kernel of ours that fails to compile fails its test."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     try:
-        triton.compile(ASTSource(_probe, {"x_ptr": "*fp32"}, {}), target=GPUTarget("cuda", 90, 32))
+        _compile_sm90(_probe, {"x_ptr": "*fp32"}, {}, {})
     except Exception as exc:
         pytest.skip(f"Triton cannot compile for sm_90 here: {exc!r}"[:300])
 

@@ -24,7 +24,7 @@ from anychip.kernels.prepare import prepare_w4a8, w4a8_linear  # noqa: E402
 from anychip.kernels.reference import (group_dot_ref, quantize_activations_ref, rms_norm_ref,  # noqa: E402
                                       silu_and_mul_ref, w4a8_linear_ref)
 from anychip.kernels.routes import NoKernelRoute  # noqa: E402
-from kernels_gpu_cases import activations, assert_close, config_id, weights  # noqa: E402
+from kernels_gpu_cases import activations, assert_close, config_id, new_counter, weights  # noqa: E402
 
 DEV = torch.device("cuda")
 if reason := unavailable_reason(DEV):
@@ -200,8 +200,7 @@ def test_norm_inside_the_kernels(m: int, residual: bool) -> None:
             assert torch.equal(y, want)
         else:
             assert ((y.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
-    counter = hooks.DeviceCounter(torch.zeros((len(hooks.SLOTS), 2), dtype=torch.int64, device=DEV),
-                                  torch.zeros(1, dtype=torch.int32, device=DEV))
+    counter = new_counter(DEV)
     with hooks.observing(lambda layer, tokens: counter):  # the fused op counts its layer's call on the device
         OPS.w4a8_linear_norm(x, r, nw, 1e-5, p.weight, p.scales, None, n, k, g, p.route.code, ops.layer_tensor(0))
     torch.cuda.synchronize()
@@ -222,8 +221,7 @@ def test_silu_and_mul_inside_the_kernels(m: int) -> None:
     assert torch.equal(got, launch.w4a8_linear_q(xq, sx, p.weight, p.scales, None, n, k, g, torch.bfloat16))
     want = OPS.w4a8_linear(silu_and_mul_ref(y2), p.weight, p.scales, None, n, k, g, p.route.code, None)
     assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
-    counter = hooks.DeviceCounter(torch.zeros((len(hooks.SLOTS), 2), dtype=torch.int64, device=DEV),
-                                  torch.zeros(1, dtype=torch.int32, device=DEV))
+    counter = new_counter(DEV)
     with hooks.observing(lambda layer, tokens: counter):
         OPS.w4a8_linear_silu_mul(y2, p.weight, p.scales, None, n, k, g, p.route.code, ops.layer_tensor(0))
     torch.cuda.synchronize()
@@ -411,8 +409,7 @@ def test_pdl_chain_in_a_graph_is_the_plain_chain(split: int) -> None:
     cfg = launch.GemvConfig(16, 512, split_k=split, fused=True)
     x = activations(1, k, torch.bfloat16, seed=41).to(DEV)
     r = activations(1, k, torch.bfloat16, seed=42).to(DEV)
-    counter = hooks.DeviceCounter(torch.zeros((len(hooks.SLOTS), 2), dtype=torch.int64, device=DEV),
-                                  torch.zeros(1, dtype=torch.int32, device=DEV))
+    counter = new_counter(DEV)
 
     def chain():
         y, res = x, r
@@ -469,8 +466,7 @@ def test_device_counter_counts_every_graph_replay() -> None:
     n, k, g = 100, 2048, 128
     q, s = weights(n, k, g, seed=12)
     p = prepare_w4a8(q.to(DEV), s.to(DEV), g, packed=False)
-    counter = hooks.DeviceCounter(torch.zeros((len(hooks.SLOTS), 2), dtype=torch.int64, device=DEV),
-                                  torch.zeros(1, dtype=torch.int32, device=DEV))
+    counter = new_counter(DEV)
     x = activations(5, k, torch.bfloat16, seed=13).to(DEV)
     launch.clear_tuning()
     with hooks.observing(lambda layer, tokens: counter):
@@ -540,8 +536,7 @@ def test_precompile_leaves_no_compile_to_the_first_launches() -> None:
     p = prepare_w4a8(q.to(DEV), s.to(DEV), g, packed=False, policy=KernelPolicy(gpu_tuning="off",
                                                                                      gpu_precompile=4))
     assert precompile.drain(timeout=300)
-    counter = hooks.DeviceCounter(torch.zeros((len(hooks.SLOTS), 2), dtype=torch.int64, device=DEV),
-                                  torch.zeros(1, dtype=torch.int32, device=DEV))
+    counter = new_counter(DEV)
     index = torch.cuda.current_device()
     kernels = (kern._w4a8_gemm_kernel, kern._w4a8_gemv_kernel, kern._quantize_rows_kernel,
                kern._quantize_words_kernel)

@@ -14,12 +14,11 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("set TRITON_INTERPRET=1 before triton is imported (test_triton_interpret.py does)",
                 allow_module_level=True)
 
-from anychip.kernels import hooks  # noqa: E402
 from anychip.kernels.gpu import launch, triton_w4a8  # noqa: E402
 from anychip.kernels.gpu.layout import pack_nibbles  # noqa: E402
 from anychip.kernels.reference import (group_dot_ref, quantize_activations_ref, rms_norm_ref,  # noqa: E402
                                       silu_and_mul_ref, w4a8_linear_ref)
-from kernels_gpu_cases import activations, assert_close, config_id, weights  # noqa: E402
+from kernels_gpu_cases import activations, assert_close, config_id, new_counter, weights  # noqa: E402
 
 
 def _layout(q: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -237,16 +236,12 @@ def test_silu_and_mul_inside_the_kernels(k: int, warps: int) -> None:
         launch.w4a8_linear_pre(y2[:, :k], launch.SiluMul(), w, sw, None, n, k, g)
 
 
-def _decode_counter() -> hooks.DeviceCounter:
-    """A layer's coverage counter with the decode slot current."""
-    return hooks.DeviceCounter(torch.zeros((len(hooks.SLOTS), 2), dtype=torch.int64),
-                               torch.tensor([hooks.SLOTS.index("decode")], dtype=torch.int32))
 
 
 def test_gemv_counts_once_a_launch_and_refuses_more_rows() -> None:
     n, k, g = 40, 512, 64
     w, sw = _layout(*weights(n, k, g, seed=6))
-    counter = _decode_counter()
+    counter = new_counter(slot="decode")
     cfg = launch.GemvConfig(16, 64, split_k=4)
     for _ in range(3):
         launch.w4a8_linear(torch.randn(1, k), w, sw, None, n, k, g, config=cfg, counter=counter)
@@ -272,7 +267,7 @@ def test_linear_bf16_within_tolerance() -> None:
 def test_gemm_bumps_the_coverage_counter_once_a_launch() -> None:
     n, k, g = 40, 256, 64
     w, sw = _layout(*weights(n, k, g, seed=5))
-    counter = _decode_counter()
+    counter = new_counter(slot="decode")
     for m, cfg in ((1, launch.GemmConfig(16, 32, 64, split_k=4)), (3, launch.GemmConfig(16, 32, 256))):
         xq = torch.randint(-127, 128, (m, k), dtype=torch.int8)
         launch.w4a8_linear_q(xq, torch.ones(m, 1), w, sw, None, n, k, g, torch.float32, config=cfg, counter=counter)
