@@ -5,7 +5,8 @@
 //   driver --expect i8mm|dotprod|portable|avx512_vnni|avx2 [--fixtures DIR] [--threads N]
 //
 // Checks, for every ISA this CPU runs (the best must be --expect):
-//   1. 16-bit float conversions and the row quantizers (scalar and SIMD) agree bit for bit;
+//   1. 16-bit float conversions and the row quantizers (scalar and SIMD) agree bit for bit; the threads' schedule
+//      (BlockSchedule) hands out every weight block once;
 //   2. the fixtures (tests/arm/fixtures.py: torch reference answers) equal the driver's scalar reference: INT8
 //      activations, scales and INT32 group sums exactly, the output within fp32 tolerance (exactly where the case
 //      says so); the C++ packers here equal the Python layouts stored in them; the kernels reproduce them;
@@ -419,6 +420,40 @@ Linear random_linear(int64_t m, int64_t k, int64_t n, int64_t g, std::mt19937& r
 }
 
 // bf16 / fp16 outputs (the same kernels with another store) on every fourth shape.
+// BlockSchedule hands out every block of a call exactly once, in chunks of whole units (but the call's last), at
+// most split.chunk long, whichever threads turn up: all of them in turn, or one alone (the others preempted).
+void check_schedule() {
+  for (int64_t unit = 1; unit <= 2; ++unit)
+    for (int64_t threads = 1; threads <= 11; threads += threads < 4 ? 1 : 7)
+      for (int64_t nblocks = 1; nblocks <= 70; ++nblocks)
+        for (int64_t chunk : {unit, 3 * unit, 8 * unit}) {
+          const Split split{std::min(threads, nblocks), chunk, unit, unit};
+          for (int order = 0; order < 3; ++order) {  // round robin; the first thread alone; the last alone
+            BlockSchedule schedule(nblocks, split);
+            std::vector<int> seen(nblocks, 0);
+            std::vector<bool> done(split.threads, false);
+            int64_t b0, b1, turn = 0, left = split.threads;
+            while (left > 0) {
+              const int64_t me = order == 0 ? turn++ % split.threads : order == 1 ? 0 : split.threads - 1;
+              if (done[me]) continue;
+              if (!schedule.next(me, &b0, &b1)) {
+                done[me] = true, --left;
+                if (order) break;  // one thread alone: it found nothing left anywhere
+                continue;
+              }
+              CHECK(0 <= b0 && b0 < b1 && b1 <= nblocks && b1 - b0 <= chunk && b0 % unit == 0 &&
+                        ((b1 - b0) % unit == 0 || b1 == nblocks),
+                    "schedule: chunk [%ld, %ld) of %ld blocks, unit %ld, chunk %ld, %ld threads", long(b0),
+                    long(b1), long(nblocks), long(unit), long(chunk), long(split.threads));
+              for (int64_t b = b0; b < b1; ++b) ++seen[b];
+            }
+            for (int64_t b = 0; b < nblocks; ++b)
+              CHECK(seen[b] == 1, "schedule: block %ld of %ld taken %d times (%ld threads, unit %ld, order %d)",
+                    long(b), long(nblocks), seen[b], long(split.threads), long(unit), order);
+          }
+        }
+}
+
 void sweep(const std::vector<int64_t>& isas) {
   std::mt19937 rng(11);
   int cases = 0;
@@ -477,6 +512,7 @@ int main(int argc, char** argv) {
   }
   check_conversions();
   check_quantizers();
+  check_schedule();
   if (!fixtures.empty()) {
     std::vector<std::string> files;
     if (DIR* d = opendir(fixtures.c_str())) {
