@@ -203,7 +203,8 @@ inline Split split_blocks(const Problem& p, int64_t max_threads, int64_t unit = 
 // their range, never below split.min_chunk, so the last ones are small and the threads finish close together.
 // One shared counter for all threads (the scheme before) bounced its cache line between the cores at every claim
 // and interleaved the threads' chunks over the weight; on the 2-core AMD EPYC (Zen 1, AVX2) the 120 SmolLM2
-// decode linears took 5.9-6.2 ms a step that way against 4.8-5.1 ms with one contiguous range per thread.
+// decode linears took 5.32-5.93 ms a step that way against 4.84-5.54 ms with owned ranges, 7-11% less in each of
+// four alternated pairs of processes (fastest of 60 steps; docs/kernels-cpu.md, "Threads").
 class BlockSchedule {
  public:
   BlockSchedule(int64_t nblocks, const Split& split)
