@@ -236,8 +236,6 @@ def test_silu_and_mul_inside_the_kernels(k: int, warps: int) -> None:
         launch.w4a8_linear_pre(y2[:, :k], launch.SiluMul(), w, sw, None, n, k, g)
 
 
-
-
 def test_gemv_counts_once_a_launch_and_refuses_more_rows() -> None:
     n, k, g = 40, 512, 64
     w, sw = _layout(*weights(n, k, g, seed=6))

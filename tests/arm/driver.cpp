@@ -419,7 +419,6 @@ Linear random_linear(int64_t m, int64_t k, int64_t n, int64_t g, std::mt19937& r
   return L;
 }
 
-// bf16 / fp16 outputs (the same kernels with another store) on every fourth shape.
 // BlockSchedule hands out every block of a call exactly once, in chunks of whole units (but the call's last), at
 // most split.chunk long, whichever threads turn up: all of them in turn, or one alone (the others preempted).
 void check_schedule() {
@@ -454,6 +453,7 @@ void check_schedule() {
         }
 }
 
+// bf16 / fp16 outputs (the same kernels with another store) on every fourth shape.
 void sweep(const std::vector<int64_t>& isas) {
   std::mt19937 rng(11);
   int cases = 0;

@@ -208,11 +208,12 @@ inline Split split_blocks(const Problem& p, int64_t max_threads, int64_t unit = 
 class BlockSchedule {
  public:
   BlockSchedule(int64_t nblocks, const Split& split)
-      : split_(split), ranges_(split.threads <= kLocal ? local_ : new Range[split.threads]) {
-    heap_.reset(split.threads <= kLocal ? nullptr : ranges_);
+      : split_(split),
+        heap_(split.threads > kLocal ? new Range[split.threads] : nullptr),
+        ranges_(heap_ ? heap_.get() : local_) {
     const int64_t units = (nblocks + split.unit - 1) / split.unit;
+    const auto start = [&](int64_t t) { return std::min(nblocks, units * t / split.threads * split.unit); };
     for (int64_t t = 0; t < split.threads; ++t) {
-      const auto start = [&](int64_t r) { return std::min(nblocks, units * r / split.threads * split.unit); };
       ranges_[t].next.store(start(t), std::memory_order_relaxed);
       ranges_[t].end = t + 1 == split.threads ? nblocks : start(t + 1);
     }
@@ -246,8 +247,8 @@ class BlockSchedule {
   static constexpr int64_t kLocal = 8;
   Split split_;
   Range local_[kLocal];
-  Range* ranges_;
-  std::unique_ptr<Range[]> heap_;
+  std::unique_ptr<Range[]> heap_;  // more than kLocal threads
+  Range* ranges_;                  // local_ or heap_
 };
 
 // A no-op prologue: the activations of `p` are ready before the call.
