@@ -127,6 +127,17 @@ def test_truncated_safetensors(good, copy_dir):
         verify_checkpoint(d)
 
 
+def test_index_with_an_empty_weight_map(tiny_llama, tmp_path):
+    """A sharded checkpoint whose index lists no tensors: refused naming the index (found by the fuzzer: it was
+    reported as a config.json that belongs to another model)."""
+    d = quantize_checkpoint(tiny_llama(**SHAPE), tmp_path / "sharded", W4A8Scheme(64), max_shard_bytes=24_000)
+    index = d / "model.safetensors.index.json"
+    index.write_text(json.dumps(json.loads(index.read_text()) | {"weight_map": {}}))
+    rehash(d)
+    with pytest.raises(CheckpointFileError, match=r"model\.safetensors\.index\.json: weight_map is empty"):
+        verify_checkpoint(d)
+
+
 def test_config_declares_g128_over_g64_scales(good, copy_dir):
     d = copy_dir(good)
     config = json.loads((d / "config.json").read_text())

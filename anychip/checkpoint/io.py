@@ -131,6 +131,8 @@ def _weight_map(index: Path) -> dict[str, str]:
         raise CheckpointFileError(f"{index}: malformed index ({exc}); re-create the checkpoint") from exc
     if not isinstance(weight_map, dict):
         raise CheckpointFileError(f"{index}: weight_map is a JSON {type(weight_map).__name__}, not an object")
+    if not weight_map:
+        raise CheckpointFileError(f"{index}: weight_map is empty: the index lists no tensors; re-create the checkpoint")
     for name, file in weight_map.items():
         if not isinstance(file, str) or not file.endswith(".safetensors") or Path(file).name != file:
             raise CheckpointFileError(f"{index}: {name} maps to {file!r}, not a .safetensors file beside the index")
