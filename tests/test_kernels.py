@@ -191,6 +191,35 @@ def test_quantize_act_bit_exact(dtype: torch.dtype, k: int) -> None:
         assert xq[4, :8].tolist() == [127, 0, 2, 2, 0, -2, -2, 126]
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("m,k,n,g", [(1, 576, 100, 32), (3, 2048, 17, 128), (8, 1536, 40, 64), (47, 576, 33, 32),
+                                     (64, 2048, 100, 128), (512, 576, 48, 32)])
+def test_bf16_scales_are_read_as_their_fp32_values(isa: str, m: int, k: int, n: int, g: int) -> None:
+    """A checkpoint's bf16 scales stay bf16 in the prepared layout (fewer bytes a step); the kernels widen them
+    exactly, so every route gives the bits of the fp32 layout of the same values: the linear in bf16 and fp32, its
+    fused-norm form, and the linear on given INT8 activations. Scales of another dtype are prepared as fp32."""
+    wq, sw = _weights(n, k, g, seed=m + n + g)
+    sw16 = sw.bfloat16()
+    a = prepare_w4a8(wq, sw16, g, packed=False, route=isa)
+    b = prepare_w4a8(wq, sw16.float(), g, packed=False, route=isa)
+    assert a.scales.dtype == torch.bfloat16 and b.scales.dtype == torch.float32
+    assert torch.equal(a.scales.float(), b.scales) and torch.equal(a.weight, b.weight)
+    assert prepare_w4a8(wq, sw.half(), g, packed=False, route=isa).scales.dtype == torch.float32
+    for dtype in (torch.bfloat16, torch.float32):
+        x = _acts(m, k, dtype, seed=k + m)
+        bias = (torch.randn(n) * 0.1).to(dtype)
+        assert torch.equal(w4a8_linear(x, a, bias), w4a8_linear(x, b, bias))
+    xq, _ = quantize_activations_ref(_acts(m, k, torch.float32, seed=m))
+    sx = torch.rand(m, 1) * 0.01
+    ya, yb = (torch.ops.anychip.w4a8_linear_q(xq, sx, p.weight, p.scales, None, n, k, g, p.route.code, None,
+                                              torch.float32) for p in (a, b))
+    assert torch.equal(ya, yb)
+    x, res, nw = _acts(m, k, torch.bfloat16, seed=3), _acts(m, k, torch.bfloat16, seed=4), torch.rand(k).bfloat16()
+    (ya, ra), (yb, rb) = (torch.ops.anychip.w4a8_linear_norm(x, res, nw, 1e-6, p.weight, p.scales, None, n, k, g,
+                                                             p.route.code, None) for p in (a, b))
+    assert torch.equal(ya, yb) and torch.equal(ra, rb)
+
+
 def test_packed_and_int8_prepare_identically() -> None:
     k, n, g = 576, 100, 32
     wq, sw = _weights(n, k, g, seed=7)

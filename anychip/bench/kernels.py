@@ -143,14 +143,14 @@ def bench_shape(
     g = GROUP_SIZE if k % GROUP_SIZE == 0 else 64
     gen = torch.Generator().manual_seed(m * 7 + k * 3 + n)
     wq = torch.randint(-8, 8, (n, k), dtype=torch.int8, generator=gen)
-    sw = torch.rand(n, k // g, generator=gen) * 0.02 + 0.001
+    sw = (torch.rand(n, k // g, generator=gen) * 0.02 + 0.001).bfloat16()  # a checkpoint's scales are bf16
     x = torch.randn(m, k, generator=gen).bfloat16()
     row: dict[str, object] = {"M": m, "K": k, "N": n, "G": g}
 
     # ours: the op vLLM calls (quantize + GEMM + dequant, output bf16)
     policy = envs.kernel_policy()
     ours = prepare_w4a8(wq, sw, g, packed=False, policy=policy)
-    ours_bytes = ours.weight.numel() + ours.scales.numel() * 4
+    ours_bytes = ours.weight.numel() + ours.scales.numel() * ours.scales.element_size()
     preps = [ours] + [replace(ours, weight=ours.weight.clone(), scales=ours.scales.clone())
                       for _ in range(_copies(ours_bytes, llc) - 1)]
     row["anychip_ms"] = timed([lambda p=p: _call(x, p) for p in preps], budget_s)
@@ -278,7 +278,8 @@ def bench_decode_step(reps: int, clock: Callable[[], float] = time.perf_counter,
     gen = torch.Generator().manual_seed(0)
     g = step.group
     layers = [prepare_w4a8(torch.randint(-8, 8, (n, k), dtype=torch.int8, generator=gen),
-                           torch.rand(n, k // g, generator=gen) * 0.02 + 1e-3, g, packed=False, policy=policy)
+                           (torch.rand(n, k // g, generator=gen) * 0.02 + 1e-3).bfloat16(), g, packed=False,
+                           policy=policy)
               for _ in range(step.layers) for _, k, n in step.linears]
     head = select_head(policy).prepare((torch.randn(*step.head, generator=gen) * 0.05).bfloat16(), policy)
     xs = {k: torch.randn(1, k, generator=gen).bfloat16() for k in {k for _, k, _ in step.linears} | {step.head[1]}}
@@ -291,7 +292,7 @@ def bench_decode_step(reps: int, clock: Callable[[], float] = time.perf_counter,
         head.logits(xs[step.head[1]])
         if rep >= 2:
             lin_s.append(t1 - t0), head_s.append(clock() - t1)
-    lin_bytes = sum(p.weight.numel() + p.scales.numel() * 4 for p in layers)
+    lin_bytes = sum(p.weight.numel() + p.scales.numel() * p.scales.element_size() for p in layers)
     head_bytes = step.head[0] * step.head[1] * 2
 
     def stats(times: list[float], nbytes: int) -> dict[str, float]:
@@ -391,7 +392,8 @@ def markdown(report: dict[str, object]) -> str:
         f"CPU: {report['cpu']} ({report['cores']} cores), ISA {report['isa']}, torch {report['torch']}. "
         f"G={GROUP_SIZE} (64 where K=576), activations BF16, every method's weights rotated through copies "
         "totalling 2x the LLC. Times in ms: the fastest of short batches (preemption only adds time). `xPEER` = peer time / ours "
-        "(above 1: we are faster). Weight GB/s counts the int4 bytes plus fp32 group scales that we read.",
+        "(above 1: we are faster). Weight GB/s counts the int4 bytes plus the group scales that we read (bf16, as "
+        "a checkpoint's).",
         "",
     ]
     for run in report["runs"]:  # type: ignore[union-attr]

@@ -161,9 +161,19 @@ std::vector<float> pack_scales(const Linear& L) {
 struct Prepared {
   std::vector<uint8_t> blocked, pairs;
   std::vector<float> scales;
+  std::vector<uint16_t> scales_bf16;  // when not empty, the kernels read these (the layout of a bf16 checkpoint)
 };
 
-Prepared prepare(const Linear& L) { return {pack_blocked(L), pack_pairs(L), pack_scales(L)}; }
+Prepared prepare(const Linear& L) { return {pack_blocked(L), pack_pairs(L), pack_scales(L), {}}; }
+
+// The layout of a checkpoint whose scales are bf16: L's scales rounded to bf16 (the reference then uses those
+// values), the kernels given their bits.
+Prepared prepare_bf16_scales(Linear& L) {
+  for (auto& v : L.sw) v = f32_from_bits(uint32_t(bf16_bits(v)) << 16);
+  Prepared P = prepare(L);
+  for (float v : P.scales) P.scales_bf16.push_back(bf16_bits(v));
+  return P;
+}
 
 // Runs the kernels of `isa` on L into `out` (M x N of out_type, or M x N x groups int32 when type is kI32).
 void run_kernels(const Linear& L, const Prepared& P, int64_t isa, OutType type, void* out) {
@@ -174,7 +184,11 @@ void run_kernels(const Linear& L, const Prepared& P, int64_t isa, OutType type, 
   p.sx = L.sx.data();
   p.xcorr = xcorr.data();
   p.w = isa == kArmI8mm ? P.pairs.data() : P.blocked.data();
-  p.sw = P.scales.data();
+  if (P.scales_bf16.empty()) {
+    p.sw = P.scales.data();
+  } else {
+    p.sw_bf16 = P.scales_bf16.data();
+  }
   p.bias = L.bias.empty() ? nullptr : L.bias.data();
   p.out = out;
   p.out_type = type;
@@ -393,7 +407,7 @@ void check_fixture(const std::string& path, const std::vector<int64_t>& isas) {
   CHECK(P.blocked == blocked, "%s: C++ blocked packing differs from cpu_x86.blocked_layout", name);
   CHECK(P.scales == bscales, "%s: C++ scale packing differs from cpu_x86.blocked_layout", name);
   CHECK(P.pairs == pairs, "%s: C++ pair packing differs from arm_neon.pair_layout", name);
-  const Prepared from_python{blocked, pairs, bscales};  // the kernels on the bytes Python prepares
+  const Prepared from_python{blocked, pairs, bscales, {}};  // the kernels on the bytes Python prepares
   for (int64_t isa : isas) check_kernels(L, from_python, isa, dots, name);
   std::printf("fixture %-40s ok\n", name);
 }
@@ -461,23 +475,25 @@ void sweep(const std::vector<int64_t>& isas) {
     for (int64_t k : {576, 2048})
       for (int64_t n : {17, 576, 1536})
         for (int64_t g : {32, 64, 128}) {
-          const Linear L = random_linear(m, k, n, g, rng);
+          Linear L = random_linear(m, k, n, g, rng);
           const double t0 = now();
           const auto dots = ref_dots(L);
           g_seconds[kIsaCount] += now() - t0;
-          const Prepared P = prepare(L);
+          const bool bf16_scales = cases % 2;  // every other shape: scales rounded to bf16, read as bf16
+          const Prepared P = bf16_scales ? prepare_bf16_scales(L) : prepare(L);
           char what[64];
-          std::snprintf(what, sizeof(what), "M%ld-K%ld-N%ld-G%ld", long(m), long(k), long(n), long(g));
+          std::snprintf(what, sizeof(what), "M%ld-K%ld-N%ld-G%ld%s", long(m), long(k), long(n), long(g),
+                        bf16_scales ? " bf16 scales" : "");
           for (int64_t isa : isas) check_kernels(L, P, isa, dots, what, cases % 4 == 0);
           ++cases;
         }
   // every tile height and tail (M = 1..9), and the token panels (M = 63, 129 at K = 2048: 64-token panels)
   for (int64_t m : {1, 2, 4, 5, 6, 8, 9, 63, 129}) {
-    const Linear L = random_linear(m, m > 9 ? 2048 : 576, 33, 64, rng);
+    Linear L = random_linear(m, m > 9 ? 2048 : 576, 33, 64, rng);
     const auto dots = ref_dots(L);
-    const Prepared P = prepare(L);
-    char what[32];
-    std::snprintf(what, sizeof(what), "tiles M%ld", long(m));
+    const Prepared P = m % 2 ? prepare_bf16_scales(L) : prepare(L);
+    char what[48];
+    std::snprintf(what, sizeof(what), "tiles M%ld%s", long(m), m % 2 ? " bf16 scales" : "");
     for (int64_t isa : isas) check_kernels(L, P, isa, dots, what);
     ++cases;
   }

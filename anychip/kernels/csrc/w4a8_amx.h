@@ -71,7 +71,7 @@ ANYCHIP_AMX inline void amx_scale_group(const Problem& p, int64_t m0, int64_t nb
   if constexpr (SLOT == 1) _tile_stored(5, sums, 64);
   if constexpr (SLOT == 2) _tile_stored(6, sums, 64);
   if constexpr (SLOT == 3) _tile_stored(7, sums, 64);
-  const __m512 s = _mm512_loadu_ps(p.sw + (nb * p.groups + g) * kRows);
+  const __m512 s = scales_avx512(p, (nb * p.groups + g) * kRows);
 #pragma GCC unroll 16
   for (int i = 0; i < 16; ++i) {
     if constexpr (DOTS) {
@@ -174,7 +174,7 @@ ANYCHIP_AMX void tiles_amx22(const Problem& p, int64_t m0, int64_t m1, int64_t n
       _tile_stored(7, sums[3], 64);
       for (int c = 0; c < 4; ++c) {
         const int64_t nb = nb0 + c % 2, m = t + (c / 2) * kAmxTokens;
-        const __m512 s = _mm512_loadu_ps(p.sw + (nb * p.groups + g) * kRows);
+        const __m512 s = scales_avx512(p, (nb * p.groups + g) * kRows);
         for (int i = 0; i < 16; ++i) {
           if constexpr (DOTS) {
             store_dots(p, m + i, nb, g, sums[c][i]);

@@ -22,6 +22,18 @@ namespace anychip {
 
 constexpr int64_t kPairChunkBytes = 128;  // one pair-layout chunk: 16 rows x 16 k
 
+// 4 (2) prepared scales from index i as fp32: loaded, or widened from bf16 (shifted into the top half).
+inline float32x4_t scales4_neon(const Problem& p, int64_t i) {
+  if (!p.sw_bf16) return vld1q_f32(p.sw + i);
+  return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p.sw_bf16 + i), 16));
+}
+
+inline float32x2_t scales2_neon(const Problem& p, int64_t i) {
+  if (!p.sw_bf16) return vld1_f32(p.sw + i);
+  const uint32_t a = uint32_t(p.sw_bf16[i]) << 16, b = uint32_t(p.sw_bf16[i + 1]) << 16;  // not 4: the last
+  return vreinterpret_f32_u32(vset_lane_u32(b, vdup_n_u32(a), 1));                     // pair ends the array
+}
+
 template <int L>
 ANYCHIP_DOTPROD inline int32x4_t sdot_lane(int32x4_t acc, int8x16_t w, int8x16_t x) {
   return vdotq_laneq_s32(acc, w, x, L);
@@ -33,7 +45,7 @@ template <int MT, int A, bool DOTS>
 ANYCHIP_DOTPROD void tile_dotprod(const Problem& p, int64_t m0, int64_t nb) {
   static_assert(A == 1 || A == 2, "A sets: 1, or 2 (low / high nibbles)");
   const uint8_t* w = p.w + nb * (p.k / 8) * kChunkBytes;
-  const float* sw = p.sw + nb * p.groups * kRows;
+  const int64_t sw = nb * p.groups * kRows;  // the block's first scale
   const uint8x16_t low4 = vdupq_n_u8(0x0F);
   const int8_t* x[MT];
   for (int i = 0; i < MT; ++i) x[i] = p.xq + (m0 + i) * p.k;
@@ -77,7 +89,7 @@ ANYCHIP_DOTPROD void tile_dotprod(const Problem& p, int64_t m0, int64_t nb) {
         store_dots(p, m0 + i, nb, g, t);
       } else {
         for (int v = 0; v < 4; ++v)
-          y[i][v] = vfmaq_f32(y[i][v], vcvtq_f32_s32(s[v]), vld1q_f32(sw + g * kRows + 4 * v));
+          y[i][v] = vfmaq_f32(y[i][v], vcvtq_f32_s32(s[v]), scales4_neon(p, sw + g * kRows + 4 * v));
       }
     }
   }
@@ -105,7 +117,7 @@ template <int MT, bool DOTS>
 ANYCHIP_I8MM void tile_i8mm(const Problem& p, int64_t m0, int64_t nb) {
   constexpr int MP = (MT + 1) / 2;  // token pairs; an odd tile's last pair repeats its token
   const uint8_t* w = p.w + nb * (p.k / 8) * kChunkBytes;
-  const float* sw = p.sw + nb * p.groups * kRows;
+  const int64_t sw = nb * p.groups * kRows;  // the block's first scale
   const uint8x16_t low4 = vdupq_n_u8(0x0F);
   int64_t tok[MP][2];
   for (int j = 0; j < MP; ++j) tok[j][0] = m0 + 2 * j, tok[j][1] = 2 * j + 1 < MT ? m0 + 2 * j + 1 : m0 + 2 * j;
@@ -146,7 +158,7 @@ ANYCHIP_I8MM void tile_i8mm(const Problem& p, int64_t m0, int64_t nb) {
         if (tok[j][1] != tok[j][0]) store_dots(p, tok[j][1], nb, g, t1);
       } else {
         for (int q = 0; q < 8; ++q) {
-          const float32x2_t s = vld1_f32(sw + g * kRows + 2 * q);
+          const float32x2_t s = scales2_neon(p, sw + g * kRows + 2 * q);
           y[j][q] = vfmaq_f32(y[j][q], vcvtq_f32_s32(acc[j][q]), vcombine_f32(s, s));
         }
       }

@@ -171,11 +171,17 @@ Problem weight_problem(const at::Tensor& weight, const at::Tensor& scales, const
               "anychip: weight must be the route's prepared uint8 layout for N=", n, " K=", k,
               " (blocked (N/16, K/8, 64); pair (N/16, K/16, 128) for arm.i8mm); build it with "
               "anychip.kernels.prepare.prepare_w4a8");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == nblocks * groups * kRows,
-              "anychip: scales must be the prepared (N/16, K/G, 16) fp32 layout");
+  const bool bf16_scales = scales.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((bf16_scales || scales.scalar_type() == at::kFloat) && scales.is_contiguous() &&
+                  scales.numel() == nblocks * groups * kRows,
+              "anychip: scales must be the prepared (N/16, K/G, 16) fp32 or bf16 layout");
   Problem p{};
   p.w = weight.data_ptr<uint8_t>();
-  p.sw = scales.data_ptr<float>();
+  if (bf16_scales) {
+    p.sw_bf16 = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
+  } else {
+    p.sw = scales.data_ptr<float>();
+  }
   if (bias.has_value()) {
     TORCH_CHECK(bias->numel() == n, "anychip: bias must have N=", n, " elements, got ", bias->numel());
     p.bias = bias->data_ptr<float>();

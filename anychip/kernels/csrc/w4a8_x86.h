@@ -39,6 +39,19 @@ ANYCHIP_AVX512 inline void store_rows_avx512(const Problem& p, int64_t m, int64_
 // acc += u8 w . s8 x[0..3] broadcast.  GCC does not fold the broadcast into vpdpbusd's {1to16} memory operand
 // by itself, and the separate vpbroadcastd per token and half-chunk costs about 10% of the GEMM.  Used where a
 // broadcast serves one dot (one weight block); a tile of NB > 1 blocks broadcasts once into a register instead.
+// 16 (AVX2: 8) prepared scales from index i as fp32: loaded, or widened from bf16 (shifted into the top half).
+ANYCHIP_AVX512 inline __m512 scales_avx512(const Problem& p, int64_t i) {
+  if (!p.sw_bf16) return _mm512_loadu_ps(p.sw + i);
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.sw_bf16 + i));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+ANYCHIP_AVX2 inline __m256 scales_avx2(const Problem& p, int64_t i) {
+  if (!p.sw_bf16) return _mm256_loadu_ps(p.sw + i);
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.sw_bf16 + i));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
 ANYCHIP_AVX512 inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* x) {
 #if ANYCHIP_EMBED_BCAST
   asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(x)));
@@ -74,10 +87,10 @@ ANYCHIP_AVX512 void tile_avx512(const Problem& p, int64_t m0, int64_t nb0) {
   const int64_t cpg = p.group_size / 8;  // a multiple of 4
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   const uint8_t* w[NB];
-  const float* sw[NB];
+  int64_t sw[NB];  // each block's first scale
   for (int b = 0; b < NB; ++b) {
     w[b] = UNPACKED ? p.wu + b * (p.k / 8) * kUnpackedChunkBytes : p.w + (nb0 + b) * (p.k / 8) * kChunkBytes;
-    sw[b] = p.sw + (nb0 + b) * p.groups * kRows;
+    sw[b] = (nb0 + b) * p.groups * kRows;
   }
   const int8_t* x[MT];
   for (int i = 0; i < MT; ++i) x[i] = p.xq + (m0 + i) * p.k;
@@ -126,7 +139,7 @@ ANYCHIP_AVX512 void tile_avx512(const Problem& p, int64_t m0, int64_t nb0) {
       }
     }
     for (int b = 0; b < NB; ++b) {
-      const __m512 s = _mm512_loadu_ps(sw[b] + g * kRows);
+      const __m512 s = scales_avx512(p, sw[b] + g * kRows);
       for (int i = 0; i < MT; ++i) {
         __m512i a = acc[i][b][0];
         for (int u = 1; u < A; ++u) a = _mm512_add_epi32(a, acc[i][b][u]);
@@ -193,7 +206,7 @@ constexpr int64_t kWidenChunks = 4;
 template <int MT, bool DOTS>
 ANYCHIP_AVX2 void tile_avx2(const Problem& p, int64_t m0, int64_t nb) {
   const uint8_t* w = p.w + nb * (p.k / 8) * kChunkBytes;
-  const float* sw = p.sw + nb * p.groups * kRows;
+  const int64_t sw = nb * p.groups * kRows;  // the block's first scale
   const int64_t cpg = p.group_size / 8;  // a multiple of 4 (group sizes are multiples of 32)
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
@@ -237,8 +250,8 @@ ANYCHIP_AVX2 void tile_avx2(const Problem& p, int64_t m0, int64_t nb) {
         acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(s16[i][1], ones));
       }
     }
-    const __m256 s0 = _mm256_loadu_ps(sw + g * kRows);
-    const __m256 s1 = _mm256_loadu_ps(sw + g * kRows + 8);
+    const __m256 s0 = scales_avx2(p, sw + g * kRows);
+    const __m256 s1 = scales_avx2(p, sw + g * kRows + 8);
     for (int i = 0; i < MT; ++i) {
       if constexpr (DOTS) {
         alignas(32) int32_t t[kRows];

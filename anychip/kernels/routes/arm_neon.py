@@ -10,7 +10,7 @@ Layouts (csrc/w4a8_arm.h reads them):
     arm.i8mm     the pair layout, the same size: weight (NB, K/16, 128) uint8, NB = ceil(N/16); in chunk c of 16 k,
                  byte 16q + 8i + j holds w[2q+i, 16c+j] + 8 in its low nibble and w[2q+i, 16c+8+j] + 8 in its high
                  nibble (row pair q = 0..7 of the block), so each nibble plane is a 2 x 8 SMMLA operand.
-    scales       (NB, K/G, 16) fp32 for both.
+    scales       (NB, K/G, 16) for both: bf16 or fp32 (cpu_x86.blocked_layout).
 """
 
 from __future__ import annotations
