@@ -36,9 +36,6 @@ ANYCHIP_AVX512 inline void store_rows_avx512(const Problem& p, int64_t m, int64_
 #define ANYCHIP_EMBED_BCAST 1
 #endif
 
-// acc += u8 w . s8 x[0..3] broadcast.  GCC does not fold the broadcast into vpdpbusd's {1to16} memory operand
-// by itself, and the separate vpbroadcastd per token and half-chunk costs about 10% of the GEMM.  Used where a
-// broadcast serves one dot (one weight block); a tile of NB > 1 blocks broadcasts once into a register instead.
 // 16 (AVX2: 8) prepared scales from index i as fp32: loaded, or widened from bf16 (shifted into the top half).
 ANYCHIP_AVX512 inline __m512 scales_avx512(const Problem& p, int64_t i) {
   if (!p.sw_bf16) return _mm512_loadu_ps(p.sw + i);
@@ -52,6 +49,9 @@ ANYCHIP_AVX2 inline __m256 scales_avx2(const Problem& p, int64_t i) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
+// acc += u8 w . s8 x[0..3] broadcast.  GCC does not fold the broadcast into vpdpbusd's {1to16} memory operand
+// by itself, and the separate vpbroadcastd per token and half-chunk costs about 10% of the GEMM.  Used where a
+// broadcast serves one dot (one weight block); a tile of NB > 1 blocks broadcasts once into a register instead.
 ANYCHIP_AVX512 inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* x) {
 #if ANYCHIP_EMBED_BCAST
   asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(x)));
