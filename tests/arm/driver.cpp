@@ -161,7 +161,7 @@ std::vector<float> pack_scales(const Linear& L) {
 struct Prepared {
   std::vector<uint8_t> blocked, pairs;
   std::vector<float> scales;
-  std::vector<uint16_t> scales_bf16;  // when not empty, the kernels read these (the layout of a bf16 checkpoint)
+  std::vector<Bf16> scales_bf16;  // when not empty, the kernels read these (the layout of a bf16 checkpoint)
 };
 
 Prepared prepare(const Linear& L) { return {pack_blocked(L), pack_pairs(L), pack_scales(L), {}}; }
@@ -171,7 +171,7 @@ Prepared prepare(const Linear& L) { return {pack_blocked(L), pack_pairs(L), pack
 Prepared prepare_bf16_scales(Linear& L) {
   for (auto& v : L.sw) v = f32_from_bits(uint32_t(bf16_bits(v)) << 16);
   Prepared P = prepare(L);
-  for (float v : P.scales) P.scales_bf16.push_back(bf16_bits(v));
+  for (float v : P.scales) P.scales_bf16.push_back(Bf16{bf16_bits(v)});
   return P;
 }
 

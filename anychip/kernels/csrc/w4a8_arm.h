@@ -14,6 +14,7 @@
 // token (M = 1 decode included) pairs with itself: 16 useful multiply-adds per instruction, as many as SDOT.
 #pragma once
 
+#include "quantize_act.h"
 #include "w4a8_tiles.h"
 
 namespace anychip {
@@ -22,16 +23,14 @@ namespace anychip {
 
 constexpr int64_t kPairChunkBytes = 128;  // one pair-layout chunk: 16 rows x 16 k
 
-// 4 (2) prepared scales from index i as fp32: loaded, or widened from bf16 (shifted into the top half).
+// 4 (2) prepared scales from index i as fp32, fp32 or bf16 (quantize_act.h's loaders widen bf16 exactly).
 inline float32x4_t scales4_neon(const Problem& p, int64_t i) {
-  if (!p.sw_bf16) return vld1q_f32(p.sw + i);
-  return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p.sw_bf16 + i), 16));
+  return p.sw_bf16 ? load4f(p.sw_bf16 + i) : load4f(p.sw + i);
 }
 
-inline float32x2_t scales2_neon(const Problem& p, int64_t i) {
+inline float32x2_t scales2_neon(const Problem& p, int64_t i) {  // not 4 loaded: the last pair ends the array
   if (!p.sw_bf16) return vld1_f32(p.sw + i);
-  const uint32_t a = uint32_t(p.sw_bf16[i]) << 16, b = uint32_t(p.sw_bf16[i + 1]) << 16;  // not 4: the last
-  return vreinterpret_f32_u32(vset_lane_u32(b, vdup_n_u32(a), 1));                     // pair ends the array
+  return vset_lane_f32(to_f(p.sw_bf16[i + 1]), vdup_n_f32(to_f(p.sw_bf16[i])), 1);
 }
 
 template <int L>

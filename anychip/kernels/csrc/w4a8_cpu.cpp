@@ -178,7 +178,7 @@ Problem weight_problem(const at::Tensor& weight, const at::Tensor& scales, const
   Problem p{};
   p.w = weight.data_ptr<uint8_t>();
   if (bf16_scales) {
-    p.sw_bf16 = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
+    p.sw_bf16 = reinterpret_cast<const Bf16*>(scales.data_ptr<at::BFloat16>());
   } else {
     p.sw = scales.data_ptr<float>();
   }

@@ -34,7 +34,7 @@ struct Problem {
   const uint8_t* w;      // (NB, K/8, 64) blocked, or the route's own layout of the same size
   const uint8_t* wu;     // x86 prefill tile only: its blocks, from nb0, unpacked (unpack_blocks_avx512); else unused
   const float* sw;       // (NB, groups, 16) fp32 scales, or nullptr when sw_bf16 holds them
-  const uint16_t* sw_bf16;  // (NB, groups, 16) bf16 scales (their bits), or nullptr when sw holds them
+  const Bf16* sw_bf16;   // (NB, groups, 16) bf16 scales, or nullptr when sw holds them
   const float* bias;     // (N) or nullptr
   void* out;             // (M, N) out_type, or (M, N, groups) int32 for the debug dots
   OutType out_type;
@@ -43,7 +43,7 @@ struct Problem {
 
 // Prepared scale i (index into (NB, groups, 16)) as fp32, whichever dtype the layout holds.
 inline float scale_at(const Problem& p, int64_t i) {
-  return p.sw_bf16 ? f32_from_bits(uint32_t(p.sw_bf16[i]) << 16) : p.sw[i];
+  return p.sw_bf16 ? to_f(p.sw_bf16[i]) : p.sw[i];
 }
 
 // y += acc * s, one group's contribution to one output.

@@ -2,6 +2,7 @@
 // Compiled with function-level target attributes and chosen at run time (w4a8_run.h).
 #pragma once
 
+#include "quantize_act.h"
 #include "w4a8_tiles.h"
 
 namespace anychip {
@@ -36,17 +37,13 @@ ANYCHIP_AVX512 inline void store_rows_avx512(const Problem& p, int64_t m, int64_
 #define ANYCHIP_EMBED_BCAST 1
 #endif
 
-// 16 (AVX2: 8) prepared scales from index i as fp32: loaded, or widened from bf16 (shifted into the top half).
+// 16 (AVX2: 8) prepared scales from index i as fp32, fp32 or bf16 (quantize_act.h's loaders widen bf16 exactly).
 ANYCHIP_AVX512 inline __m512 scales_avx512(const Problem& p, int64_t i) {
-  if (!p.sw_bf16) return _mm512_loadu_ps(p.sw + i);
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.sw_bf16 + i));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return p.sw_bf16 ? load16(p.sw_bf16 + i, 0xFFFF) : load16(p.sw + i, 0xFFFF);
 }
 
 ANYCHIP_AVX2 inline __m256 scales_avx2(const Problem& p, int64_t i) {
-  if (!p.sw_bf16) return _mm256_loadu_ps(p.sw + i);
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.sw_bf16 + i));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  return p.sw_bf16 ? load8(p.sw_bf16 + i) : load8(p.sw + i);
 }
 
 // acc += u8 w . s8 x[0..3] broadcast.  GCC does not fold the broadcast into vpdpbusd's {1to16} memory operand
