@@ -11,15 +11,17 @@ import pytest
 import torch
 from conftest import ct_decompress, model_cache
 from safetensors.torch import load_file
+from tokenizers import Tokenizer
 
+from anychip.bench.serve import tokenizer_gap
 from anychip.checkpoint import from_gguf
 from anychip.checkpoint.cache import marker_path
 from anychip.checkpoint.prepare import PrepareRecipe, prepare_default
 from anychip.checkpoint.quantize import choose_group_size
 from anychip.checkpoint.rtn import rtn_quantize
 from anychip.checkpoint.scheme import ContractError
-from anychip.checkpoint.synthetic import PRESETS, SyntheticShape, make_synthetic, parse_shape
-from anychip.checkpoint.verify import verify_checkpoint
+from anychip.checkpoint.synthetic import PRESETS, SyntheticShape, cover_vocab, make_synthetic, parse_shape
+from anychip.checkpoint.verify import tokenizer_size, verify_checkpoint
 from anychip.cli import main
 from anychip.errors import AnychipError
 from anychip.formats import unpack_int4
@@ -199,7 +201,8 @@ def test_synthetic_with_a_given_tokenizer_needs_no_default_model(monkeypatch, tm
     assert main(["prepare", "--synthetic", "layers=1,hidden=128,intermediate=256,heads=2,kv_heads=1,vocab=320,"
                  "group=64", "--tokenizer", str(tok), "--cache", str(tmp_path / "cache")]) == 0
     out = tmp_path / "cache" / "synthetic" / shape.dirname
-    assert (out / "tokenizer.json").read_bytes() == (tok / "tokenizer.json").read_bytes()
+    assert tokenizer_size(out) == 320 and tokenizer_size(tok) == 300  # placeholders for ids 300..319, source untouched
+    assert Tokenizer.from_file(str(out / "tokenizer.json")).decode([7, 310]) == "w7 <|synthetic_310|>"
     assert json.loads((out / "config.json").read_text())["vocab_size"] == 320
     assert verify_checkpoint(out).checksums_verified
     recipe = json.loads(marker_path(out).read_text())
@@ -212,3 +215,43 @@ def test_synthetic_with_a_given_tokenizer_needs_no_default_model(monkeypatch, tm
     assert main(["prepare", "--tokenizer", str(tok), "--cache", str(tmp_path / "c4")]) != 0
     assert "--tokenizer goes with --synthetic" in capsys.readouterr().err
     assert not list((tmp_path / "c2").rglob("*.safetensors")) and not (tmp_path / "c4").exists()
+
+
+def _unigram_tokenizer(directory: Path, pieces: int, added: int = 0) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.Unigram([(f"p{i}", -1.0 - i / pieces) for i in range(pieces)], unk_id=0))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_tokens([f"<added{i}>" for i in range(added)])  # ids pieces..pieces+added-1, past the model's list
+    directory.mkdir(parents=True)
+    tok.save(str(directory / "tokenizer.json"))
+    return directory
+
+
+@pytest.mark.parametrize("kind", ["wordlevel", "unigram", "unigram-with-added"])
+def test_cover_vocab_gives_every_id_text(kind, tmp_path):
+    """A synthetic model samples every id of its vocabulary; an id its tokenizer lacks made vLLM's detokenizer
+    (tokenizers' DecodeStream) decode the whole prompt again at each such step. After cover_vocab every id decodes
+    to text, a primed DecodeStream moves on past such an id, text encodes as before, and a second call adds none."""
+    from tokenizers.decoders import DecodeStream
+
+    if kind == "wordlevel":
+        d = _word_tokenizer(tmp_path / "t", 50)
+    else:
+        d = _unigram_tokenizer(tmp_path / "t", 50 - (added := 2 if kind == "unigram-with-added" else 0), added)
+    path = d / "tokenizer.json"
+    text = "w3 w4 p5 p6 w7"
+    before = Tokenizer.from_file(str(path))
+    stream = DecodeStream(ids=[3, 4, 5], skip_special_tokens=True)
+    assert stream.step(before, 60) is None  # what vLLM met: no text, so the next step decodes the window again
+    (d / "config.json").write_text(json.dumps({"vocab_size": 64}))
+    assert "its vocabulary has 64 ids, its tokenizer 50" in tokenizer_gap(d)  # what `bench serve --launch` warns
+    assert tokenizer_size(d) == 50 and cover_vocab(path, 64) == 14 and tokenizer_size(d) == 64
+    assert tokenizer_gap(d) is None
+    after = Tokenizer.from_file(str(path))
+    assert after.encode(text).ids == before.encode(text).ids
+    assert all(after.decode([i]) for i in range(64))
+    assert after.decode([60]) == "<|synthetic_60|>"
+    stream = DecodeStream(ids=[3, 4, 5], skip_special_tokens=True)
+    assert stream.step(after, 60) and stream.step(after, 61)
+    assert cover_vocab(path, 64) == 0

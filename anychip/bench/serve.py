@@ -234,6 +234,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
             notes.append(f"- {label}: launched for {srv['model']}, anychip plugin {'on' if srv['plugin'] else 'off'}"
                          f"{', vLLM flags ' + ' '.join(srv['extra_args']) if srv['extra_args'] else ''}; "
                          f"ready after {srv['start_s']} s")
+            if srv.get("tokenizer_gap"):
+                notes.append(f"- {label}: warning: {srv['tokenizer_gap']}")
     notes += [f"- {r['label']} c={r['concurrency']} in={r['input_len']}: {r['output_len_note']}"
               for r in doc["rows"] if r.get("output_len_note")]
     loads = [f"{r['label']} c={r['concurrency']}: {r['loadavg'][0]:.1f}/{r['loadavg'][1]:.1f}"
@@ -323,6 +325,25 @@ def measure_server(url: str, args: argparse.Namespace,
     return rows
 
 
+def tokenizer_gap(model: Path) -> str | None:
+    """Why a model's server may be measured wrongly: ids its vocabulary has and its tokenizer lacks. A model that
+    samples one (a random-weight model made before its tokenizer covered its vocabulary) makes vLLM's detokenizer
+    decode the whole prompt again at each such step, so at long inputs the API process, not the engine, sets the
+    pace (measured: 10x the API process's CPU time at 16k-token prompts)."""
+    from anychip.checkpoint.verify import tokenizer_size
+
+    try:
+        vocab = int(json.loads((model / "config.json").read_text()).get("vocab_size") or 0)
+        tok = tokenizer_size(model)
+    except (OSError, ValueError, TypeError, AnychipError):
+        return None
+    if tok is None or vocab <= tok:
+        return None
+    return (f"{model.name}: its vocabulary has {vocab} ids, its tokenizer {tok}; a sampled id above {tok - 1} makes "
+            "the server's detokenizer decode the whole prompt again, so long-input TTFT/TPOT measure the API "
+            "process (rebuild a synthetic model with this anychip: its tokenizer covers the vocabulary)")
+
+
 def _launched(args: argparse.Namespace,
               on_row: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
     import tempfile
@@ -337,10 +358,13 @@ def _launched(args: argparse.Namespace,
     else:
         log = Path(tempfile.mkdtemp(prefix="anychip-bench-serve-")) / "server.log"
     print(f"anychip bench serve: starting {'stock vLLM' if args.stock else 'anychip'} server for {model} (log: {log})")
+    gap = tokenizer_gap(model)
+    if gap:
+        print(f"anychip bench serve: warning: {gap}")
     t0 = time.perf_counter()
     with local_server(model, plugin=not args.stock, extra=args.server_arg, log=log) as url:
         server = {"model": str(model), "plugin": not args.stock, "extra_args": args.server_arg,
-                  "start_s": round(time.perf_counter() - t0, 1), "log": str(log)}
+                  "start_s": round(time.perf_counter() - t0, 1), "log": str(log), "tokenizer_gap": gap}
 
         def tagged(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             return [dict(r, server=server) for r in rows]

@@ -3,7 +3,11 @@
 NOT A MODEL: its output is noise. It is labelled so in config.json (`anychip_synthetic`), in its directory
 name and in a README inside it. The tokenizer, chat template and generation config are the default model's
 (or those of `--tokenizer DIR`, for a host without the default model's package), so vLLM loads it like any
-checkpoint. Tensors are generated and written one at a time.
+checkpoint. Where the shape's vocabulary is larger than the tokenizer's, the copied tokenizer gets a placeholder
+token for every id above its own (`<|synthetic_ID|>`, never produced by encoding text): random weights sample
+those ids, and a server's detokenizer that meets an id its tokenizer lacks decodes the whole prompt again at every
+such step (tokenizers' DecodeStream), which made the API process, not the engine, the bottleneck of long-input
+serving runs. Tensors are generated and written one at a time.
 """
 
 from __future__ import annotations
@@ -190,11 +194,45 @@ def _tokenizer_id(tokenizer_dir: Path, given: Path | None) -> dict[str, str]:
     return {"tokenizer_json_sha256": sha256_file(tokenizer_dir / "tokenizer.json")}
 
 
-def _readme(shape: SyntheticShape) -> str:
+SYNTHETIC_TOKEN = "<|synthetic_{}|>"
+
+
+def cover_vocab(tokenizer_json: Path, vocab: int) -> int:
+    """Rewrite tokenizer_json so that every id below `vocab` decodes to text: the ids from the tokenizer's size up
+    become placeholder tokens. Returns how many were added. They join the model's own vocabulary where it is a map
+    (BPE, WordPiece, WordLevel) or a list that ends at the last id (Unigram, lowest score), else the added tokens
+    (slower to load in transformers); no merge or text produces them."""
+    size = tokenizer_size(tokenizer_json.parent)
+    if size is None or size >= vocab:
+        return 0
+    tok = json.loads(tokenizer_json.read_text())
+    names = [SYNTHETIC_TOKEN.format(i) for i in range(size, vocab)]
+    model_vocab = tok["model"].get("vocab")
+    taken = set(model_vocab if isinstance(model_vocab, dict) else (p[0] for p in model_vocab or ()))
+    taken |= {a.get("content") for a in tok.get("added_tokens") or ()}
+    if taken.intersection(names):
+        raise ContractError(f"{tokenizer_json}: already has tokens named like anychip's placeholders "
+                            f"({SYNTHETIC_TOKEN.format('ID')}); give a tokenizer whose size covers vocab={vocab}")
+    if isinstance(model_vocab, dict):
+        model_vocab.update(zip(names, range(size, vocab)))
+    elif isinstance(model_vocab, list) and len(model_vocab) == size:
+        low = min((float(p[1]) for p in model_vocab), default=0.0) - 10.0
+        model_vocab.extend([name, low] for name in names)
+    else:
+        tok.setdefault("added_tokens", []).extend(
+            {"id": i, "content": name, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+             "special": False} for i, name in zip(range(size, vocab), names))
+    tokenizer_json.write_text(json.dumps(tok, ensure_ascii=False))
+    return len(names)
+
+
+def _readme(shape: SyntheticShape, placeholders: int = 0) -> str:
+    extra = (f"The tokenizer's last {placeholders} ids are placeholders ({SYNTHETIC_TOKEN.format('ID')}) so that "
+             "every id of the vocabulary decodes.\n\n") if placeholders else ""
     return (f"# {shape.dirname}\n\nTHIS IS NOT A MODEL. Every weight is random ({_NOTICE}).\n\n"
             "It has the shape of a Llama and the W4A8 compressed-tensors layout, so vLLM and anychip serve it at the "
             "speed a real model of this shape would run; its text is meaningless. Made by "
-            f"`anychip prepare --synthetic` (anychip {__version__}).\n\n```json\n"
+            f"`anychip prepare --synthetic` (anychip {__version__}).\n\n{extra}```json\n"
             f"{json.dumps(asdict(shape), indent=2)}\n```\n")
 
 
@@ -212,7 +250,8 @@ def make_synthetic(shape: SyntheticShape, cache: Path | None = None, force: bool
     scheme = W4A8Scheme(group_size=shape.group, format=shape.format)
     root = cache / "synthetic"
     dst = root / shape.dirname
-    recipe = {"step": "synthetic", **asdict(shape), "seed": seed, **_tokenizer_id(tokenizer_dir, tokenizer)}
+    recipe = {"step": "synthetic", **asdict(shape), "seed": seed, **_tokenizer_id(tokenizer_dir, tokenizer),
+              "tokenizer_covers_vocab": True}
     reports: list[VerifyReport] = []
     with cache_lock(root):
         if force or not is_done(dst, recipe, lambda d: reports.append(verify_checkpoint(d))):
@@ -226,8 +265,8 @@ def make_synthetic(shape: SyntheticShape, cache: Path | None = None, force: bool
                         for spec, tensor in zip(specs, make()):
                             writer.write(spec.name, tensor)
                 (tmp / "config.json").write_text(json.dumps(_config(shape, template, scheme, seed), indent=2) + "\n")
-                (tmp / "README.md").write_text(_readme(shape))
                 copy_side_files(tokenizer_dir, tmp)
+                (tmp / "README.md").write_text(_readme(shape, cover_vocab(tmp / "tokenizer.json", shape.vocab)))
                 write_manifest(tmp)
                 verify_checkpoint(tmp, checksums=False)
             reports.append(verify_checkpoint(dst))
