@@ -1,6 +1,6 @@
 # wait for the job (at most ~540 s of this call), then copy what exists to $OUT
 T0=$SECONDS
-while [ $((SECONDS-T0)) -lt ${WAIT_S:-540} ]; do
+while [ $((SECONDS-T0)) -lt ${WAIT_S:-480} ]; do
   grep -q JOBDONE /root/keep/out/job.log 2>/dev/null && break
   sleep 10
 done
