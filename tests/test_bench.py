@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import threading
 import time
@@ -21,7 +22,7 @@ from anychip import envs
 from anychip.bench import latency, metrics, peers, serve
 from anychip.bench.metrics import MeanSd, RepTiming, RequestRecord
 from anychip.checkpoint.model_dir import ModelDir
-from anychip.cli import main
+from anychip.cli import build_parser, main
 
 # ---- latency arithmetic ----
 
@@ -499,6 +500,31 @@ def test_bench_serve_against_a_scripted_server(scripted_server, tmp_path):
     md = out.with_suffix(".md").read_text()
     assert "--label a" in md and "--label b" in md and "Against b" in md
     assert out.with_suffix(".png").exists()
+
+
+def test_bench_serve_reports_the_api_process_cpu_share(scripted_server, tmp_path):
+    """A launched server's URL carries its API process's pid; each level then records that process's CPU share,
+    the sign that vLLM's frontend (one core), not the engine, set the pace. Here the scripted server runs in this
+    process, so the share is this process's, client included; a URL without a pid records none."""
+    from anychip.bench.server import ServerURL, process_cpu_s
+
+    t0 = process_cpu_s(os.getpid())
+    deadline = time.process_time() + 0.05
+    while time.process_time() < deadline:
+        pass
+    assert process_cpu_s(os.getpid()) >= t0 + 0.04 and process_cpu_s(None) is None
+    assert process_cpu_s(2**22 + 12345) is None  # above the kernel's pid limit: no such process
+    url = ServerURL(scripted_server)
+    url.pid = os.getpid()
+    args = build_parser().parse_args(["bench", "serve", scripted_server, "--concurrency", "2", "--input-len", "16",
+                                      "--output-len", "5", "--num-prompts", "4"])
+    (row,) = serve.measure_server(url, args)
+    assert 0 < row["api_process_cpu_share"] < 2
+    md = serve.render_markdown({"commands": [], "created": "now", "machine": {"cpu": "x", "cpus": 1}, "rows": [row],
+                                "comparisons": []})
+    assert "CPU share of the launched server's API process" in md
+    (plain,) = serve.measure_server(scripted_server, args)
+    assert "api_process_cpu_share" not in plain
 
 
 def test_bench_serve_counts_failed_requests(scripted_server, tmp_path):

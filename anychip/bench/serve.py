@@ -244,6 +244,11 @@ def render_markdown(doc: dict[str, Any]) -> str:
     if loads:
         notes.append("- 1-minute load average before/after each level (other work on the machine shows here): "
                      + "; ".join(loads))
+    busy = [f"{r['label']} c={r['concurrency']} in={r['input_len']}: {r['api_process_cpu_share']:.2f}"
+            for r in doc["rows"] if r.get("api_process_cpu_share") is not None]
+    if busy:
+        notes.append("- CPU share of the launched server's API process during each level (near 1.00: one core of "
+                     "vLLM's frontend, not the engine, may have set the pace): " + "; ".join(busy))
     notes += [f"- {r['label']} c={r['concurrency']} in={r['input_len']}: errors: {'; '.join(r['errors'])}"
               for r in doc["rows"] if r["errors"]]
     notes += source_notes(doc["machine"], doc["rows"], "label")
@@ -295,7 +300,11 @@ def _merge(path: Path, doc: dict[str, Any], label: str) -> dict[str, Any]:
 def measure_server(url: str, args: argparse.Namespace,
                    on_row: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
     """Every scenario against one server; one row each. on_row(rows so far) runs after each level, so a run cut
-    short (a timeout, a crash of a later level) keeps the levels it finished."""
+    short (a timeout, a crash of a later level) keeps the levels it finished. A server this process launched
+    (`url.pid`) also gets each level's CPU share of its API process: near 1.0, one core of the frontend, not the
+    engine, may have set the pace."""
+    from anychip.bench.server import process_cpu_s
+
     check_loopback(url)
     lo, hi = (args.vocab_range + [0, 0])[:2]
     if not 0 <= lo < hi:
@@ -311,9 +320,13 @@ def measure_server(url: str, args: argparse.Namespace,
     for n, sc in enumerate(plan):
         waited = wait_for_idle(args.wait_idle) if args.wait_idle else None
         load_before = os.getloadavg()[0]
+        cpu_before = process_cpu_s(getattr(url, "pid", None))
         records, duration = asyncio.run(run_level(url, model, sc, (lo, hi), args.seed + n, args.timeout_s))
         row = row_for(label, url, model, sc, records, duration, args.peak_tflops, args.peak_gbps)
         row["loadavg"] = [load_before, os.getloadavg()[0]]
+        cpu_after = process_cpu_s(getattr(url, "pid", None))
+        if cpu_before is not None and cpu_after is not None and duration > 0:
+            row["api_process_cpu_share"] = round((cpu_after - cpu_before) / duration, 3)
         row["waited_for_idle_s"] = waited
         rows.append(row)
         print(f"  c={sc.concurrency:<3} in={sc.input_len:<6} out={sc.output_len:<5} {row['completed']}/"

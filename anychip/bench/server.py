@@ -33,9 +33,26 @@ def _ready(url: str) -> bool:
         return False
 
 
+class ServerURL(str):
+    """A launched server's base URL (…/v1); `pid` is its API process (vLLM's engine core runs in a child)."""
+
+    pid: int | None = None
+
+
+def process_cpu_s(pid: int | None) -> float | None:
+    """CPU seconds (user + system, all threads, not children) a process has used; None where unknown."""
+    if pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 @contextmanager
 def local_server(model: Path, *, plugin: bool = True, port: int | None = None, extra: list[str] | None = None,
-                 log: Path | None = None, ready_timeout_s: float = 600.0) -> Iterator[str]:
+                 log: Path | None = None, ready_timeout_s: float = 600.0) -> Iterator[ServerURL]:
     """Start anychip's vLLM server command for MODEL on 127.0.0.1 and yield its base URL (…/v1) once /v1/models answers.
 
     plugin=False sets VLLM_PLUGINS to every installed plugin but anychip: stock vLLM with the same settings.
@@ -60,7 +77,9 @@ def local_server(model: Path, *, plugin: bool = True, port: int | None = None, e
                 raise AnychipError(f"server for {model} not ready after {ready_timeout_s:.0f} s"
                                    + (f" (log: {log})" if log else ""))
             time.sleep(1)
-        yield url
+        served = ServerURL(url)
+        served.pid = proc.pid
+        yield served
     finally:
         _stop(proc)
         if log:
