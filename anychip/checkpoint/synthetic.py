@@ -205,7 +205,7 @@ def cover_vocab(tokenizer_json: Path, vocab: int) -> int:
     size = tokenizer_size(tokenizer_json.parent)
     if size is None or size >= vocab:
         return 0
-    tok = json.loads(tokenizer_json.read_text())
+    tok = json.loads(tokenizer_json.read_text(encoding="utf-8"))
     names = [SYNTHETIC_TOKEN.format(i) for i in range(size, vocab)]
     model_vocab = tok["model"].get("vocab")
     taken = set(model_vocab if isinstance(model_vocab, dict) else (p[0] for p in model_vocab or ()))
@@ -222,7 +222,7 @@ def cover_vocab(tokenizer_json: Path, vocab: int) -> int:
         tok.setdefault("added_tokens", []).extend(
             {"id": i, "content": name, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
              "special": False} for i, name in zip(range(size, vocab), names))
-    tokenizer_json.write_text(json.dumps(tok, ensure_ascii=False))
+    tokenizer_json.write_text(json.dumps(tok, ensure_ascii=False), encoding="utf-8")
     return len(names)
 
 
