@@ -343,10 +343,11 @@ def tokenizer_gap(model: Path) -> str | None:
     samples one (a random-weight model made before its tokenizer covered its vocabulary) makes vLLM's detokenizer
     decode the whole prompt again at each such step, so at long inputs the API process, not the engine, sets the
     pace (measured: 10x the API process's CPU time at 16k-token prompts)."""
+    from anychip.checkpoint.model_dir import ModelDir
     from anychip.checkpoint.verify import tokenizer_size
 
     try:
-        vocab = int(json.loads((model / "config.json").read_text()).get("vocab_size") or 0)
+        vocab = int(ModelDir.open(model).config.get("vocab_size") or 0)
         tok = tokenizer_size(model)
     except (OSError, ValueError, TypeError, AnychipError):
         return None

@@ -37,7 +37,7 @@ from anychip.checkpoint.layout import (
 )
 from anychip.checkpoint.manifest import sha256_file, write_manifest
 from anychip.checkpoint.scheme import DECODER_LINEARS, FORMATS, GROUP_SIZES, ContractError, Format, W4A8Scheme
-from anychip.checkpoint.verify import VerifyReport, tokenizer_size, verify_checkpoint
+from anychip.checkpoint.verify import VerifyReport, tokenizer_json_size, tokenizer_size, verify_checkpoint
 from anychip.envs import cache_dir
 
 _NOTICE = "random weights: NOT A MODEL, its output is noise; for throughput measurements only"
@@ -202,10 +202,12 @@ def cover_vocab(tokenizer_json: Path, vocab: int) -> int:
     become placeholder tokens. Returns how many were added. They join the model's own vocabulary where it is a map
     (BPE, WordPiece, WordLevel) or a list that ends at the last id (Unigram, lowest score), else the added tokens
     (slower to load in transformers); no merge or text produces them."""
-    size = tokenizer_size(tokenizer_json.parent)
-    if size is None or size >= vocab:
+    if not tokenizer_json.is_file():
         return 0
     tok = json.loads(tokenizer_json.read_text(encoding="utf-8"))
+    size = tokenizer_json_size(tok, tokenizer_json)
+    if size >= vocab:
+        return 0
     names = [SYNTHETIC_TOKEN.format(i) for i in range(size, vocab)]
     model_vocab = tok["model"].get("vocab")
     taken = set(model_vocab if isinstance(model_vocab, dict) else (p[0] for p in model_vocab or ()))

@@ -109,6 +109,14 @@ def tokenizer_size(directory: Path) -> int | None:
         return None
     try:
         tok = json.loads(path.read_text())
+    except (ValueError, RecursionError) as exc:
+        raise ContractError(f"{path}: not a Hugging Face tokenizer.json ({exc})") from exc
+    return tokenizer_json_size(tok, path)
+
+
+def tokenizer_json_size(tok: Any, path: Path) -> int:
+    """tokenizer_size of an already parsed tokenizer.json (read from path, which errors name)."""
+    try:
         vocab = tok["model"]["vocab"]
         top = (max(map(int, vocab.values())) if isinstance(vocab, dict) else len(vocab) - 1) if vocab else -1
         for added in tok.get("added_tokens") or []:
