@@ -120,3 +120,19 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if "default_model" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The machine the suite ran on, beside the results (CI shows the end of its log): the kernels and vLLM dispatch
+    on these flags, so a failure seen on one kind of machine can be told apart from one seen on another."""
+    import platform
+
+    from anychip.kernels.machine import describe
+
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    model = names[0] if names else platform.processor()
+    info = describe()
+    terminalreporter.write_line(f"machine: {model or info['machine']}, {os.cpu_count()} CPUs, "
+                                f"flags {' '.join(info['cpu_flags']) or 'none of note'}, torch {info['torch']}")
