@@ -179,6 +179,13 @@ def test_custom_quantizer_is_called_in_layer_order_and_recorded(tiny_llama, tmp_
     with pytest.raises(AnychipError, match=r"model\.layers\.0\.self_attn\.q_proj: quantizer returned scales"):
         quantize_checkpoint(tiny_llama(), tmp_path / "bad", W4A8Scheme(group_size=32), bad)
     assert not (tmp_path / "bad").exists()
+    for value in (-0.5, 0.0, float("nan")):  # e.g. the accuracy sweep's signed scales: not the contract's
+        scales = lambda prefix, w, v=value: (torch.zeros(w.shape, dtype=torch.int8),  # noqa: E731
+                                             torch.full((w.shape[0], w.shape[1] // 32), v))
+        for fmt in ("int-quantized", "pack-quantized"):
+            with pytest.raises(AnychipError, match=r"q_proj: quantizer returned a group scale that is zero, neg"):
+                quantize_checkpoint(tiny_llama(), tmp_path / "bad", W4A8Scheme(group_size=32, format=fmt), scales)
+            assert not (tmp_path / "bad").exists()
 
 
 def test_cli_quantize(tiny_llama, tmp_path, capsys):

@@ -213,6 +213,51 @@ def test_scale_searches_lower_their_own_error():
         search_scales(w, 32, "best")
 
 
+@pytest.mark.parametrize("method", ["clip", "mse"])
+def test_signed_scales_lower_every_groups_error(method):
+    """A signed search keeps, per group, whichever sign quantizes it better: no group's error rises, the total
+    falls, some scales are negative, the codes of a negative scale are those of -w, and zero groups keep 1."""
+    from anychip.checkpoint.scales import search_scales
+
+    torch.manual_seed(1)
+    w = torch.randn(64, 256) * torch.rand(1, 256)
+    w[5, :32] = 0.0
+    h = torch.rand(256) * 4
+
+    def group_errors(s: torch.Tensor) -> torch.Tensor:
+        d = dequantize_weight_ref(quantize_with_scales(w, s), s) - w
+        return (d.square() * (h if method == "mse" else 1.0)).view(64, 8, 32).sum(dim=2)
+
+    pos, sgn = search_scales(w, 32, method, h), search_scales(w, 32, method, h, signed=True)
+    assert sgn.dtype == torch.bfloat16 and (sgn.float() != 0).all() and (sgn.float() < 0).any()
+    assert sgn[5, 0] == 1.0
+    if method == "mse":  # the measure the search minimizes (clip's is |d|^2.4)
+        assert (group_errors(sgn) <= group_errors(pos) * (1 + 1e-6)).all()
+        assert float(group_errors(sgn).sum()) < 0.95 * float(group_errors(pos).sum())
+    neg = sgn.float() < 0
+    q = quantize_with_scales(w, sgn).view(64, 8, 32)
+    flipped = quantize_with_scales(-w, -sgn).view(64, 8, 32)
+    assert torch.equal(q, flipped) and bool(neg.any())
+    with pytest.raises(ValueError, match="signed"):
+        search_scales(w, 32, "amax", signed=True)
+
+
+def test_gptq_with_signed_scales_keeps_the_codes_and_lowers_the_error():
+    from anychip.checkpoint.gptq import row_errors
+
+    x = correlated_inputs(2048, 256, seed=6)
+    h = hessian(x)
+    w = (torch.randn(64, 256, generator=torch.Generator().manual_seed(7)) * 0.05).to(torch.bfloat16).float()
+    err = {}
+    for signed in (False, True):
+        wq, scales = gptq_quantize(w, h, 32, scale_search="mse", act_order=True, refit=3, signed=signed)
+        assert wq.dtype == torch.int8 and int(wq.min()) >= -8 and int(wq.max()) <= 7
+        assert torch.isfinite(scales.float()).all() and (scales.float() != 0).all()
+        assert bool((scales.float() < 0).any()) == signed
+        err[signed] = float(row_errors(w, h, wq, scales, 32).sum())
+    assert err[True] < err[False], err
+
+
 def test_refit_recovers_the_scales_of_weights_on_their_grid():
     """Weights that are exactly s * q for codes q: from perturbed scales, the least-squares refit finds s (BF16
     values, so exactly), whatever the Hessian's correlations; zero-code groups keep their scale."""

@@ -74,7 +74,10 @@ class GPTQConfig:
     against the full Hessian; each count above 1 adds a round of codes swept again with those scales fixed and
     scales re-solved for the new codes (_refit_rounds); tune_steps: block-tuning steps per layer after GPTQ (0: off;
     blocktune.py), each on tune_batch calibration sequences, step size tune_lr (None: 1 / tune_steps);
-    asymmetric: each linear quantized against the float model's output on its own inputs (drift_corrected)."""
+    asymmetric: each linear quantized against the float model's output on its own inputs (drift_corrected);
+    signed_scales: a group's scale may be negative (scales.search_scales' `signed`): for the accuracy sweep only
+    (its -sg flag; docs/bench/accuracy.md, not promoted), since the checkpoint contract wants scales > 0 and
+    quantize_checkpoint refuses any other."""
 
     samples: int = 128
     seq_len: int = 512
@@ -92,6 +95,7 @@ class GPTQConfig:
     tune_batch: int = 4
     tune_lr: float | None = None
     asymmetric: bool = False
+    signed_scales: bool = False
 
     def __post_init__(self) -> None:
         if self.samples < 1:
@@ -130,6 +134,8 @@ class GPTQConfig:
                 out.pop(key)  # recipes made before block tuning existed keep their provenance (and cache key)
         if not self.asymmetric:
             out.pop("asymmetric")  # the same for recipes made before asymmetric calibration existed
+        if not self.signed_scales:
+            out.pop("signed_scales")  # and before signed scales
         return out
 
 
@@ -177,9 +183,10 @@ def searched_scales(w: torch.Tensor, group_size: int) -> torch.Tensor:
 
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, group_size: int, damp: float = 0.01,
                   block_size: int = 128, scale_search: str = "amax",
-                  act_order: bool = False, refit: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                  act_order: bool = False, refit: int = 0, signed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """GPTQ one linear.  w (N, K), h (K, K) = 2 X^T X / n -> (wq (N, K) int8 in [-8, 7], scales (N, K // G) bf16),
-    both in the original column order (act-order permutes only the sweep).  refit: GPTQConfig.refit."""
+    both in the original column order (act-order permutes only the sweep).  refit: GPTQConfig.refit; signed:
+    GPTQConfig.signed_scales."""
     n, k = w.shape
     if k % group_size or block_size % group_size:
         raise ValueError(f"K={k} and block size {block_size} must be multiples of group size {group_size}")
@@ -205,11 +212,11 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, group_size: int, damp: float
             return q
 
         if act_order:
-            scales = search_scales(w, group_size, scale_search, diag)  # static groups: fixed before the sweep
+            scales = search_scales(w, group_size, scale_search, diag, signed)  # static groups: fixed before the sweep
             q = static_sweep(scales)
         else:
             def scale_fn(wg: torch.Tensor, col: int) -> torch.Tensor:
-                return search_scales(wg, group_size, scale_search, diag[col:col + group_size])
+                return search_scales(wg, group_size, scale_search, diag[col:col + group_size], signed)
 
             q, scales = _sweep(w.clone(), hinv, group_size, block_size, scale_fn)  # the sweep updates its copy
         if refit:
@@ -275,7 +282,7 @@ def refit_scales(w: torch.Tensor, h: torch.Tensor, q: torch.Tensor, scales: torc
     """The BF16 group scales that minimize each row's output error (w - s q) H (w - s q)^T for fixed codes q: the
     error is quadratic in a row's scales, so they solve (A^T H A) s = A^T H w, with A (K, K/G) holding the row's
     codes of group g in column g (H damped as the sweep damps it). Solved in fp32, rounded to BF16; a row keeps
-    its old scales where the solve fails, gives a non-positive scale, or does not lower the error. Returns (the
+    its old scales where the solve fails, flips a scale's sign or zeroes it, or does not lower the error. Returns (the
     scales, each row's output error with them)."""
     n, k = w.shape
     ng = k // group_size
@@ -295,7 +302,7 @@ def refit_scales(w: torch.Tensor, h: torch.Tensor, q: torch.Tensor, scales: torc
         x, info = torch.linalg.solve_ex(m * (~empty[:, :, None] & ~empty[:, None, :]) + eye, b)
         solved[r0:r0 + step] = torch.where((info == 0)[:, None], x, scales[r0:r0 + step].float())
     new = solved.to(torch.bfloat16)
-    ok = torch.isfinite(solved).all(dim=1) & (new > 0).all(dim=1)
+    ok = torch.isfinite(solved).all(dim=1) & (new.float() * scales.float() > 0).all(dim=1)
     new = torch.where(ok[:, None], new, scales)
     new_e, old_e = row_errors(w, h, q, new, group_size), row_errors(w, h, q, scales, group_size)
     better = new_e < old_e
@@ -318,7 +325,7 @@ def _sweep(w: torch.Tensor, hinv: torch.Tensor, group_size: int, block_size: int
 
 
 def _sweep_static(w: torch.Tensor, hinv: torch.Tensor, col_scales: torch.Tensor, block_size: int) -> torch.Tensor:
-    """The sweep with every column's scale given (N, K) > 0, in the (permuted) order of w's columns."""
+    """The sweep with every column's scale given (N, K), nonzero, in the (permuted) order of w's columns."""
     return _columns(w, hinv, block_size, lambda col, rest: col_scales[:, col])
 
 
@@ -403,7 +410,8 @@ def _quantize_layer(layer, xs: list[torch.Tensor], kwargs: dict, scheme: W4A8Sch
             if reference is not None:
                 w = drift_corrected(w, hooks.hessian(name), hooks.drift(name), config.damp)
             wq, sc = gptq_quantize(w, hooks.hessian(name), scheme.group_size, config.damp,
-                                   config.block_size, config.scale_search, config.act_order, config.refit)
+                                   config.block_size, config.scale_search, config.act_order, config.refit,
+                                   config.signed_scales)
             lin.weight.data = (wq.float().view(wq.shape[0], -1, scheme.group_size)
                                * sc.float().unsqueeze(2)).reshape(wq.shape)
             out[name] = (wq.cpu(), sc.cpu())

@@ -140,6 +140,9 @@ def _quantized_tensors(prefix: str, w: torch.Tensor, quantizer: WeightQuantizer,
     if tuple(scales.shape) != (n, groups):
         raise AnychipError(f"{prefix}: quantizer returned scales {list(scales.shape)}, expected [{n}, {groups}]")
     scales = scales.to(torch.bfloat16)
+    if not bool((torch.isfinite(scales) & (scales > 0)).all()):
+        raise AnychipError(f"{prefix}: quantizer returned a group scale that is zero, negative or not finite; the "
+                           "W4A8 contract wants finite scales > 0")
     if scheme.format == "pack-quantized":
         return [pack_int4(wq), scales, torch.tensor([n, k], dtype=torch.int64)]
     if int(wq.min()) < -8 or int(wq.max()) > 7:

@@ -30,20 +30,35 @@ def _quantize(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 
 def search_scales(w: torch.Tensor, group_size: int, method: str = "mse",
-                  col_weight: torch.Tensor | None = None) -> torch.Tensor:
+                  col_weight: torch.Tensor | None = None, signed: bool = False) -> torch.Tensor:
     """(N, K) weights -> (N, K // G) bf16 scales by `method`; col_weight (K,) >= 0 weights the columns' errors
-    (diag H; None: all 1). An all-zero group gets scale 1."""
+    (diag H; None: all 1). An all-zero group gets scale 1. signed: a group's scale may be negative, which puts
+    the grid's extra level (-8 s) on the side of the group's larger extreme (llama.cpp's Q4_0 does the same): each
+    group keeps whichever sign quantizes it with the lower error (the positive one on a tie)."""
     if method not in SCALE_SEARCHES:
         raise ValueError(f"scale search {method!r}: use one of {SCALE_SEARCHES}")
     n, k = w.shape
     if k % group_size:
         raise ValueError(f"K={k} is not a multiple of group size {group_size}")
-    base = group_scales(w, group_size)  # (N, K // G) bf16, 1 for an all-zero group
+    if not signed:
+        return _search(w, group_size, method, col_weight)[0]
     if method == "amax":
-        return base
+        raise ValueError("signed scales come from a search: use clip or mse")
+    pos, pos_err = _search(w, group_size, method, col_weight)
+    neg, neg_err = _search(-w, group_size, method, col_weight)  # round(w / -s) = -round(-w / s): the same error
+    return torch.where(neg_err < pos_err, -neg, pos)
+
+
+def _search(w: torch.Tensor, group_size: int, method: str,
+            col_weight: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """search_scales with positive scales: (scales, each group's error with them, in `method`'s measure)."""
+    n, k = w.shape
+    base = group_scales(w, group_size)  # (N, K // G) bf16, 1 for an all-zero group
     wg = w.float().view(n, k // group_size, group_size)  # (N, g, G)
     h = (torch.ones(k, device=w.device) if col_weight is None or method == "clip" else
          col_weight.float().clamp(min=0)).view(1, k // group_size, group_size)
+    if method == "amax":
+        return base, _error(wg, base, h, "mse")
     best_err = torch.full(base.shape, float("inf"), device=w.device)
     best = base.clone()
     ratios = SEARCH_RATIOS.to(w.device)
@@ -66,7 +81,7 @@ def search_scales(w: torch.Tensor, group_size: int, method: str = "mse",
             better = (err < best_err) & (s > 0)
             best = torch.where(better, s, best)
             best_err = torch.where(better, err, best_err)
-    return torch.where(wg.abs().amax(dim=2) > 0, best, torch.ones_like(best))
+    return torch.where(wg.abs().amax(dim=2) > 0, best, torch.ones_like(best)), best_err
 
 
 def _error(wg: torch.Tensor, s: torch.Tensor, h: torch.Tensor, method: str) -> torch.Tensor:

@@ -7,8 +7,8 @@ INT8; SimulatedW4A8Linear) and, where smoothing changed them, its RMSNorm weight
     bf16                          the source model
     a8                            BF16 weights, INT8 activations only
     default                       the recipe `anychip prepare` uses (PrepareRecipe + gptq.DEFAULT_GPTQ)
-    rtn-gG[-amax|-clip|-mse]      round to nearest, scales by scales.py (default amax)
-    gptq-gG[-sN][-lN][-dX][-rN][-amax|-clip|-mse][-ao][-ts][-sm|-smn][-fN][-tN][-as][-gen|-xNAME]
+    rtn-gG[-amax|-clip|-mse][-sg] round to nearest, scales by scales.py (default amax; -sg: signed)
+    gptq-gG[-sN][-lN][-dX][-rN][-amax|-clip|-mse][-ao][-ts][-sm|-smn][-fN][-tN][-as][-sg][-gen|-xNAME]
                                   GPTQ: N calibration sequences (default 128) of N tokens each (-l, default
                                   512), damp X, calibration windows drawn with seed N (default 0; to see
                                   run-to-run spread), scale search,
@@ -16,10 +16,11 @@ INT8; SimulatedW4A8Linear) and, where smoothing changed them, its RMSNorm weight
                                   or at the two RMSNorms only (-smn), scales refit against the full Hessian
                                   (GPTQConfig.refit N), N block-tuning steps a layer after GPTQ
                                   (GPTQConfig.tune_steps), asymmetric calibration (-as: GPTQConfig.asymmetric),
+                                  signed group scales (-sg: GPTQConfig.signed_scales; for rtn too),
                                   calibration text sampled from the model (-gen)
                                   or read from the file `--text NAME=PATH` names (-xNAME; default: the shipped
                                   text)
-    default[-fN][-tN][-dX][-as][-sN][-lN]
+    default[-fN][-tN][-dX][-as][-sg][-sN][-lN]
                                   the default recipe with GPTQConfig.refit N (and tune_steps N, damp X,
                                   asymmetric, N calibration sequences of N tokens)
     any of these + -wonly         activations left in float (INT4 weights alone)
@@ -71,15 +72,16 @@ def parse_variant(name: str, texts: dict[str, Path] | None = None) -> tuple[str,
     texts = texts or {}
     head, _, rest = name.partition("-")
     extra = rest.split("-") if rest else []
-    if head == "default" and all(f == "as" or f[:1] in "ftsl" and f[1:].isdigit()
+    if head == "default" and all(f in ("as", "sg") or f[:1] in "ftsl" and f[1:].isdigit()
                                  or f[:1] == "d" and f[1:].replace(".", "", 1).isdigit() for f in extra):
         refit = next((int(f[1:]) for f in extra if f[0] == "f"), DEFAULT_GPTQ.refit)
         tune = next((int(f[1:]) for f in extra if f[0] == "t"), DEFAULT_GPTQ.tune_steps)
         damp = next((float(f[1:]) for f in extra if f[0] == "d"), DEFAULT_GPTQ.damp)
-        samples = next((int(f[1:]) for f in extra if f[0] == "s"), DEFAULT_RECIPE.gptq_samples)
+        samples = next((int(f[1:]) for f in extra if f[0] == "s" and f[1:].isdigit()), DEFAULT_RECIPE.gptq_samples)
         seq_len = next((int(f[1:]) for f in extra if f[0] == "l"), DEFAULT_GPTQ.seq_len)
         config = replace(DEFAULT_GPTQ, samples=samples, seq_len=seq_len, refit=refit, tune_steps=tune, damp=damp,
-                         asymmetric=DEFAULT_GPTQ.asymmetric or "as" in extra)
+                         asymmetric=DEFAULT_GPTQ.asymmetric or "as" in extra,
+                         signed_scales=DEFAULT_GPTQ.signed_scales or "sg" in extra)
         return DEFAULT_RECIPE.method, DEFAULT_RECIPE.group_size or 32, config, None, True
     method, group, *flags = name.split("-")
     if method not in ("rtn", "gptq") or not group.startswith("g") or not group[1:].isdigit():
@@ -88,12 +90,12 @@ def parse_variant(name: str, texts: dict[str, Path] | None = None) -> tuple[str,
     named = {f"x{key}": str(path) for key, path in texts.items()}  # -xNAME: the file --text NAME=PATH names
     calibration = next((named[f] for f in reversed(flags) if f in named), GENERATED if "gen" in flags else None)
     search = next((f for f in flags if f in SCALE_SEARCHES), "amax" if method == "rtn" else None)
-    known = {"wonly", "gen", "ao", "ts", "sm", "smn", "as", *SCALE_SEARCHES, *named}
+    known = {"wonly", "gen", "ao", "ts", "sm", "smn", "as", "sg", *SCALE_SEARCHES, *named}
     for f in flags:
         if f not in known and not (f[0] in "sldrft" and f[1:].replace(".", "").isdigit()):
             raise SystemExit(f"variant {name!r}: unknown option -{f} (-xNAME needs --text NAME=PATH)")
     if method == "rtn":
-        return method, int(group[1:]), search, None, act
+        return method, int(group[1:]), search + ("-sg" if "sg" in flags else ""), None, act
     samples = next((int(f[1:]) for f in flags if f[0] == "s" and f[1:].isdigit()), 128)
     seq_len = next((int(f[1:]) for f in flags if f[0] == "l" and f[1:].isdigit()), GPTQConfig.seq_len)
     damp = next((float(f[1:]) for f in flags if f[0] == "d" and f[1:].replace(".", "").isdigit()), 0.01)
@@ -103,7 +105,8 @@ def parse_variant(name: str, texts: dict[str, Path] | None = None) -> tuple[str,
     smooth = POINT_NAMES if "sm" in flags else NORM_POINTS if "smn" in flags else ()
     config = replace(GPTQConfig(), samples=samples, seq_len=seq_len, damp=damp, seed=seed,
                      scale_search=search or "clip", act_order="ao" in flags, true_sequential="ts" in flags,
-                     smooth=smooth, refit=refit, tune_steps=tune, asymmetric="as" in flags)
+                     smooth=smooth, refit=refit, tune_steps=tune, asymmetric="as" in flags,
+                     signed_scales="sg" in flags)
     return method, int(group[1:]), config, calibration, act
 
 
@@ -120,7 +123,7 @@ def quantize_variant(name: str, bf16: Path, model, device: str, texts: dict[str,
     out = {}
     for prefix in linears(model):
         w = model.get_submodule(prefix).weight.data.float()
-        scales = search_scales(w, group, how)
+        scales = search_scales(w, group, how.removesuffix("-sg"), signed=how.endswith("-sg"))
         out[prefix] = (quantize_with_scales(w, scales).cpu(), scales.cpu())
     return out, {}, act, {"rtn": how}
 
