@@ -64,7 +64,7 @@ class TunedLinear:
     def codes_and_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
         n, k = self.base.shape
         s = self.scales()
-        safe = torch.where(s != 0, s, torch.ones_like(s)).unsqueeze(2)  # an all-zero group stays zero
+        safe = torch.where(s.abs() > 0, s, torch.ones_like(s)).unsqueeze(2)  # an all-zero group stays zero
         q = torch.clamp(_round_ste(self.base.view(n, -1, self.group_size) / safe
                                    + self.v.view(n, -1, self.group_size)), QMIN, QMAX)
         return q, (q * s.unsqueeze(2)).view(n, k)

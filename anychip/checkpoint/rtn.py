@@ -24,14 +24,15 @@ def group_scales(w: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def quantize_with_scales(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """(N, K) float with (N, K // G) scales -> (N, K) int8 in [-8, 7]; a zero scale gives q = 0, a negative one
-    the codes of -w (scales.search_scales' signed search)."""
+    """(N, K) float with (N, K // G) scales -> (N, K) int8 in [-8, 7]; a zero or NaN scale gives q = 0, a
+    negative one the codes of -w (scales.search_scales' signed search)."""
     n, k = w.shape
     groups = scales.shape[1]
     s = scales.float().unsqueeze(2)  # (N, K // G, 1)
-    safe = torch.where(s != 0, s, torch.ones_like(s))
+    usable = s.abs() > 0  # not zero, not NaN
+    safe = torch.where(usable, s, torch.ones_like(s))
     q = torch.round(w.float().view(n, groups, k // groups) / safe).clamp_(INT4_MIN, INT4_MAX)
-    q = torch.where(s != 0, q, torch.zeros_like(q))
+    q = torch.where(usable, q, torch.zeros_like(q))
     return q.to(torch.int8).view(n, k)
 
 
