@@ -47,7 +47,17 @@ def main() -> None:  # a function: vLLM's worker processes re-import this file u
                                              for s in (o.prompt_logprobs or [])]})
     counters = {m.name.removeprefix("vllm:"): m.value for m in llm.get_metrics() if m.name.startswith("vllm:prefix")}
     with open(out, "w") as f:
-        json.dump({"outputs": rows, "prefix_cache": counters}, f)
+        json.dump({"outputs": rows, "prefix_cache": counters, "process": process()}, f)
+
+
+def process() -> dict:
+    """What this process's kernels depended on, for telling two runs that should agree apart: the SIMD ISA
+    Inductor's probe settled on (a probe that fails falls back to a narrower one, or to scalar code, silently; the
+    probe's result is cached per process) and torch's thread count."""
+    import torch
+    from torch._inductor import cpu_vec_isa
+
+    return {"inductor_vec_isa": str(cpu_vec_isa.pick_vec_isa()), "torch_threads": torch.get_num_threads()}
 
 
 if __name__ == "__main__":

@@ -111,11 +111,15 @@ def assert_same_bits(run, runs: dict, a: str, b: str) -> None:
     where = first_difference(runs[a]["outputs"], runs[b]["outputs"])
     if where is None:
         return
-    again = {key: run(key)[0]["outputs"] for key in (a, b)}
-    odd = [key for key in (a, b) if again[key] != runs[key]["outputs"]]
-    assert first_difference(again[a], again[b]) is None, (
-        f"{a} and {b} differ twice; first time at {where}; again at {first_difference(again[a], again[b])}")
-    warnings.warn(f"{a} and {b} differed once at {where}, then agreed; the run that did not repeat: {odd}")
+    procs = {key: runs[key].get("process") for key in (a, b)}  # e.g. the SIMD ISA each process's Inductor used
+    again = {key: run(key)[0] for key in (a, b)}
+    odd = [key for key in (a, b) if again[key]["outputs"] != runs[key]["outputs"]]
+    assert first_difference(again[a]["outputs"], again[b]["outputs"]) is None, (
+        f"{a} and {b} differ twice; first time at {where} ({procs}); again at "
+        f"{first_difference(again[a]['outputs'], again[b]['outputs'])} "
+        f"({ {key: again[key].get('process') for key in (a, b)} })")
+    warnings.warn(f"{a} and {b} differed once at {where}, then agreed; the run that did not repeat: {odd}; "
+                  f"processes then {procs}, again { {key: again[key].get('process') for key in (a, b)} }")
 
 
 @pytest.mark.slow
@@ -188,6 +192,6 @@ def test_a_difference_that_repeats_fails_and_a_one_off_warns():
     runs = {"a": {"outputs": [row]}, "b": {"outputs": [off]}}
     with pytest.raises(AssertionError, match=r"differ twice; first time at request 0, logprobs\[1\]"):
         assert_same_bits(lambda key: (runs[key], {}), runs, "a", "b")
-    with pytest.warns(UserWarning, match=r"differed once .* did not repeat: \['b'\]"):
+    with pytest.warns(UserWarning, match=r"differed once .* did not repeat: \['b'\]; processes then"):
         assert_same_bits(lambda key: ({"outputs": [row]}, {}), runs, "a", "b")
     assert_same_bits(lambda key: pytest.fail("ran again"), {"a": {"outputs": [row]}, "b": {"outputs": [row]}}, "a", "b")
