@@ -160,6 +160,7 @@ def test_chunked_prefill_and_prefix_cache_hits(tiny_llama, name, tmp_path):
             runs[key], coverage[key] = run(key)
     cpp, python = runs["cpp"], runs["python"]
     assert coverage["cpp"]["attention_calls"]["from_cpp"] > 0
+    assert coverage["cpp"]["platform"]["inductor_simd"] == cpp["process"]["inductor_vec_isa"]  # the report says it
     assert cpp["prefix_cache"]["prefix_cache_hits"] > 0 and cpp["prefix_cache"] == python["prefix_cache"]
     assert len(cpp["outputs"]) == 5 and len(cpp["outputs"][0]["prompt_logprobs"]) == 300
     assert_same_bits(run, runs, "cpp", "python")  # tokens, logprobs, prompt logprobs: exact

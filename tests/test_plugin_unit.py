@@ -450,3 +450,28 @@ def test_trim_heap_returns_freed_memory_where_glibc_is():
     for b in kept:
         libc.free(b)
     assert returned is not None and returned > 32 * 2**20, returned  # 63 MiB were freed
+
+
+def test_inductor_simd_reports_the_probed_isa_and_starts_no_probe(monkeypatch):
+    """None until Inductor has probed (in a fresh process), then the ISA its C++ code is generated for; the
+    recorder puts it in the report's platform section."""
+    import subprocess
+    import sys
+
+    code = ("from anychip.kernels.machine import inductor_simd\n"
+            "before = inductor_simd()\n"
+            "from torch._inductor import cpu_vec_isa\n"
+            "cpu_vec_isa.valid_vec_isa_list()\n"
+            "print(before, '|', inductor_simd(), '|', str(cpu_vec_isa.pick_vec_isa()))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    before, after, picked = (part.strip() for part in out.stdout.strip().splitlines()[-1].split("|"))
+    assert before == "None" and after == picked and after
+
+    from anychip.kernels import machine
+    from anychip.kernels.policy import KernelPolicy
+    from anychip.vllm_plugin import recorder as recorder_mod
+
+    monkeypatch.setattr(machine, "inductor_simd", lambda: "avx2")
+    assert recorder_mod.Recorder(None, KernelPolicy()).document()["platform"]["inductor_simd"] == "avx2"
+    monkeypatch.setattr(machine, "inductor_simd", lambda: None)
+    assert "inductor_simd" not in recorder_mod.Recorder(None, KernelPolicy()).document()["platform"]

@@ -85,6 +85,21 @@ def trim_heap() -> int | None:
     return max(0, before - after) if before is not None and after is not None else 0
 
 
+def inductor_simd() -> str | None:
+    """The SIMD ISA Inductor's C++ code is generated for in this process ("avx512 avx512_vnni amx_tile", "avx2",
+    ..., "INVALID_VEC_ISA" for scalar code), or None while Inductor has not picked one. Inductor probes each ISA once
+    a process by building and loading a test library, and falls back to a narrower one, or to scalar code, without
+    a word when a probe fails: slower graphs, and other bits. Starts no probe."""
+    try:
+        from torch._inductor import cpu_vec_isa
+    except ImportError:
+        return None
+    probed = getattr(cpu_vec_isa.valid_vec_isa_list, "cache_info", None)
+    if probed is None or not probed().currsize:
+        return None
+    return str(cpu_vec_isa.pick_vec_isa())
+
+
 def describe() -> dict[str, object]:
     """What `anychip routes` prints about this machine."""
     import torch

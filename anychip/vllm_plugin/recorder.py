@@ -263,6 +263,9 @@ class Recorder:
                 if layer_id < len(self.coverage.layers):
                     self.coverage.layers[layer_id].fused = tuple(sorted(what))
             doc = self.coverage.snapshot()
+            simd = machine.inductor_simd()  # what the compiled graph's own kernels were generated for
+            if simd is not None:
+                doc["platform"] = {**doc["platform"], "inductor_simd": simd}
             calls = doc.get("attention_calls")
             if calls and calls.get("prefill_kernel"):  # the C++ op counts the layer calls its kernel served
                 doc["attention_calls"] = {**calls, "prefill_kernel_calls": int(torch.ops.anychip.attn_prefill_calls())}
