@@ -104,10 +104,10 @@ def first_difference(a: list[dict], b: list[dict]) -> str | None:
 
 
 def assert_same_bits(run, runs: dict, a: str, b: str) -> None:
-    """Runs `a` and `b` gave the same bits; if not, both are run once more and that pair must. CI has twice (in about
-    ten runs, never in some 40 runs by hand: README Limits) seen two runs that must agree differ by a few bf16 ULPs
-    of one logit, not reproducibly. A difference that the arguments or the kernels make repeats and fails; a one-off
-    is reported as a warning that names the run that did not repeat itself."""
+    """Runs `a` and `b` gave the same bits; if not, both are run once more and that pair must. Clean-clone CI runs
+    have three times (in about a dozen; never in some 50 runs by hand: README Limits) seen two runs that must agree
+    differ by a few bf16 ULPs of a logit, not reproducibly. A difference that the arguments or the kernels make
+    repeats and fails; a one-off is reported as a warning that names the run that did not repeat itself."""
     where = first_difference(runs[a]["outputs"], runs[b]["outputs"])
     if where is None:
         return
