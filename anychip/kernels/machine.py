@@ -89,10 +89,10 @@ def inductor_simd() -> str | None:
     """The SIMD ISA Inductor's C++ code is generated for in this process ("avx512 avx512_vnni amx_tile", "avx2",
     ..., "INVALID_VEC_ISA" for scalar code), or None while Inductor has not picked one. Inductor probes each ISA once
     a process by building and loading a test library, and falls back to a narrower one, or to scalar code, without
-    a word when a probe fails: slower graphs, and other bits. Starts no probe."""
-    try:
-        from torch._inductor import cpu_vec_isa
-    except ImportError:
+    a word when a probe fails: slower graphs, and other bits. Starts no probe and imports nothing: a process that
+    never loaded Inductor's ISA module has no answer."""
+    cpu_vec_isa = sys.modules.get("torch._inductor.cpu_vec_isa")
+    if cpu_vec_isa is None:
         return None
     probed = getattr(cpu_vec_isa.valid_vec_isa_list, "cache_info", None)
     if probed is None or not probed().currsize:
