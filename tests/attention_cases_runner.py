@@ -55,9 +55,10 @@ def process() -> dict:
     Inductor's probe settled on (a probe that fails falls back to a narrower one, or to scalar code, silently; the
     probe's result is cached per process) and torch's thread count."""
     import torch
-    from torch._inductor import cpu_vec_isa
 
-    return {"inductor_vec_isa": str(cpu_vec_isa.pick_vec_isa()), "torch_threads": torch.get_num_threads()}
+    from anychip.kernels.machine import inductor_simd
+
+    return {"inductor_vec_isa": inductor_simd(), "torch_threads": torch.get_num_threads()}
 
 
 if __name__ == "__main__":

@@ -125,14 +125,9 @@ def pytest_collection_modifyitems(config, items) -> None:
 def pytest_terminal_summary(terminalreporter) -> None:
     """The machine the suite ran on, beside the results (CI shows the end of its log): the kernels and vLLM dispatch
     on these flags, so a failure seen on one kind of machine can be told apart from one seen on another."""
-    import platform
-
+    from anychip.coverage import platform_summary
     from anychip.kernels.machine import describe
 
-    cpuinfo = Path("/proc/cpuinfo")
-    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
-    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
-    model = names[0] if names else platform.processor()
-    info = describe()
-    terminalreporter.write_line(f"machine: {model or info['machine']}, {os.cpu_count()} CPUs, "
+    cpu, info = platform_summary(), describe()  # the coverage report's machine, and `anychip routes`' flags
+    terminalreporter.write_line(f"machine: {cpu['cpu'] or cpu['machine']}, {os.cpu_count()} CPUs, "
                                 f"flags {' '.join(info['cpu_flags']) or 'none of note'}, torch {info['torch']}")

@@ -114,12 +114,11 @@ def assert_same_bits(run, runs: dict, a: str, b: str) -> None:
     procs = {key: runs[key].get("process") for key in (a, b)}  # e.g. the SIMD ISA each process's Inductor used
     again = {key: run(key)[0] for key in (a, b)}
     odd = [key for key in (a, b) if again[key]["outputs"] != runs[key]["outputs"]]
-    assert first_difference(again[a]["outputs"], again[b]["outputs"]) is None, (
-        f"{a} and {b} differ twice; first time at {where} ({procs}); again at "
-        f"{first_difference(again[a]['outputs'], again[b]['outputs'])} "
-        f"({ {key: again[key].get('process') for key in (a, b)} })")
+    procs_again = {key: again[key].get("process") for key in (a, b)}
+    still = first_difference(again[a]["outputs"], again[b]["outputs"])
+    assert still is None, f"{a} and {b} differ twice; first time at {where} ({procs}); again at {still} ({procs_again})"
     warnings.warn(f"{a} and {b} differed once at {where}, then agreed; the run that did not repeat: {odd}; "
-                  f"processes then {procs}, again { {key: again[key].get('process') for key in (a, b)} }")
+                  f"processes then {procs}, again {procs_again}")
 
 
 @pytest.mark.slow

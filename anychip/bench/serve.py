@@ -306,6 +306,7 @@ def measure_server(url: str, args: argparse.Namespace,
     from anychip.bench.server import process_cpu_s
 
     check_loopback(url)
+    pid = getattr(url, "pid", None)
     lo, hi = (args.vocab_range + [0, 0])[:2]
     if not 0 <= lo < hi:
         raise AnychipError(f"--vocab-range {args.vocab_range}: give LO,HI with 0 <= LO < HI")
@@ -320,11 +321,11 @@ def measure_server(url: str, args: argparse.Namespace,
     for n, sc in enumerate(plan):
         waited = wait_for_idle(args.wait_idle) if args.wait_idle else None
         load_before = os.getloadavg()[0]
-        cpu_before = process_cpu_s(getattr(url, "pid", None))
+        cpu_before = process_cpu_s(pid)
         records, duration = asyncio.run(run_level(url, model, sc, (lo, hi), args.seed + n, args.timeout_s))
         row = row_for(label, url, model, sc, records, duration, args.peak_tflops, args.peak_gbps)
         row["loadavg"] = [load_before, os.getloadavg()[0]]
-        cpu_after = process_cpu_s(getattr(url, "pid", None))
+        cpu_after = process_cpu_s(pid)
         if cpu_before is not None and cpu_after is not None and duration > 0:
             row["api_process_cpu_share"] = round((cpu_after - cpu_before) / duration, 3)
         row["waited_for_idle_s"] = waited

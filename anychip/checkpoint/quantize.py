@@ -40,6 +40,7 @@ from anychip.checkpoint.manifest import write_manifest
 from anychip.checkpoint.model_dir import ModelDir
 from anychip.checkpoint.rtn import rtn_quantize
 from anychip.checkpoint.scheme import ContractError, W4A8Scheme
+from anychip.checkpoint.values import SCALE
 from anychip.errors import AnychipError
 from anychip.formats import GROUP_SIZES, pack_int4
 
@@ -140,7 +141,7 @@ def _quantized_tensors(prefix: str, w: torch.Tensor, quantizer: WeightQuantizer,
     if tuple(scales.shape) != (n, groups):
         raise AnychipError(f"{prefix}: quantizer returned scales {list(scales.shape)}, expected [{n}, {groups}]")
     scales = scales.to(torch.bfloat16)
-    if not bool((torch.isfinite(scales) & (scales > 0)).all()):
+    if SCALE.any_bad(scales):  # the contract's rule (values.py), as `anychip verify` applies it
         raise AnychipError(f"{prefix}: quantizer returned a group scale that is zero, negative or not finite; the "
                            "W4A8 contract wants finite scales > 0")
     if scheme.format == "pack-quantized":

@@ -40,10 +40,12 @@ def search_scales(w: torch.Tensor, group_size: int, method: str = "mse",
     n, k = w.shape
     if k % group_size:
         raise ValueError(f"K={k} is not a multiple of group size {group_size}")
+    if method == "amax":
+        if signed:
+            raise ValueError("signed scales come from a search: use clip or mse")
+        return group_scales(w, group_size)
     if not signed:
         return _search(w, group_size, method, col_weight)[0]
-    if method == "amax":
-        raise ValueError("signed scales come from a search: use clip or mse")
     pos, pos_err = _search(w, group_size, method, col_weight)
     neg, neg_err = _search(-w, group_size, method, col_weight)  # round(w / -s) = -round(-w / s): the same error
     return torch.where(neg_err < pos_err, -neg, pos)
@@ -51,14 +53,13 @@ def search_scales(w: torch.Tensor, group_size: int, method: str = "mse",
 
 def _search(w: torch.Tensor, group_size: int, method: str,
             col_weight: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """search_scales with positive scales: (scales, each group's error with them, in `method`'s measure)."""
+    """search_scales by clip or mse with positive scales: (scales, each group's error with them, in `method`'s
+    measure)."""
     n, k = w.shape
     base = group_scales(w, group_size)  # (N, K // G) bf16, 1 for an all-zero group
     wg = w.float().view(n, k // group_size, group_size)  # (N, g, G)
     h = (torch.ones(k, device=w.device) if col_weight is None or method == "clip" else
          col_weight.float().clamp(min=0)).view(1, k // group_size, group_size)
-    if method == "amax":
-        return base, _error(wg, base, h, "mse")
     best_err = torch.full(base.shape, float("inf"), device=w.device)
     best = base.clone()
     ratios = SEARCH_RATIOS.to(w.device)

@@ -108,7 +108,7 @@ def tokenizer_size(directory: Path) -> int | None:
     if not path.is_file():
         return None
     try:
-        tok = json.loads(path.read_text())
+        tok = json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, RecursionError) as exc:
         raise ContractError(f"{path}: not a Hugging Face tokenizer.json ({exc})") from exc
     return tokenizer_json_size(tok, path)
