@@ -72,6 +72,24 @@ def test_int8_head_matches_reference_exactly(route, case):
     assert torch.equal(y, ref), f"{route.id}: {int((y != ref).sum())} of {y.numel()} outputs differ"
 
 
+@pytest.mark.parametrize("route", BF16 + INT8, ids=lambda r: r.id)
+def test_a_tokens_logits_do_not_depend_on_the_batch(route):
+    """Batch invariance: each token's logits, computed among M tokens (every tile shape, leftover tokens and rows,
+    K with and without a SIMD tail), are the bits it gets alone. The BF16 tiles used to keep two accumulators for
+    a lone token and one for several, so a row differed in its last bit with the batch around it."""
+    k_n = [(576, 1030), (100, 37)]
+    for k, n in k_n:
+        x, w, _ = _inputs(19, k, n, torch.bfloat16, False, seed=2)
+        head = route.prepare(w, KernelPolicy(head=route.kind))
+        alone = torch.cat([head.logits(x[i:i + 1]) for i in range(len(x))])
+        for m in (2, 3, 4, 5, 6, 7, 8, 9, 19):
+            for start in (0, len(x) - m):
+                got = head.logits(x[start:start + m])
+                assert torch.equal(got, alone[start:start + m]), (
+                    f"{route.id} K={k} N={n}: {m} tokens from {start}, "
+                    f"{int((got != alone[start:start + m]).any(dim=1).sum())} differ from their logits alone")
+
+
 def test_int8_head_quantizer_round_trips_within_half_a_step():
     w = (torch.randn(64, 576, generator=torch.Generator().manual_seed(2)) * 0.05).to(torch.bfloat16)
     w[3] = 0  # an all-zero row gets scale 0

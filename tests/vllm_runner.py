@@ -31,6 +31,8 @@ def main() -> None:  # a function: vLLM's worker processes re-import this file u
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--prompt-logprobs", action="store_true", help="record the logprob of every prompt token")
+    p.add_argument("--alone", action="store_true", help="after the batched run, generate each prompt again in a "
+                   "call of its own (rows under \"alone\")")
     a = p.parse_args()
     from vllm import LLM, SamplingParams
 
@@ -43,21 +45,22 @@ def main() -> None:  # a function: vLLM's worker processes re-import this file u
     params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True,
                             logprobs=a.logprobs or None, prompt_logprobs=0 if a.prompt_logprobs else None)
     prompts = a.prompt + [{"prompt_token_ids": [int(t) for t in ids.split(",")]} for ids in a.prompt_ids]
-    outs = llm.generate(prompts, params)
-    rows = []
-    for o in outs:
-        c = o.outputs[0]
-        row = {"prompt": o.prompt, "prompt_token_ids": list(o.prompt_token_ids), "text": c.text,
-               "token_ids": list(c.token_ids)}
-        if a.prompt_logprobs:  # the logprob of each prompt token after the first, given the ones before it
-            row["prompt_logprobs"] = [step[t].logprob for step, t in zip(o.prompt_logprobs[1:],
-                                                                          o.prompt_token_ids[1:])]
-        if a.logprobs:
-            row["logprobs"] = [{str(k): v.logprob for k, v in step.items()} for step in c.logprobs]
-        rows.append(row)
+    rows = [row(o, a) for o in llm.generate(prompts, params)]
+    alone = [row(llm.generate([q], params, use_tqdm=False)[0], a) for q in prompts] if a.alone else None
     quant = llm.llm_engine.vllm_config.model_config.quantization
     with open(a.out, "w") as f:
-        json.dump({"outputs": rows, "quantization": quant, "engine_start_s": start_s}, f)
+        json.dump({"outputs": rows, "alone": alone, "quantization": quant, "engine_start_s": start_s}, f)
+
+
+def row(o, a: argparse.Namespace) -> dict:
+    c = o.outputs[0]
+    out = {"prompt": o.prompt, "prompt_token_ids": list(o.prompt_token_ids), "text": c.text,
+           "token_ids": list(c.token_ids)}
+    if a.prompt_logprobs:  # the logprob of each prompt token after the first, given the ones before it
+        out["prompt_logprobs"] = [step[t].logprob for step, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])]
+    if a.logprobs:
+        out["logprobs"] = [{str(k): v.logprob for k, v in step.items()} for step in c.logprobs]
+    return out
 
 
 if __name__ == "__main__":

@@ -142,10 +142,13 @@ ANYCHIP_AVX2 inline int32_t hsum_epi32_avx2(__m256i v) {
 }
 
 // ---------------------------------------------------------------- BF16, AVX2 + FMA
-// MT tokens x R rows; one token alone keeps separate even/odd accumulators (8 FMA chains for 4 rows).
+// MT tokens x R rows. Every tile sums a (token, row) dot the same way, in one accumulator (even elements, then odd
+// ones, a 16-block at a time), so a token's logits do not depend on how many tokens share the call or where it
+// sits among them (batch invariance: a request's output does not change with what else is batched with it). One
+// token takes 8 rows at a time (8 FMA chains, Bf16Avx2::rows).
 template <int MT, int R>
 ANYCHIP_AVX2 void bf16_tile_avx2(const HeadProblem& p, int64_t m0, int64_t n0) {
-  constexpr int A = MT == 1 ? 2 : 1;
+  constexpr int A = 1;
   const int64_t k16 = p.k / 16 * 16;
   const __m256i hi_mask = _mm256_set1_epi32(int32_t(0xFFFF0000u));
   __m256 acc[MT][R][A];
@@ -221,9 +224,10 @@ ANYCHIP_AVX512_BF16 inline __m512bh load_bh(const Bf16* p, __mmask32 mask) {
   return reinterpret_cast<__m512bh>(_mm512_maskz_loadu_epi16(mask, p));
 }
 
+// One accumulator per (token, row) in every tile, as the AVX2 tile (batch invariance); one token takes 8 rows.
 template <int MT, int R>
 ANYCHIP_AVX512_BF16 void bf16_tile_avx512(const HeadProblem& p, int64_t m0, int64_t n0) {
-  constexpr int A = MT == 1 ? 2 : 1;
+  constexpr int A = 1;
   __m512 acc[MT][R][A];
   for (int i = 0; i < MT; ++i)
     for (int r = 0; r < R; ++r)
@@ -294,42 +298,41 @@ ANYCHIP_AVX512 void int8_tile_avx512_vnni(const HeadProblem& p, int64_t m0, int6
 
 using HeadTileFn = void (*)(const HeadProblem&, int64_t, int64_t);
 
-// Tiles of (tokens, rows): 1 or 2 tokens x 4 rows, 3 or 4 tokens x 2 rows (16 ymm/zmm registers on AVX2).
+// Tiles of (tokens, rows): each kind's `rows(tokens)` says how many rows a tile of that many tokens takes (16
+// ymm registers on AVX2); a row tile's leftover rows take the one-row tile.
 template <template <int, int> class Tiles>
-HeadTileFn head_tile(int64_t mt, int64_t rows) {
-  if (rows == 1) {
-    switch (mt) {
-      case 1: return Tiles<1, 1>::fn;
-      case 2: return Tiles<2, 1>::fn;
-      case 3: return Tiles<3, 1>::fn;
-      default: return Tiles<4, 1>::fn;
-    }
-  }
+HeadTileFn head_tile(int64_t mt, bool one_row) {
   switch (mt) {
-    case 1: return Tiles<1, 4>::fn;
-    case 2: return Tiles<2, 4>::fn;
-    case 3: return Tiles<3, 2>::fn;
-    default: return Tiles<4, 2>::fn;
+    case 1: return one_row ? Tiles<1, 1>::fn : Tiles<1, Tiles<1, 1>::rows(1)>::fn;
+    case 2: return one_row ? Tiles<2, 1>::fn : Tiles<2, Tiles<1, 1>::rows(2)>::fn;
+    case 3: return one_row ? Tiles<3, 1>::fn : Tiles<3, Tiles<1, 1>::rows(3)>::fn;
+    default: return one_row ? Tiles<4, 1>::fn : Tiles<4, Tiles<1, 1>::rows(4)>::fn;
   }
 }
+// 1 or 2 tokens x 4 rows, 3 or 4 tokens x 2 rows; the BF16 tiles take 8 rows for one token
 constexpr int64_t head_tile_rows(int64_t mt) { return mt <= 2 ? 4 : 2; }
+constexpr int64_t head_tile_rows_bf16(int64_t mt) { return mt == 1 ? 8 : head_tile_rows(mt); }
 
 #ifdef ANYCHIP_X86
 template <int MT, int R>
 struct Bf16Avx2 {
   static constexpr HeadTileFn fn = &bf16_tile_avx2<MT, R>;
+  static constexpr int64_t rows(int64_t mt) { return head_tile_rows_bf16(mt); }
 };
 template <int MT, int R>
 struct Bf16Avx512 {
   static constexpr HeadTileFn fn = &bf16_tile_avx512<MT, R>;
+  static constexpr int64_t rows(int64_t mt) { return head_tile_rows_bf16(mt); }
 };
 template <int MT, int R>
 struct Int8Avx2 {
   static constexpr HeadTileFn fn = &int8_tile_avx2<MT, R>;
+  static constexpr int64_t rows(int64_t mt) { return head_tile_rows(mt); }
 };
 template <int MT, int R>
 struct Int8Avx512Vnni {
   static constexpr HeadTileFn fn = &int8_tile_avx512_vnni<MT, R>;
+  static constexpr int64_t rows(int64_t mt) { return head_tile_rows(mt); }
 };
 #endif
 
@@ -342,8 +345,8 @@ template <template <int, int> class Tiles>
 void head_rows_tiled(const HeadProblem& p, int64_t n0, int64_t n1) {
   for (int64_t t0 = 0; t0 < p.m; t0 += 4) {
     const int64_t mt = std::min<int64_t>(4, p.m - t0);
-    const int64_t rows = head_tile_rows(mt);
-    const HeadTileFn tile = head_tile<Tiles>(mt, rows), one = head_tile<Tiles>(mt, 1);
+    const int64_t rows = Tiles<1, 1>::rows(mt);
+    const HeadTileFn tile = head_tile<Tiles>(mt, false), one = head_tile<Tiles>(mt, true);
     int64_t n = n0;
     for (; n + rows <= n1; n += rows) tile(p, t0, n);
     for (; n < n1; ++n) one(p, t0, n);
