@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,6 +86,30 @@ def test_tuning_shapes_of_a_config_are_vllms_merged_linears() -> None:
     config = {"hidden_size": 2048, "intermediate_size": 6144, "num_attention_heads": 16, "num_key_value_heads": 8,
               "quantization_config": {"config_groups": {"group_0": {"weights": {"group_size": 128}}}}}
     assert shapes_of(config) == [(2048, 2048, 128), (2048, 6144, 128), (4096, 2048, 128), (12288, 2048, 128)]
+
+
+@pytest.mark.parametrize("table", sorted((Path(__file__).parents[1] / "anychip/kernels/gpu/tuned").glob("*.json")),
+                         ids=lambda p: p.stem)
+def test_shipped_tuning_tables_are_whole_and_readable(table: Path) -> None:
+    """A shipped table is found by the GPU's name (gpu_slug), and a lookup that finds an entry it cannot read falls
+    back to the tuner at load: so each file must sit under its GPU's slug, and every shape must have a readable
+    config in every M bucket, or that GPU would tune at engine start after all."""
+    import json
+    import re
+
+    from anychip.kernels.gpu.tuning import BUCKETS, _config
+
+    doc = json.loads(table.read_text())
+    assert table.stem == re.sub(r"[^a-z0-9]+", "-", doc["gpu"].lower()).strip("-")
+    shapes: dict[str, set[str]] = {}
+    for key, fields in doc["entries"].items():
+        bucket, _, shape = key.partition(":")
+        assert _config(fields) is not None, (key, fields)
+        assert all(int(v) > 0 for v in shape.split(":")) and len(shape.split(":")) == 3, key
+        shapes.setdefault(shape, set()).add(bucket)
+    assert shapes
+    for shape, buckets in shapes.items():
+        assert buckets == {str(b) for b, _ in BUCKETS}, (shape, sorted(buckets))
 
 
 def test_gpu_tuning_policy_is_checked() -> None:

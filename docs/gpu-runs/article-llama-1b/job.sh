@@ -14,9 +14,9 @@ python3 -m anychip.cli bench serve --launch $M1 --label anychip-w4a8 --baseline 
   --input-len $L --output-len 1024 --num-prompts 64 --peak-tflops 989 --peak-gbps $P --timeout-s 1200 --server-log $O/server-w4a8.log \
   --json $O/serve-$G-llama-1b-article.json
 echo "w4a8 serve done rc=$? $(date -u +%T)"
-timeout 400 python3 -m anychip.cli bench kernels --device cuda --json $O/kernels_gpu-$G-s30.json 2>&1 | tail -40
-echo "kernels done rc=$? $(date -u +%T)"
 python3 -m anychip.cli bench latency $M1 --peers --device cuda --reps 5 --budget-s 20 --batch 64 --graph-tokens 512 \
-  --systems anychip-w4a8,vllm-bf16,vllm-w4a8-stock,vllm-w4a16-marlin,vllm-w4a16-machete --json $O/latency-$G-llama-1b-s30.json 2>&1 | grep -v "it/s" | tail -40
+  --systems anychip-w4a8,vllm-bf16,vllm-w4a8-stock --json $O/latency-$G-llama-1b-s32.json 2>&1 | grep -v "it/s" | tail -40
 echo "latency done rc=$? $(date -u +%T)"
+timeout 400 python3 -m anychip.cli bench kernels --device cuda --json $O/kernels_gpu-$G-s32.json 2>&1 | tail -40
+echo "kernels done rc=$? $(date -u +%T)"
 echo JOBDONE
