@@ -527,6 +527,19 @@ def test_bench_serve_reports_the_api_process_cpu_share(scripted_server, tmp_path
     assert "api_process_cpu_share" not in plain
 
 
+def test_serve_report_prints_efficiency_to_four_significant_digits():
+    """TTFT efficiency on a GPU is about 1e-4 (1 / (989 TFLOPS x 11.7 s)): the table once printed it as 0.0001."""
+    dist = {"mean_ms": 11662.4, "p50_ms": 10983.1, "p99_ms": 24014.4}
+    row = {"label": "vllm-bf16", "concurrency": 64, "input_len": 32768, "output_len": 1024, "completed": 64,
+           "failed": 0, "request_throughput": 1.43, "output_throughput": 1465.5, "total_throughput": 48360.8,
+           "ttft": dist, "tpot": {"mean_ms": 29.5}, "itl": dist, "errors": [], "efficiency": {
+               "ttft_efficiency_per_tflops": 1 / (989 * 11.6624), "total_throughput_per_tflops": 48360.8 / 989}}
+    md = serve.render_markdown({"commands": [], "created": "now", "machine": {"cpu": "x", "cpus": 1}, "rows": [row],
+                                "comparisons": []})
+    line = next(x for x in md.splitlines() if x.startswith("| vllm-bf16 | 64 | 32768 | 1024 | 48.9"))
+    assert "| 8.67e-05 |" in line or "| 8.670e-05 |" in line, line
+
+
 def test_bench_serve_counts_failed_requests(scripted_server, tmp_path):
     rc = main(["bench", "serve", scripted_server, "--concurrency", "1", "--input-len", "100", "--output-len", "2",
                "--num-prompts", "2", "--json", str(tmp_path / "s.json")])

@@ -51,6 +51,13 @@ def fmt(x: float | None, digits: int = 1) -> str:
     return f"{x:,.{digits}f}"
 
 
+def fmt_sig(x: float | None, digits: int = 4) -> str:
+    """x to `digits` significant digits, for ratios of very different scales (TTFT efficiency is about 1e-4)."""
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    return f"{x:.{digits}g}"
+
+
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]], text_columns: int = 1) -> str:
     """A GitHub table: the first `text_columns` columns left-aligned, the numbers right-aligned."""
     right = ["---" if i < text_columns else "---:" for i in range(len(headers))]

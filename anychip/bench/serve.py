@@ -25,7 +25,7 @@ import numpy as np
 
 from anychip.bench.host import machine, wait_for_idle
 from anychip.bench.metrics import RequestRecord, efficiency, ratio, summarize_serve
-from anychip.bench.report import command_line, fmt, markdown_table, now, source_notes, write_outputs
+from anychip.bench.report import command_line, fmt, fmt_sig, markdown_table, now, source_notes, write_outputs
 from anychip.errors import AnychipError
 
 #: The reference article's scenario: one card, 64 concurrent requests, 4k/16k/32k input, 1k output.
@@ -226,7 +226,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
         lines += ["", "## Efficiency (per peak TFLOPS / per peak GB/s given on the command line)", ""]
         lines.append(markdown_table(["server", "conc", "in", "out"] + keys, [
             [r["label"], r["concurrency"], r["input_len"], r["output_len"]]
-            + [fmt(r["efficiency"].get(k), 4) for k in keys] for r in eff]))
+            + [fmt_sig(r["efficiency"].get(k)) for k in keys] for r in eff]))
     notes = []
     for label in dict.fromkeys(r["label"] for r in doc["rows"]):
         srv = next((r["server"] for r in doc["rows"] if r["label"] == label and r.get("server")), None)
