@@ -148,13 +148,11 @@ ANYCHIP_AVX2 inline int32_t hsum_epi32_avx2(__m256i v) {
 // token takes 8 rows at a time (8 FMA chains, Bf16Avx2::rows).
 template <int MT, int R>
 ANYCHIP_AVX2 void bf16_tile_avx2(const HeadProblem& p, int64_t m0, int64_t n0) {
-  constexpr int A = 1;
   const int64_t k16 = p.k / 16 * 16;
   const __m256i hi_mask = _mm256_set1_epi32(int32_t(0xFFFF0000u));
-  __m256 acc[MT][R][A];
+  __m256 acc[MT][R];
   for (int i = 0; i < MT; ++i)
-    for (int r = 0; r < R; ++r)
-      for (int a = 0; a < A; ++a) acc[i][r][a] = _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) acc[i][r] = _mm256_setzero_ps();
   const Bf16* w[R];
   for (int r = 0; r < R; ++r) w[r] = p.w + (n0 + r) * p.k;
   for (int64_t kk = 0; kk < k16; kk += 16) {
@@ -168,18 +166,13 @@ ANYCHIP_AVX2 void bf16_tile_avx2(const HeadProblem& p, int64_t m0, int64_t n0) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + kk));
       const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
       const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, hi_mask));
-      for (int i = 0; i < MT; ++i) {
-        acc[i][r][0] = _mm256_fmadd_ps(we, xe[i], acc[i][r][0]);
-        acc[i][r][A - 1] = _mm256_fmadd_ps(wo, xo[i], acc[i][r][A - 1]);
-      }
+      for (int i = 0; i < MT; ++i) acc[i][r] = _mm256_fmadd_ps(wo, xo[i], _mm256_fmadd_ps(we, xe[i], acc[i][r]));
     }
   }
   for (int i = 0; i < MT; ++i) {
     const float* x = p.xf + (m0 + i) * p.k;
     for (int r = 0; r < R; ++r) {
-      __m256 a = acc[i][r][0];
-      if constexpr (A == 2) a = _mm256_add_ps(a, acc[i][r][1]);
-      float s = hsum_avx2(a);
+      float s = hsum_avx2(acc[i][r]);
       for (int64_t kk = k16; kk < p.k; ++kk) s += x[kk] * to_f(w[r][kk]);
       head_store(p, m0 + i, n0 + r, s);
     }
@@ -227,11 +220,9 @@ ANYCHIP_AVX512_BF16 inline __m512bh load_bh(const Bf16* p, __mmask32 mask) {
 // One accumulator per (token, row) in every tile, as the AVX2 tile (batch invariance); one token takes 8 rows.
 template <int MT, int R>
 ANYCHIP_AVX512_BF16 void bf16_tile_avx512(const HeadProblem& p, int64_t m0, int64_t n0) {
-  constexpr int A = 1;
-  __m512 acc[MT][R][A];
+  __m512 acc[MT][R];
   for (int i = 0; i < MT; ++i)
-    for (int r = 0; r < R; ++r)
-      for (int a = 0; a < A; ++a) acc[i][r][a] = _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_ps();
   const Bf16* w[R];
   for (int r = 0; r < R; ++r) w[r] = p.w + (n0 + r) * p.k;
   const __mmask32 all = ~__mmask32(0);
@@ -243,7 +234,7 @@ ANYCHIP_AVX512_BF16 void bf16_tile_avx512(const HeadProblem& p, int64_t m0, int6
       for (int i = 0; i < MT; ++i) xv[i] = load_bh(p.xb + (m0 + i) * p.k + kk + 32 * u, all);
       for (int r = 0; r < R; ++r) {
         const __m512bh wv = load_bh(w[r] + kk + 32 * u, all);
-        for (int i = 0; i < MT; ++i) acc[i][r][u % A] = _mm512_dpbf16_ps(acc[i][r][u % A], wv, xv[i]);
+        for (int i = 0; i < MT; ++i) acc[i][r] = _mm512_dpbf16_ps(acc[i][r], wv, xv[i]);
       }
     }
   }
@@ -252,15 +243,11 @@ ANYCHIP_AVX512_BF16 void bf16_tile_avx512(const HeadProblem& p, int64_t m0, int6
     for (int r = 0; r < R; ++r) {
       const __m512bh wv = load_bh(w[r] + kk, mask);
       for (int i = 0; i < MT; ++i)
-        acc[i][r][0] = _mm512_dpbf16_ps(acc[i][r][0], wv, load_bh(p.xb + (m0 + i) * p.k + kk, mask));
+        acc[i][r] = _mm512_dpbf16_ps(acc[i][r], wv, load_bh(p.xb + (m0 + i) * p.k + kk, mask));
     }
   }
   for (int i = 0; i < MT; ++i)
-    for (int r = 0; r < R; ++r) {
-      __m512 a = acc[i][r][0];
-      if constexpr (A == 2) a = _mm512_add_ps(a, acc[i][r][1]);
-      head_store(p, m0 + i, n0 + r, _mm512_reduce_add_ps(a));
-    }
+    for (int r = 0; r < R; ++r) head_store(p, m0 + i, n0 + r, _mm512_reduce_add_ps(acc[i][r]));
 }
 
 // ---------------------------------------------------------------- INT8, AVX512-VNNI
