@@ -97,6 +97,7 @@ def test_shipped_tuning_tables_are_whole_and_readable(table: Path) -> None:
     import json
     import re
 
+    pytest.importorskip("triton")  # the configs' classes live beside the kernels
     from anychip.kernels.gpu.tuning import BUCKETS, _config
 
     doc = json.loads(table.read_text())
