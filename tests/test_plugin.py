@@ -113,8 +113,8 @@ def test_a_request_gives_the_same_bits_alone_and_batched(served):
     others give the same tokens and the same top-5 logprobs to the bit. anychip's kernels compute a token's row the
     same way whatever else shares the call (the W4A8 linears' INT32 group sums are exact and rescaled in a fixed
     order; the BF16 head sums each (token, row) dot in one order in every tile, tests/test_head.py); vLLM's
-    attention and the graph's other kernels work per token or per sequence at these lengths. Before the head's
-    tiles agreed, one of 96 steps of four such prompts differed in its last bits."""
+    attention and the graph's other kernels work per token or per sequence at these lengths. With the head's old
+    tiles this test failed: one step of the 128 differed in its last bits."""
     out, _ = served
     assert len(out["alone"]) == len(out["outputs"]) == len(PROMPTS)
     for batched, alone in zip(out["outputs"], out["alone"], strict=True):
