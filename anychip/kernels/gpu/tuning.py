@@ -42,9 +42,13 @@ TUNING_MODES = ("load", "off")
 _files: dict[Path, dict[str, dict]] = {}  # path -> entries, read once a process
 
 
+def slug(gpu_name: str) -> str:
+    """'nvidia-h200' for 'NVIDIA H200': the file name of that GPU model's table."""
+    return re.sub(r"[^a-z0-9]+", "-", gpu_name.lower()).strip("-")
+
+
 def gpu_slug(device: torch.device) -> str:
-    """'nvidia-h200' for 'NVIDIA H200': the file name of the GPU model's table."""
-    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).lower()).strip("-")
+    return slug(torch.cuda.get_device_name(device))
 
 
 def entry_key(bucket: str | int, n: int, k: int, g: int) -> str:
@@ -96,8 +100,8 @@ def _fields(cfg: launch.Config) -> dict:
 def lookup(bucket: str | int, n: int, k: int, g: int, device: torch.device,
            tuning_dir: Path | None) -> launch.Config | None:
     """The disk cache's or the shipped table's config for this shape on this GPU model, if either has one."""
-    slug, key = gpu_slug(device), entry_key(bucket, n, k, g)
-    for path in ([tuning_dir / f"{slug}.json"] if tuning_dir else []) + [SHIPPED_DIR / f"{slug}.json"]:
+    file, key = f"{gpu_slug(device)}.json", entry_key(bucket, n, k, g)
+    for path in ([tuning_dir / file] if tuning_dir else []) + [SHIPPED_DIR / file]:
         if key in (entries := _read(path)) and (cfg := _config(entries[key])) is not None:
             return cfg
     return None
