@@ -1,0 +1,94 @@
+"""A/B on one GPU: the W4A8 GEMM's group rescale with the int32 -> fp32 conversion (FCVT off, as shipped) against
+the integer-add form (FCVT on), every prefill candidate and a few wider tiles, at the llama-1b / llama-2b /
+kernel-report shapes and M = 512, 2048, 4096; cuBLAS BF16 and INT8 (torch._int_mm) timed the same way beside.
+Outputs of the two forms compared bit for bit. Writes JSON to argv[1]."""
+import json
+import sys
+import time
+
+import torch
+
+from anychip.kernels.gpu import launch
+from anychip.kernels.gpu import triton_w4a8 as k
+from anychip.kernels.gpu.timing import graph_ms
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+import tma  # noqa: E402
+
+OUT = sys.argv[1]
+BUDGET_S = float(sys.argv[2]) if len(sys.argv) > 2 else 300
+dev = torch.device("cuda")
+SHAPES = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (4096, 2048), (12288, 2048), (2048, 6144),
+          (4096, 4096), (14336, 4096)]  # (N, K), G = 128
+EXTRA = [launch.GemmConfig(128, 128, 128, False, 1, 4, 3), launch.GemmConfig(128, 256, 128, False, 1, 8, 3),
+         launch.GemmConfig(256, 128, 128, False, 1, 8, 3), launch.GemmConfig(128, 128, 128, False, 1, 8, 4),
+         launch.GemmConfig(128, 256, 128, True, 1, 8, 3), launch.GemmConfig(64, 128, 128, True, 1, 4, 4)]
+g = 128
+t0 = time.time()
+rows = []
+sms = launch.multiprocessors(dev)
+print(torch.cuda.get_device_name(dev), flush=True)
+
+
+def call(cfg, xq, sx, w, s, out, fcvt, n, kk):
+    m = xq.shape[0]
+    grid, args, opt = launch.gemm_launch(cfg, m, n, kk, g, xq, sx, w, s, None, out, None, None, None, None,
+                                         xq.stride(0), out.stride(0))
+    opt = dict(opt, FCVT=fcvt)
+    return lambda: k._w4a8_gemm_kernel[grid](*args, **opt)
+
+
+for m in (512, 4096, 2048):
+    for n, kk in SHAPES:
+        if time.time() - t0 > BUDGET_S:
+            break
+        gen = torch.Generator(device=dev).manual_seed(n + kk + m)
+        xq = torch.randint(-127, 128, (m, kk), dtype=torch.int8, device=dev, generator=gen)
+        sx = torch.rand((m,), device=dev, generator=gen) / 100 + 1e-4
+        w = torch.randint(-128, 128, (n, kk // 2), dtype=torch.int8, device=dev, generator=gen)
+        s = (torch.rand((kk // g, n), device=dev, generator=gen) / 50 + 1e-3).bfloat16()
+        xb = torch.randn((m, kk), device=dev, generator=gen).bfloat16()
+        wb = torch.randn((n, kk), device=dev, generator=gen).bfloat16()
+        w8 = torch.randint(-127, 128, (n, kk), dtype=torch.int8, device=dev, generator=gen)
+        row = {"m": m, "n": n, "k": kk, "gpu": torch.cuda.get_device_name(dev)}
+        row["cublas_bf16_ms"] = graph_ms([lambda: torch.mm(xb, wb.t())], replays=10, samples=5)
+        row["cublas_int8_ms"] = graph_ms([lambda: torch._int_mm(xq, w8.t())], replays=10, samples=5)
+        cands = list(dict.fromkeys(launch.candidates(m, n, kk, g, sms) + EXTRA))
+        res = {}
+        for cfg in cands:
+            outs = []
+            for fcvt in (False, True):
+                out = torch.empty((m, n), dtype=torch.bfloat16, device=dev)
+                fn = call(cfg, xq, sx, w, s, out, fcvt, n, kk)
+                try:
+                    ms = graph_ms([fn], replays=10, samples=5)
+                except Exception as exc:  # noqa: BLE001 - out of shared memory etc.: record and go on
+                    res.setdefault(str(cfg), {})["error"] = repr(exc)[:200]
+                    break
+                res.setdefault(str(cfg), {})["fcvt" if fcvt else "cvt"] = round(ms, 5)
+                outs.append(out)
+            if len(outs) == 2:
+                res[str(cfg)]["equal"] = bool(torch.equal(outs[0], outs[1]))
+                if not cfg.swap and cfg.split_k == 1:  # the same tile with TMA loads
+                    out = torch.empty((m, n), dtype=torch.bfloat16, device=dev)
+                    try:
+                        res[str(cfg)]["tma_fcvt"] = round(graph_ms([lambda: tma.launch(
+                            xq, sx, w, s, out, g, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, True)],
+                            replays=10, samples=5), 5)
+                        res[str(cfg)]["tma_equal"] = bool(torch.equal(out, outs[0]))
+                    except Exception as exc:  # noqa: BLE001
+                        res[str(cfg)]["tma_error"] = repr(exc)[:200]
+        row["configs"] = res
+        best = {v: min(((r[v], c) for c, r in res.items() if v in r), default=(float("inf"), ""))
+                for v in ("cvt", "fcvt", "tma_fcvt")}
+        row["best"] = {v: {"ms": b[0], "config": b[1]} for v, b in best.items()}
+        fl = 2 * m * n * kk
+        print(f"M={m} N={n} K={kk}: bf16 {row['cublas_bf16_ms']:.4f} int8 {row['cublas_int8_ms']:.4f} | cvt "
+              f"{best['cvt'][0]:.4f} ({fl / best['cvt'][0] / 1e9:.0f} TOPS) fcvt {best['fcvt'][0]:.4f} "
+              f"({fl / best['fcvt'][0] / 1e9:.0f}) x{best['cvt'][0] / best['fcvt'][0]:.2f} "
+              f"vsBF16 {row['cublas_bf16_ms'] / best['fcvt'][0]:.2f} eq={all(r.get('equal', True) for r in res.values())}"
+              f" [{best['fcvt'][1]}] tma {best['tma_fcvt'][0]:.4f} [{best['tma_fcvt'][1]}] "
+              f"tma_eq={all(r.get('tma_equal', True) for r in res.values())} t={time.time() - t0:.0f}", flush=True)
+        rows.append(row)
+        json.dump(rows, open(OUT, "w"), indent=1)
+print("done", time.time() - t0)
