@@ -18,8 +18,8 @@ import tma  # noqa: E402
 OUT = sys.argv[1]
 BUDGET_S = float(sys.argv[2]) if len(sys.argv) > 2 else 300
 dev = torch.device("cuda")
-SHAPES = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (4096, 2048), (12288, 2048), (2048, 6144),
-          (4096, 4096), (14336, 4096)]  # (N, K), G = 128
+SHAPES = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (4096, 4096), (4096, 2048), (12288, 2048),
+          (2048, 6144), (14336, 4096)]  # (N, K), G = 128
 EXTRA = [launch.GemmConfig(128, 128, 128, False, 1, 4, 3), launch.GemmConfig(128, 256, 128, False, 1, 8, 3),
          launch.GemmConfig(256, 128, 128, False, 1, 8, 3), launch.GemmConfig(128, 128, 128, False, 1, 8, 4),
          launch.GemmConfig(128, 256, 128, True, 1, 8, 3), launch.GemmConfig(64, 128, 128, True, 1, 4, 4)]
