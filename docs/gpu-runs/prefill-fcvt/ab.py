@@ -10,7 +10,7 @@ import torch
 
 from anychip.kernels.gpu import launch
 from anychip.kernels.gpu import triton_w4a8 as k
-from anychip.kernels.gpu.timing import graph_ms
+from anychip.kernels.gpu.timing import graph_ms, rotation
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import tma  # noqa: E402
@@ -32,14 +32,19 @@ print(torch.cuda.get_device_name(dev), flush=True)
 
 def call(cfg, xq, sx, w, s, out, fcvt, n, kk):
     m = xq.shape[0]
-    grid, args, opt = launch.gemm_launch(cfg, m, n, kk, g, xq, sx, w, s, None, out, None, None, None, None,
+    split = launch.split_of(cfg, m, n)
+    parts = torch.empty((split, m, n), dtype=torch.float32, device=xq.device) if split > 1 else None
+    locks = launch._locks(xq.device) if split > 1 else None
+    grid, args, opt = launch.gemm_launch(cfg, m, n, kk, g, xq, sx, w, s, None, out, parts, locks, None, None,
                                          xq.stride(0), out.stride(0))
     opt = dict(opt, FCVT=fcvt)
     return lambda: k._w4a8_gemm_kernel[grid](*args, **opt)
 
 
-for m in (512, 4096, 2048):
-    for n, kk in SHAPES:
+DECODE_SHAPES = [(4096, 4096), (14336, 4096), (3072, 2048), (16384, 2048)]
+PLAN = [(512, SHAPES), (16, DECODE_SHAPES), (4096, SHAPES), (2048, SHAPES)]
+for m, shapes in PLAN:
+    for n, kk in shapes:
         if time.time() - t0 > BUDGET_S:
             break
         gen = torch.Generator(device=dev).manual_seed(n + kk + m)
@@ -51,17 +56,30 @@ for m in (512, 4096, 2048):
         wb = torch.randn((n, kk), device=dev, generator=gen).bfloat16()
         w8 = torch.randint(-127, 128, (n, kk), dtype=torch.int8, device=dev, generator=gen)
         row = {"m": m, "n": n, "k": kk, "gpu": torch.cuda.get_device_name(dev)}
-        row["cublas_bf16_ms"] = graph_ms([lambda: torch.mm(xb, wb.t())], replays=10, samples=5)
-        row["cublas_int8_ms"] = graph_ms([lambda: torch._int_mm(xq, w8.t())], replays=10, samples=5)
-        cands = list(dict.fromkeys(launch.candidates(m, n, kk, g, sms) + EXTRA))
+        if m <= launch.MID_M:  # memory-bound: weights rotate through copies beyond the L2, as the tuner times them
+            nb = rotation(wb.numel() * 2, dev)
+            wbs = [wb] + [wb.clone() for _ in range(nb - 1)]
+            row["cublas_bf16_ms"] = graph_ms([lambda w_=w_: torch.mm(xb, w_.t()) for w_ in wbs], replays=2, samples=5)
+            row["cublas_int8_ms"] = float("nan")
+            del wbs
+            copies = rotation(w.numel() + s.numel() * 2, dev)
+            cands = list(dict.fromkeys(launch.candidates(m, n, kk, g, sms)))
+            cands = [c for c in cands if isinstance(c, launch.GemmConfig)]
+        else:
+            copies = 1
+            row["cublas_bf16_ms"] = graph_ms([lambda: torch.mm(xb, wb.t())], replays=10, samples=5)
+            row["cublas_int8_ms"] = graph_ms([lambda: torch._int_mm(xq, w8.t())], replays=10, samples=5)
+            cands = list(dict.fromkeys(launch.candidates(m, n, kk, g, sms) + EXTRA))
+        ops = [(w, s)] + [(w.clone(), s.clone()) for _ in range(copies - 1)]
+        row["copies"] = copies
         res = {}
         for cfg in cands:
             outs = []
             for fcvt in (False, True):
                 out = torch.empty((m, n), dtype=torch.bfloat16, device=dev)
-                fn = call(cfg, xq, sx, w, s, out, fcvt, n, kk)
+                fns = [call(cfg, xq, sx, w_, s_, out, fcvt, n, kk) for w_, s_ in ops]
                 try:
-                    ms = graph_ms([fn], replays=10, samples=5)
+                    ms = graph_ms(fns, replays=max(2, 10 // len(fns)), samples=5)
                 except Exception as exc:  # noqa: BLE001 - out of shared memory etc.: record and go on
                     res.setdefault(str(cfg), {})["error"] = repr(exc)[:200]
                     break
@@ -69,7 +87,7 @@ for m in (512, 4096, 2048):
                 outs.append(out)
             if len(outs) == 2:
                 res[str(cfg)]["equal"] = bool(torch.equal(outs[0], outs[1]))
-                if not cfg.swap and cfg.split_k == 1:  # the same tile with TMA loads
+                if not cfg.swap and cfg.split_k == 1 and copies == 1:  # the same tile with TMA loads
                     out = torch.empty((m, n), dtype=torch.bfloat16, device=dev)
                     try:
                         res[str(cfg)]["tma_fcvt"] = round(graph_ms([lambda: tma.launch(
