@@ -114,13 +114,7 @@ def _w4a8_gemm_kernel(
             at = count_ptr + tl.load(slot_ptr).to(tl.int64) * 2
             tl.atomic_add(at, 1)
             tl.atomic_add(at + 1, tl.cast(M, tl.int64))
-    grid_m = tl.cdiv(M, BM)
-    grid_n = tl.cdiv(N, BN)
-    width = GROUP_M * grid_n  # GROUP_M row tiles sweep the columns together: weight tiles reused from L2
-    first_m = (pid // width) * GROUP_M
-    rows = tl.minimum(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % rows
-    pid_n = (pid % width) // rows
+    pid_m, pid_n = _tile_of(pid, M, N, BM, BN, GROUP_M)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     mask_m = offs_m < M
@@ -174,6 +168,17 @@ def _w4a8_gemm_kernel(
                                    offs, mask_m[:, None] & mask_n[None, :], SPLIT_K)
         if last:
             _epilogue(total, offs_m, offs_n, mask_m, mask_n, sx_ptr, bias_ptr, out_ptr, stride_om, HAS_BIAS)
+
+
+@triton.jit
+def _tile_of(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of program `pid`: GROUP_M row tiles sweep the columns together, so a weight tile
+    is reused from L2."""
+    grid_m = tl.cdiv(M, BM)
+    width = GROUP_M * tl.cdiv(N, BN)
+    first_m = (pid // width) * GROUP_M
+    rows = tl.minimum(grid_m - first_m, GROUP_M)
+    return first_m + (pid % width) % rows, (pid % width) // rows
 
 
 @triton.jit

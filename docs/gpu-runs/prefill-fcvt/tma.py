@@ -4,21 +4,14 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from anychip.kernels.gpu.triton_w4a8 import _epilogue, _rescale_add, _widen_nibbles
+from anychip.kernels.gpu.triton_w4a8 import _epilogue, _rescale_add, _tile_of, _widen_nibbles
 
 
 @triton.jit
 def _gemm_tma_kernel(x_desc, sx_ptr, w_desc, s_ptr, out_ptr, M, N, K, stride_om,
                      G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr,
                      ASM: tl.constexpr, FCVT: tl.constexpr):
-    pid = tl.program_id(0)
-    grid_m = tl.cdiv(M, BM)
-    grid_n = tl.cdiv(N, BN)
-    width = GROUP_M * grid_n
-    first_m = (pid // width) * GROUP_M
-    rows = tl.minimum(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % rows
-    pid_n = (pid % width) // rows
+    pid_m, pid_n = _tile_of(tl.program_id(0), M, N, BM, BN, GROUP_M)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     mask_m = offs_m < M
