@@ -20,9 +20,8 @@ BUDGET_S = float(sys.argv[2]) if len(sys.argv) > 2 else 300
 dev = torch.device("cuda")
 SHAPES = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (4096, 4096), (4096, 2048), (12288, 2048),
           (2048, 6144), (14336, 4096)]  # (N, K), G = 128
-EXTRA = [launch.GemmConfig(128, 128, 128, False, 1, 4, 3), launch.GemmConfig(128, 256, 128, False, 1, 8, 3),
-         launch.GemmConfig(256, 128, 128, False, 1, 8, 3), launch.GemmConfig(128, 128, 128, False, 1, 8, 4),
-         launch.GemmConfig(128, 256, 128, True, 1, 8, 3), launch.GemmConfig(64, 128, 128, True, 1, 4, 4)]
+EXTRA = [launch.GemmConfig(128, 128, 128, False, 1, 4, 3), launch.GemmConfig(128, 256, 128, False, 1, 8, 3)]
+TMA_CONFIGS = 2  # the first non-swap candidates also run with TMA loads
 g = 128
 t0 = time.time()
 rows = []
@@ -42,7 +41,8 @@ def call(cfg, xq, sx, w, s, out, fcvt, n, kk):
 
 
 DECODE_SHAPES = [(4096, 4096), (14336, 4096), (3072, 2048), (16384, 2048)]
-PLAN = [(512, SHAPES), (16, DECODE_SHAPES), (4096, SHAPES), (2048, SHAPES)]
+PLAN = [(512, SHAPES[:5]), (4096, SHAPES[:5]), (16, DECODE_SHAPES), (512, SHAPES[5:]), (4096, SHAPES[5:]),
+        (2048, SHAPES)]
 for m, shapes in PLAN:
     for n, kk in shapes:
         if time.time() - t0 > BUDGET_S:
@@ -73,6 +73,7 @@ for m, shapes in PLAN:
         ops = [(w, s)] + [(w.clone(), s.clone()) for _ in range(copies - 1)]
         row["copies"] = copies
         res = {}
+        tma_left = TMA_CONFIGS
         for cfg in cands:
             outs = []
             for fcvt in (False, True):
@@ -87,7 +88,8 @@ for m, shapes in PLAN:
                 outs.append(out)
             if len(outs) == 2:
                 res[str(cfg)]["equal"] = bool(torch.equal(outs[0], outs[1]))
-                if not cfg.swap and cfg.split_k == 1 and copies == 1:  # the same tile with TMA loads
+                if not cfg.swap and cfg.split_k == 1 and copies == 1 and tma_left > 0:  # the tile with TMA loads
+                    tma_left -= 1
                     out = torch.empty((m, n), dtype=torch.bfloat16, device=dev)
                     try:
                         res[str(cfg)]["tma_fcvt"] = round(graph_ms([lambda: tma.launch(
