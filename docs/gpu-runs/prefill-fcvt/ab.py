@@ -3,6 +3,7 @@ the integer-add form (FCVT on), every prefill candidate and a few wider tiles, a
 kernel-report shapes and M = 512, 2048, 4096; cuBLAS BF16 and INT8 (torch._int_mm) timed the same way beside.
 Outputs of the two forms compared bit for bit. Writes JSON to argv[1]."""
 import json
+import os
 import sys
 import time
 
@@ -21,7 +22,7 @@ dev = torch.device("cuda")
 SHAPES = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (4096, 4096), (4096, 2048), (12288, 2048),
           (2048, 6144), (14336, 4096)]  # (N, K), G = 128
 EXTRA = [launch.GemmConfig(128, 128, 128, False, 1, 4, 3), launch.GemmConfig(128, 256, 128, False, 1, 8, 3)]
-TMA_CONFIGS = 2  # the first non-swap candidates also run with TMA loads
+TMA_CONFIGS = int(os.environ.get("TMA_CONFIGS", "2"))  # the first non-swap candidates also run with TMA loads
 g = 128
 t0 = time.time()
 rows = []

@@ -3,7 +3,7 @@ set -x
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"
 export PYTHONPATH=$(pwd) PYTHONUNBUFFERED=1
-timeout 170 python3 docs/gpu-runs/prefill-fcvt/ab.py $OUT/ab.json 130 2>&1 | grep -v Warning
+timeout ${AB_TIMEOUT:-170} python3 docs/gpu-runs/prefill-fcvt/ab.py $OUT/ab.json ${AB_BUDGET:-130} 2>&1 | grep -v Warning
 [ "${TUNE:-0}" = 1 ] && timeout 80 python3 docs/gpu-runs/prefill-fcvt/tune_fcvt.py 3072,2048,128 2048,2048,128 16384,2048,128 \
   2048,8192,128 --out $OUT/tuned --times $OUT/tune_times.json --retune 2>&1 | tail -20
 ls -la $OUT $OUT/tuned
