@@ -87,6 +87,26 @@ def test_linear_q_pow2_scales_exact(m: int, g: int, cfg: launch.GemmConfig) -> N
     assert not launch._locks(xq.device).any()  # split-K re-arms every semaphore it took
 
 
+@pytest.mark.parametrize("pipe", [False, True])
+@pytest.mark.parametrize("swap", [False, True])
+@pytest.mark.parametrize("m,g", [(33, 32), (130, 128)])
+def test_fcvt_rescale_gives_the_same_bits(m: int, g: int, swap: bool, pipe: bool) -> None:
+    """The rescale's two int32 -> fp32 forms (fcvt: an integer add and an exact subtraction) give the same output
+    bits with real-valued scales, a group sum at the extreme included (16 x 127 x 8 x G)."""
+    n, k = 40, 512
+    q, s = weights(n, k, g, seed=m + g)
+    q[0, :g] = -8  # one group of weights and one of activations at the extremes
+    gen = torch.Generator().manual_seed(m)
+    xq = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=gen)
+    xq[0, :g] = -127
+    sx = torch.rand((m, 1), generator=gen) / 100 + 1e-4
+    w, sw = _layout(q, s)
+    got = [launch.w4a8_linear_q(xq, sx, w, sw, None, n, k, g, torch.float32,
+                                config=launch.GemmConfig(32, 32, 128, swap, pipe=pipe, fcvt=fcvt))
+           for fcvt in (False, True)]
+    assert torch.equal(got[0], got[1])
+
+
 @pytest.mark.parametrize("m,k,one_pass_max", [(3, 1000, launch.QUANTIZE_ONE_PASS), (2, 1000, 64), (1, 4104, 1024)])
 def test_quantize_words_one_pass_and_in_blocks(m: int, k: int, one_pass_max: int) -> None:
     """The GEMV's activation words hold exactly quantize_act's values, whether the row is read once or in

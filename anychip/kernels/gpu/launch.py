@@ -32,7 +32,9 @@ class GemmConfig:
     """One tiling of the GEMM.  block_k: input channels a main-loop step (a multiple of G; smaller means one
     group a step).  swap: compute W @ X^T so the weight tile is the MMA's M side (tokens on its narrow N side).
     split_k: programs along K; the last one to finish a tile sums the partials (no second kernel).
-    pipe: rescale a group's integer sums one step later, while the next group's dot runs (same bits)."""
+    pipe: rescale a group's integer sums one step later, while the next group's dot runs (same bits).
+    fcvt: convert a group's int32 sums to fp32 with an integer add and an exact fp32 subtraction instead of the
+    conversion instruction, which issues at a fraction of the FMA rate on sm_90 (same bits)."""
 
     block_m: int
     block_n: int
@@ -43,6 +45,7 @@ class GemmConfig:
     num_stages: int = 3
     group_m: int = 8
     pipe: bool = False
+    fcvt: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -97,7 +100,7 @@ _GEMV = ((64, 512, 4, 4), (128, 256, 4, 4), (32, 512, 2, 8), (64, 256, 4, 8), (1
          (16, 1024, 4, 8), (32, 1024, 4, 8), (64, 256, 4, 1, 2), (128, 256, 8, 1, 2), (32, 512, 4, 2, 2))
 
 # (block_m, block_n, block_k, swap, num_warps, num_stages, programs per multiprocessor that split-K aims for
-# [, "p": pipe]); the first of each regime is its default. Decode aims at several programs per
+# [, flags: "p" pipe, "f" fcvt]); the first of each regime is its default. Decode aims at several programs per
 # multiprocessor, each streaming a short stretch of K: a program's K loop is a chain of memory latencies, so short
 # chains and many of them in flight keep HBM busy.
 _DECODE = ((16, 32, 512, False, 4, 2, 8), (16, 32, 256, False, 4, 3, 8), (16, 64, 512, False, 4, 2, 4),
@@ -110,7 +113,11 @@ _MID = ((64, 64, 128, False, 4, 4, 2), (32, 64, 256, False, 4, 4, 2),  # 64x128 
 _PREFILL = ((128, 64, 128, False, 4, 4, 1), (128, 128, 128, False, 8, 3, 1), (128, 128, 128, True, 8, 3, 1),
             (64, 128, 128, False, 4, 4, 1), (128, 64, 256, False, 4, 3, 1), (128, 128, 256, True, 8, 3, 1),
             (128, 64, 128, False, 4, 4, 1, "p"), (128, 128, 128, False, 8, 3, 1, "p"),
-            (128, 128, 128, True, 8, 3, 1, "p"))
+            (128, 128, 128, True, 8, 3, 1, "p"),
+            # the rescale without the int32 -> fp32 conversion instruction (docs/gpu-notes.md, session 33: not yet
+            # timed on a GPU; the tuner decides)
+            (128, 64, 128, False, 4, 4, 1, "f"), (128, 128, 128, False, 8, 3, 1, "f"),
+            (128, 128, 128, True, 8, 3, 1, "f"))
 
 
 def cdiv(a: int, b: int) -> int:
@@ -159,7 +166,7 @@ def candidates(m: int, n: int, k: int, g: int, sms: int = 132) -> list[Config]:
     for bm, bn, bk, swap, warps, stages, per_sm, *flags in table:
         bk = max(bk, g)
         out.append(GemmConfig(bm, bn, bk, swap, split_for(m, n, k, g, bm, bn, bk, per_sm, sms), warps, stages,
-                              pipe="p" in flags))
+                              pipe="p" in flags, fcvt="f" in flags))
     return list(dict.fromkeys(out))  # two table rows can give one config at a shape (split-K capped): time it once
 
 
@@ -558,6 +565,7 @@ def _gemm_options(cfg: GemmConfig, g: int, split: int, has_bias: bool, count: bo
     """The GEMM's compile-time options (one dict a combination, which nobody mutates)."""
     return dict(G=g, BM=cfg.block_m, BN=cfg.block_n, BK=max(cfg.block_k, g), SWAP=cfg.swap, SPLIT_K=split,
                 GROUP_M=cfg.group_m, HAS_BIAS=has_bias, COUNT=count, PIPE=cfg.pipe, ASM=asm,
+                FCVT=cfg.fcvt,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 

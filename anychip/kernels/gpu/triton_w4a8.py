@@ -99,14 +99,14 @@ def _w4a8_gemm_kernel(
     M, N, K, stride_xm, stride_om, stride_split,
     G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr,
     SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, COUNT: tl.constexpr,
-    PIPE: tl.constexpr = False, ASM: tl.constexpr = False, FCVT: tl.constexpr = True,
+    PIPE: tl.constexpr = False, ASM: tl.constexpr = False, FCVT: tl.constexpr = False,
 ):
     """out (M, N) = the W4A8 linear.  SPLIT_K > 1: part (SPLIT_K, M, N) fp32 scratch, lock (>= tiles) int32 zeros.
     COUNT: count (slots, 2) int64 [calls, rows] of this layer, bumped at slot[0] by one program (hooks.py).
     PIPE: rescale group g-1's integer sums while group g's dot runs (the dot's result
     is first read one step later, so the tensor cores need not wait for the rescale); the fp32 sum adds the
-    same terms in the same order, so the result is the same bits.  ASM: widen nibbles with inline PTX (compiled
-    only; the interpreter runs the int8 operators)."""
+    same terms in the same order, so the result is the same bits.  FCVT: _rescale_add's conversion without I2F
+    (same bits).  ASM: widen nibbles with inline PTX (compiled only; the interpreter runs the int8 operators)."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     if COUNT:

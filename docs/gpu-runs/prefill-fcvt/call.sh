@@ -1,10 +1,11 @@
-# one device call, no vLLM: the FCVT A/B, then the tuner with FCVT on (the llama-1b shapes) into $OUT
+# one device call, no vLLM: the FCVT A/B, then (TUNE=1) the tuner, whose prefill candidates include fcvt configs,
+# for the llama-1b shapes into $OUT
 set -x
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"
 export PYTHONPATH=$(pwd) PYTHONUNBUFFERED=1
 timeout ${AB_TIMEOUT:-170} python3 docs/gpu-runs/prefill-fcvt/ab.py $OUT/ab.json ${AB_BUDGET:-130} 2>&1 | grep -v Warning
-[ "${TUNE:-0}" = 1 ] && timeout 80 python3 docs/gpu-runs/prefill-fcvt/tune_fcvt.py 3072,2048,128 2048,2048,128 16384,2048,128 \
+[ "${TUNE:-0}" = 1 ] && timeout 80 python3 -m anychip.kernels.gpu.tuning 3072,2048,128 2048,2048,128 16384,2048,128 \
   2048,8192,128 --out $OUT/tuned --times $OUT/tune_times.json --retune 2>&1 | tail -20
 ls -la $OUT $OUT/tuned
 # the table becomes this machine's disk cache, so a W4A8 engine started after this call tunes nothing at load
