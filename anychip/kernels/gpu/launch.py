@@ -34,7 +34,7 @@ class GemmConfig:
     split_k: programs along K; the last one to finish a tile sums the partials (no second kernel).
     pipe: rescale a group's integer sums one step later, while the next group's dot runs (same bits).
     fcvt: convert a group's int32 sums to fp32 with an integer add and an exact fp32 subtraction instead of the
-    conversion instruction, which sm_90 issues at an eighth of the FMA rate (same bits)."""
+    conversion instruction, which NVIDIA's throughput tables put at a quarter of the FMA rate or less (same bits)."""
 
     block_m: int
     block_n: int
