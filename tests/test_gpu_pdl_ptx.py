@@ -5,7 +5,8 @@ touch only what no kernel writes (the weights). A load of the token, a counter u
 wait would read or clobber data the kernel ahead has not finished with, and the bits would still come out right on
 most runs. So the order is checked where it is decided: Triton compiles the GEMV for sm_90 here (its CUDA backend
 needs no GPU), with the options its launch uses (`launch.gemv_launch`), and the PTX is read: launch_dependents
-first, then only the weight words' loads, then the wait, then everything else.
+first, then only the weight words' loads, then the wait, then everything else. The same compilation shows that the
+launches ask for fused multiply-adds by name rather than through Triton's default, which Triton 3.10 is to turn off.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from anychip.kernels.gpu import triton_w4a8 as kern  # noqa: E402
 
 _TYPES = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32", torch.int64: "*i64",
           torch.int8: "*i8"}
-_LAUNCH_OPTIONS = ("num_warps", "num_stages", "launch_pdl")
+_LAUNCH_OPTIONS = ("num_warps", "num_stages", "launch_pdl", "enable_fp_fusion")
 
 
 def _ptx(kernel, args: tuple, options: dict) -> str:
@@ -62,7 +63,7 @@ def _sm90() -> None:
     """Skips (visibly) where this Triton cannot compile for sm_90 at all (no CUDA backend or ptxas); where it can,
     a kernel of ours that fails to compile fails its test."""
     try:
-        _compile_sm90(_probe, {"x_ptr": "*fp32"}, {}, {})
+        _compile_sm90(_probe, {"x_ptr": "*fp32"}, {}, dict(launch.FP_FUSION))
     except Exception as exc:
         pytest.skip(f"Triton cannot compile for sm_90 here: {exc!r}"[:300])
 
@@ -94,3 +95,17 @@ def test_gemv_reads_only_weights_before_the_wait(split: int, pre: int) -> None:
     assert any("atom." in op for op in after) and any("st.global" in op for op in after)  # counter, output
     plain = _ptx(kern._w4a8_gemv_kernel, args, {k: v for k, v in options.items() if k not in ("PDL", "launch_pdl")})
     assert "griddepcontrol" not in plain
+
+
+def test_launches_ask_for_fused_multiply_adds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The group rescale (acc + f * s) is one fused multiply-add because the launch options ask for it: with
+    Triton's default turned off (as Triton 3.10 is to have it), the GEMV compiled with its launch's options still
+    has fp32 FMAs, and compiled without that option has none."""
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")
+    cfg = launch.GemvConfig(16, 512)
+    grid, args, options = launch.gemv_launch(cfg, 2048, 2048, 128, _I32, _F32, _I32, _BF16, None, _BF16, None, None,
+                                             _I64, _I32)
+    assert options["enable_fp_fusion"] is True
+    assert "fma.rn.f32" in _ptx(kern._w4a8_gemv_kernel, args, options)
+    unfused = {k: v for k, v in options.items() if k != "enable_fp_fusion"}
+    assert "fma.rn.f32" not in _ptx(kern._w4a8_gemv_kernel, args, unfused)

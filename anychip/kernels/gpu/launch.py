@@ -25,6 +25,10 @@ DECODE_M = 16
 MID_M = 64
 MAX_SPLIT_K = 16
 LOCKS = 1 << 16  # split-K semaphores a (device, stream): one per output tile
+# Every kernel's multiply-then-add (the group rescale acc + f * s, the GEMV's, the quantization's) compiled as one
+# fused multiply-add, asked for by name: Triton up to 3.9 fuses by default, and later releases are to stop doing so
+# unless asked, which would round those sums twice and change outputs in their last bits.
+FP_FUSION = {"enable_fp_fusion": True}
 
 
 @dataclass(frozen=True)
@@ -198,7 +202,7 @@ def quantize_options(kk: int, pre: int = 0) -> dict[str, int]:
     """The quantization kernels' compile-time options for rows of K (precompile.py compiles the same); pre: the
     prologue's kind (Prologue.kind), 0 for none.  Cached: one dict a shape, which nobody mutates."""
     block = min(next_pow2(kk), 4096)
-    return {"BLOCK": block, "num_warps": 4 if block <= 1024 else 8, **({"PRE": pre} if pre else {})}
+    return {"BLOCK": block, "num_warps": 4 if block <= 1024 else 8, **({"PRE": pre} if pre else {}), **FP_FUSION}
 
 
 def _run(kernel, grid: tuple[int, ...], args: tuple, options: dict):
@@ -321,7 +325,8 @@ def quantize_words_options(kk: int, one_pass_max: int = QUANTIZE_ONE_PASS) -> di
     span = next_pow2(max(kk, 8))
     one = span <= one_pass_max
     block = span if one else min(4096, next_pow2(max(one_pass_max, 8)))
-    return {"BLOCK": block, "WBLOCK": block // 8, "ONE_PASS": one, "num_warps": 4 if block <= 2048 else 8}
+    return {"BLOCK": block, "WBLOCK": block // 8, "ONE_PASS": one, "num_warps": 4 if block <= 2048 else 8,
+            **FP_FUSION}
 
 
 def words_of(xq: torch.Tensor) -> torch.Tensor:
@@ -483,7 +488,7 @@ def _gemv_options(cfg: GemvConfig, kk: int, g: int, split: int, has_bias: bool, 
     """The GEMV's compile-time options (one dict a combination, which nobody mutates). pdl: the kernel's PDL
     branch and Triton's launch_pdl option, which makes its launcher ask for a programmatic dependent launch."""
     options = dict(G=g, BN=cfg.block_n, BK=cfg.block_k, SPLIT_K=split, HAS_BIAS=has_bias, COUNT=count, ASM=asm,
-                   num_warps=cfg.num_warps)
+                   num_warps=cfg.num_warps, **FP_FUSION)
     if cfg.fused:  # the amax pass: the whole row in one block up to 1024 channels a warp (32 fp32 a thread)
         options.update(FUSED=True, XBLOCK=min(next_pow2(max(kk, 8)), 1024 * cfg.num_warps))
     if cfg.ahead != 1:
@@ -511,7 +516,7 @@ def group_dots(xq: torch.Tensor, weight: torch.Tensor, n: int, kk: int, group_si
     if out.numel():
         grid = (cdiv(m, bm), cdiv(n, bn), kk // group_size)
         k._group_dots_kernel[grid](xq, weight, out, m, n, kk, xq.stride(0), G=group_size, BM=bm, BN=bn, SWAP=swap,
-                                   ASM=_compiled(weight))
+                                   ASM=_compiled(weight), **FP_FUSION)
     return out
 
 
@@ -566,7 +571,7 @@ def _gemm_options(cfg: GemmConfig, g: int, split: int, has_bias: bool, count: bo
     return dict(G=g, BM=cfg.block_m, BN=cfg.block_n, BK=max(cfg.block_k, g), SWAP=cfg.swap, SPLIT_K=split,
                 GROUP_M=cfg.group_m, HAS_BIAS=has_bias, COUNT=count, PIPE=cfg.pipe, ASM=asm,
                 FCVT=cfg.fcvt,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **FP_FUSION)
 
 
 _LOCKS: dict[tuple[str, int], torch.Tensor] = {}
