@@ -4,6 +4,7 @@ through copies beyond the L2 (as the tuner and `bench kernels` time them), besid
 Outputs compared bit for bit with the regime's default config. Writes JSON to argv[1] after every shape; stops
 starting shapes after argv[2] seconds."""
 import json
+import os
 import sys
 import time
 
@@ -11,6 +12,9 @@ import torch
 
 from anychip.kernels.gpu import launch
 from anychip.kernels.gpu.timing import graph_ms, rotation
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from operands import operands  # noqa: E402
 
 OUT = sys.argv[1]
 BUDGET_S = float(sys.argv[2]) if len(sys.argv) > 2 else 240
@@ -34,12 +38,7 @@ for n, kk in SHAPES:
     if time.time() - t0 > BUDGET_S:
         break
     gen = torch.Generator(device=dev).manual_seed(n + kk)
-    xq = torch.randint(-127, 128, (M, kk), dtype=torch.int8, device=dev, generator=gen)
-    sx = torch.rand((M,), device=dev, generator=gen) / 100 + 1e-4
-    w = torch.randint(-128, 128, (n, kk // 2), dtype=torch.int8, device=dev, generator=gen)
-    s = (torch.rand((kk // G, n), device=dev, generator=gen) / 50 + 1e-3).bfloat16()
-    xb = torch.randn((M, kk), device=dev, generator=gen).bfloat16()
-    wb = torch.randn((n, kk), device=dev, generator=gen).bfloat16()
+    xq, sx, w, s, xb, wb = operands(M, n, kk, G, gen, dev)
     nb = rotation(wb.numel() * 2, dev)
     wbs = [wb] + [wb.clone() for _ in range(nb - 1)]
     row = {"m": M, "n": n, "k": kk, "gpu": torch.cuda.get_device_name(dev)}

@@ -15,8 +15,10 @@ import torch
 from anychip.kernels.gpu import launch
 from anychip.kernels.gpu.timing import graph_ms, rotation
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tma  # noqa: E402
+from operands import operands  # noqa: E402
 
 OUT = sys.argv[1]
 BUDGET_S = float(sys.argv[2]) if len(sys.argv) > 2 else 300
@@ -46,12 +48,7 @@ for m, shapes in PLAN:
         if time.time() - t0 > BUDGET_S:
             break
         gen = torch.Generator(device=dev).manual_seed(n + kk + m)
-        xq = torch.randint(-127, 128, (m, kk), dtype=torch.int8, device=dev, generator=gen)
-        sx = torch.rand((m,), device=dev, generator=gen) / 100 + 1e-4
-        w = torch.randint(-128, 128, (n, kk // 2), dtype=torch.int8, device=dev, generator=gen)
-        s = (torch.rand((kk // g, n), device=dev, generator=gen) / 50 + 1e-3).bfloat16()
-        xb = torch.randn((m, kk), device=dev, generator=gen).bfloat16()
-        wb = torch.randn((n, kk), device=dev, generator=gen).bfloat16()
+        xq, sx, w, s, xb, wb = operands(m, n, kk, g, gen, dev)
         w8 = torch.randint(-127, 128, (n, kk), dtype=torch.int8, device=dev, generator=gen)
         row = {"m": m, "n": n, "k": kk, "gpu": torch.cuda.get_device_name(dev)}
         if m <= launch.MID_M:  # memory-bound: weights rotate through copies beyond the L2, as the tuner times them
