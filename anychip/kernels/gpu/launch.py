@@ -121,7 +121,7 @@ _PREFILL = ((128, 64, 128, False, 4, 4, 1), (128, 128, 128, False, 8, 3, 1), (12
             (128, 64, 128, False, 4, 4, 1, "p"), (128, 128, 128, False, 8, 3, 1, "p"),
             (128, 128, 128, True, 8, 3, 1, "p"))
 # No prefill candidate takes GemmConfig.fcvt: on an H100 (session 34, docs/gpu-notes.md) it made the fastest tile
-# (128 x 64, pipe) 0.96-1.0x as fast at 31 shapes, so it would only lengthen tuning at a first start.
+# (128 x 64, pipe) 0.91-1.01x as fast at 31 shapes, so it would only lengthen tuning at a first start.
 
 
 def cdiv(a: int, b: int) -> int:

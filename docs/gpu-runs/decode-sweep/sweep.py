@@ -72,10 +72,11 @@ for n, kk in SHAPES:
     best_all = min(timed)
     row["best_shipped"], row["best"] = best_ship, best_all
     row["copies"] = copies
+    equal = all(r.get("equal", True) for r in res.values())
     print(f"N={n} K={kk}: bf16 {row['cublas_bf16_ms']:.4f} | shipped best {best_ship[0]:.4f} "
           f"(x{row['cublas_bf16_ms'] / best_ship[0]:.2f}) | grid best {best_all[0]:.4f} "
-          f"(x{row['cublas_bf16_ms'] / best_all[0]:.2f}) [{best_all[1]}] eq={all(r.get('equal', True) for r in res.values())}"
-          f" n={len(timed)} t={time.time() - t0:.0f}", flush=True)
+          f"(x{row['cublas_bf16_ms'] / best_all[0]:.2f}) [{best_all[1]}] eq={equal} n={len(timed)} "
+          f"t={time.time() - t0:.0f}", flush=True)
     rows.append(row)
     json.dump(rows, open(OUT, "w"), indent=1)
 print("done", time.time() - t0)
