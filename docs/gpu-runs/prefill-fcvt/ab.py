@@ -99,10 +99,11 @@ for m, shapes in PLAN:
                 for v in ("cvt", "fcvt", "tma_fcvt")}
         row["best"] = {v: {"ms": b[0], "config": b[1]} for v, b in best.items()}
         fl = 2 * m * n * kk
+        equal = all(r.get("equal", True) for r in res.values())
         print(f"M={m} N={n} K={kk}: bf16 {row['cublas_bf16_ms']:.4f} int8 {row['cublas_int8_ms']:.4f} | cvt "
               f"{best['cvt'][0]:.4f} ({fl / best['cvt'][0] / 1e9:.0f} TOPS) fcvt {best['fcvt'][0]:.4f} "
               f"({fl / best['fcvt'][0] / 1e9:.0f}) x{best['cvt'][0] / best['fcvt'][0]:.2f} "
-              f"vsBF16 {row['cublas_bf16_ms'] / best['fcvt'][0]:.2f} eq={all(r.get('equal', True) for r in res.values())}"
+              f"vsBF16 {row['cublas_bf16_ms'] / best['fcvt'][0]:.2f} eq={equal}"
               f" [{best['fcvt'][1]}] tma {best['tma_fcvt'][0]:.4f} [{best['tma_fcvt'][1]}] "
               f"tma_eq={all(r.get('tma_equal', True) for r in res.values())} t={time.time() - t0:.0f}", flush=True)
         rows.append(row)
