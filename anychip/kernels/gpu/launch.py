@@ -106,7 +106,7 @@ _GEMV = ((64, 512, 4, 4), (128, 256, 4, 4), (32, 512, 2, 8), (64, 256, 4, 8), (1
          (16, 1024, 4, 8), (32, 1024, 4, 8), (64, 256, 4, 1, 2), (128, 256, 8, 1, 2), (32, 512, 4, 2, 2))
 
 # (block_m, block_n, block_k, swap, num_warps, num_stages, programs per multiprocessor that split-K aims for
-# [, flags: "p" pipe, "f" fcvt]); the first of each regime is its default. Decode aims at several programs per
+# [, "p": pipe]); the first of each regime is its default. Decode aims at several programs per
 # multiprocessor, each streaming a short stretch of K: a program's K loop is a chain of memory latencies, so short
 # chains and many of them in flight keep HBM busy.
 _DECODE = ((16, 32, 512, False, 4, 2, 8), (16, 32, 256, False, 4, 3, 8), (16, 64, 512, False, 4, 2, 4),
@@ -170,7 +170,7 @@ def candidates(m: int, n: int, k: int, g: int, sms: int = 132) -> list[Config]:
     for bm, bn, bk, swap, warps, stages, per_sm, *flags in table:
         bk = max(bk, g)
         out.append(GemmConfig(bm, bn, bk, swap, split_for(m, n, k, g, bm, bn, bk, per_sm, sms), warps, stages,
-                              pipe="p" in flags, fcvt="f" in flags))
+                              pipe="p" in flags))
     return list(dict.fromkeys(out))  # two table rows can give one config at a shape (split-K capped): time it once
 
 

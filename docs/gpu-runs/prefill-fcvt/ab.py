@@ -65,7 +65,6 @@ for m, shapes in PLAN:
             row["cublas_bf16_ms"] = graph_ms([lambda: torch.mm(xb, wb.t())], replays=10, samples=5)
             row["cublas_int8_ms"] = graph_ms([lambda: torch._int_mm(xq, w8.t())], replays=10, samples=5)
             cands = list(dict.fromkeys(launch.candidates(m, n, kk, g, sms) + EXTRA))
-        cands = [c for c in cands if not c.fcvt]  # each config runs both ways below
         ops = [(w, s)] + [(w.clone(), s.clone()) for _ in range(copies - 1)]
         row["copies"] = copies
         res = {}
