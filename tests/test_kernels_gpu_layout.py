@@ -203,3 +203,20 @@ def test_direct_launch_fills_the_signature_and_keys_like_the_jit(monkeypatch) ->
     assert _spec(x) != _spec(x[1:]) and _spec(x) != _spec(x.float()) and _spec(x) == _spec(x[8:])
     assert len({_spec(v) for v in (1, 16, 17, 32, 2**31)}) == 4 and _spec(16) == _spec(32)
     assert _spec(None) is None and _spec(1e-5) is float
+
+
+def test_streaming_split_gives_each_program_two_steps_and_splits_past_the_wave_cutoff() -> None:
+    """The decode rows flagged "s" split K by split_for's streaming rule (the sweep of docs/gpu-notes.md, session
+    35): about per_sm programs a multiprocessor, each at least two K steps, also where the plain rule gives up."""
+    pytest.importorskip("triton", reason="triton is not installed: pip install triton (`make install` does)")
+    from anychip.kernels.gpu import launch
+
+    args = (16, 32, 256, 4, 132)  # block_m, block_n, block_k, per_sm, multiprocessors
+    assert launch.split_for(16, 14336, 4096, 128, *args) == 1  # 448 tiles: the plain rule stops at half a wave
+    assert launch.split_for(16, 14336, 4096, 128, *args, streaming=True) == 2
+    assert launch.split_for(16, 3072, 2048, 128, *args, streaming=True) == 4  # 8 steps: at most 4 splits
+    assert launch.split_for(16, 2048, 8192, 128, *args, streaming=True) == 9  # cdiv(528, 64 tiles)
+    assert launch.split_for(16, 65536, 4096, 128, *args, streaming=True) == 1  # 2048 tiles fill the GPU
+    assert launch.split_for(16, 4096, 256, 128, *args, streaming=True) == 1  # one step: nothing to split
+    streaming = [c for c in launch.candidates(16, 14336, 4096, 128, 132) if c.block_k == 256 and c.split_k == 2]
+    assert len(streaming) == 2 and {c.block_n for c in streaming} == {32, 64}

@@ -106,11 +106,14 @@ _GEMV = ((64, 512, 4, 4), (128, 256, 4, 4), (32, 512, 2, 8), (64, 256, 4, 8), (1
          (16, 1024, 4, 8), (32, 1024, 4, 8), (64, 256, 4, 1, 2), (128, 256, 8, 1, 2), (32, 512, 4, 2, 2))
 
 # (block_m, block_n, block_k, swap, num_warps, num_stages, programs per multiprocessor that split-K aims for
-# [, "p": pipe]); the first of each regime is its default. Decode aims at several programs per
-# multiprocessor, each streaming a short stretch of K: a program's K loop is a chain of memory latencies, so short
-# chains and many of them in flight keep HBM busy.
-_DECODE = ((16, 32, 512, False, 4, 2, 8), (16, 32, 256, False, 4, 3, 8), (16, 64, 512, False, 4, 2, 4),
-           (16, 64, 256, True, 4, 3, 4))
+# [, flags: "p" pipe, "s" the streaming split of split_for]); the first of each regime is its default. Decode aims at
+# several programs per multiprocessor, each streaming a short stretch of K: a program's K loop is a chain of memory
+# latencies, so short chains and many of them in flight keep HBM busy. The two "s" rows replaced (16, 64, 512,
+# False, 4, 2, 4) and (16, 64, 256, True, 4, 3, 4), which neither shipped table ever picked: in a sweep of 43 tiles
+# at M = 16 on an H100 (docs/gpu-notes.md, session 35) the best at four of five shapes was 32 or 64 channels wide,
+# K steps of 256, 2-4 splits, and took 0.85-0.94x the time of the best of the other rows.
+_DECODE = ((16, 32, 512, False, 4, 2, 8), (16, 32, 256, False, 4, 3, 8), (16, 32, 256, False, 4, 3, 4, "s"),
+           (16, 64, 256, False, 4, 3, 2, "s"))
 _MID = ((64, 64, 128, False, 4, 4, 2), (32, 64, 256, False, 4, 4, 2),  # 64x128 with 4 warps spilled on sm_90
         (64, 64, 128, False, 4, 4, 2, "p"),
         # three stages: the two of a 72-tile sweep at M = 64 that the re-tune then picked, 1.00-1.17x faster on
@@ -147,10 +150,15 @@ def multiprocessors(device: torch.device) -> int:
 
 
 def split_for(m: int, n: int, k: int, g: int, block_m: int, block_n: int, block_k: int, per_sm: int,
-              sms: int) -> int:
-    """Programs along K: enough for `per_sm` programs a multiprocessor, each with at least one main-loop step."""
+              sms: int, streaming: bool = False) -> int:
+    """Programs along K: enough for `per_sm` programs a multiprocessor, each with at least one main-loop step, and
+    none where the tiles alone make half of that.  streaming: each program at least two steps, and split wherever
+    the tiles make fewer than per_sm a multiprocessor (a batched-decode tile streams its weights: on an H100 two
+    splits of 448 tiles of 32 channels beat both one and three by 15%)."""
     tiles = cdiv(m, block_m) * cdiv(n, block_n)
     steps = cdiv(k // g, max(block_k, g) // g)
+    if streaming:
+        return max(1, min(cdiv(per_sm * sms, tiles), steps // 2, MAX_SPLIT_K))
     if tiles * 2 > per_sm * sms:
         return 1
     return max(1, min(cdiv(per_sm * sms, tiles), steps, MAX_SPLIT_K))
@@ -169,8 +177,8 @@ def candidates(m: int, n: int, k: int, g: int, sms: int = 132) -> list[Config]:
     table = {"gemv": _DECODE, "decode": _DECODE, "mid": _MID, "prefill": _PREFILL}[regime(m)]
     for bm, bn, bk, swap, warps, stages, per_sm, *flags in table:
         bk = max(bk, g)
-        out.append(GemmConfig(bm, bn, bk, swap, split_for(m, n, k, g, bm, bn, bk, per_sm, sms), warps, stages,
-                              pipe="p" in flags))
+        split = split_for(m, n, k, g, bm, bn, bk, per_sm, sms, streaming="s" in flags)
+        out.append(GemmConfig(bm, bn, bk, swap, split, warps, stages, pipe="p" in flags))
     return list(dict.fromkeys(out))  # two table rows can give one config at a shape (split-K capped): time it once
 
 
