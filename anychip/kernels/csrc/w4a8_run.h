@@ -20,6 +20,7 @@ using TileFn = void (*)(const Problem&, int64_t, int64_t);
 //   tokens per AVX512 GEMM tile  4 (acc x2): 714 GOPS, 6 (acc x1): 670, 8 (acc x1): 770, 8 (acc x2): 775
 //   token panel in L2            128 KiB: +3-4% over no panels (K=6144), same as 256 KiB
 //   GEMV accumulators per token  4 vs 2: within noise; prefetch 2048 B ahead: ~+8% over 1024 or none, 512 B: -15%
+//                                (since replaced on x86 by 12 KB ahead into L2: kPrefetchL2, w4a8_tiles.h)
 //   wide tile, 2 blocks (32 rows) x 6 tokens: 752-768 GOPS at K=2048 (8x16: 732), 723 at K=576 (8x16: 640);
 //                                   2 blocks x 4 tokens: 705-712
 //   vectorized epilogue (vs scalar stores): K=576 550 -> 640 GOPS; vpdpbusd {1to16} broadcast: +0-10% (small M)

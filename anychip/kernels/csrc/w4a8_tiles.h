@@ -25,7 +25,15 @@ constexpr int64_t kUnpackedChunkBytes = 2 * kChunkBytes;  // a chunk unpacked to
 #ifndef ANYCHIP_PREFETCH
 #define ANYCHIP_PREFETCH 2048
 #endif
-constexpr int64_t kPrefetch = ANYCHIP_PREFETCH;  // bytes ahead in the weight stream (GEMV); 0: none
+constexpr int64_t kPrefetch = ANYCHIP_PREFETCH;  // bytes ahead in the weight stream (Arm GEMV); 0: none
+// x86 GEMV: bytes ahead in the weight stream, fetched into L2 (prefetcht1); 0: none.  On the 2-vCPU Xeon with AMX
+// (session 35, docs/kernels-cpu.md) the decode step's 120 linears took 10-15% less time than with 2048 bytes into
+// L1 (the earlier default, tuned on a Zen 5 EPYC): far enough ahead to cover the L3's latency at both threads'
+// rate, and the L2's queue holds more misses in flight than the L1's fill buffers; 6-16 KB all did about as well.
+#ifndef ANYCHIP_PREFETCH_L2
+#define ANYCHIP_PREFETCH_L2 12288
+#endif
+constexpr int64_t kPrefetchL2 = ANYCHIP_PREFETCH_L2;
 
 struct Problem {
   const int8_t* xq;      // (M, K)

@@ -109,7 +109,8 @@ ANYCHIP_AVX512 void tile_avx512(const Problem& p, int64_t m0, int64_t nb0) {
         __m512i lo[NB], hi[NB];
         for (int b = 0; b < NB && !UNPACKED; ++b) {
           const uint8_t* wp = w[b] + (c + u) * kChunkBytes;
-          if constexpr (MT <= 4 && kPrefetch > 0) _mm_prefetch(reinterpret_cast<const char*>(wp + kPrefetch), _MM_HINT_T0);
+          if constexpr (MT <= 4 && kPrefetchL2 > 0)
+            _mm_prefetch(reinterpret_cast<const char*>(wp + kPrefetchL2), _MM_HINT_T1);
           const __m512i v = _mm512_loadu_si512(wp);
           lo[b] = _mm512_and_si512(v, low4);
           hi[b] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
@@ -224,8 +225,8 @@ ANYCHIP_AVX2 void tile_avx2(const Problem& p, int64_t m0, int64_t nb) {
 #pragma GCC unroll 1
       for (int64_t c = c0; c < c0 + kWidenChunks; ++c) {
         const uint8_t* wp = wg + c * kChunkBytes;
-        if constexpr (MT <= 2 && kPrefetch > 0)
-          _mm_prefetch(reinterpret_cast<const char*>(wp + kPrefetch), _MM_HINT_T0);
+        if constexpr (MT <= 2 && kPrefetchL2 > 0)
+          _mm_prefetch(reinterpret_cast<const char*>(wp + kPrefetchL2), _MM_HINT_T1);
         const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
         const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 32));
         const __m256i lo0 = _mm256_and_si256(v0, low4);
