@@ -113,6 +113,8 @@ inline void int8_rows_portable(const HeadProblem& p, int64_t n0, int64_t n1) {
 // contiguous elements, and iteration `it` of a tile's K loop reads `step` bytes of it, so prefetching the same linear
 // position that many tiles ahead keeps the stream that far in front.  Without it the hardware prefetchers left the
 // AVX2 BF16 head at 14 GB/s of a 32-35 GB/s read bandwidth on the 2-core EPYC (2 threads); with it 22-26 GB/s.
+// Into L2 (prefetcht1), not L1: on the 2-vCPU Xeon with AMX (session 35, docs/kernels-cpu.md) the BF16 head took
+// 8% (AVX512) and 13-15% (AVX2) less time so, the INT8 head about the same; three tiles ahead did no better.
 // Addresses past the end of the weight are harmless: prefetches never fault.
 #ifndef ANYCHIP_HEAD_PREFETCH_TILES
 #define ANYCHIP_HEAD_PREFETCH_TILES 2
@@ -121,7 +123,7 @@ inline void int8_rows_portable(const HeadProblem& p, int64_t n0, int64_t n1) {
 inline void head_prefetch(const void* tile, int64_t tile_bytes, int64_t it, int64_t step) {
   if constexpr (ANYCHIP_HEAD_PREFETCH_TILES > 0) {
     const char* a = static_cast<const char*>(tile) + ANYCHIP_HEAD_PREFETCH_TILES * tile_bytes + it * step;
-    for (int64_t j = 0; j < step; j += 64) __builtin_prefetch(a + j, 0, 3);
+    for (int64_t j = 0; j < step; j += 64) __builtin_prefetch(a + j, 0, 2);
   }
 }
 
