@@ -269,8 +269,9 @@ DEFAULT_STEP = DecodeStep("smollm2-135m", 30, 32, (("qkv_proj", 576, 960), ("o_p
 def bench_decode_step(reps: int, clock: Callable[[], float] = time.perf_counter,
                       step: DecodeStep = DEFAULT_STEP) -> dict[str, object]:
     """The kernels of one decode step in the model's order, outside vLLM: every W4A8 linear at M=1 with distinct
-    weights (for the default model 66 MB, twice this machine's LLC, so each streams from DRAM as in a real step),
-    then the head through its route. Per step: the fastest and the median of `reps` steps, for the linears and
+    weights (for the default model 60 MB: beyond a 32 MB LLC, so each streams from DRAM; on a CPU whose L3 holds a
+    whole step, such as the 480 MB the Xeon VMs report, from L3 — as in a real step on either), then the head
+    through its route. Per step: the fastest and the median of `reps` steps, for the linears and
     the head."""
     from anychip.kernels.routes.head import select_head
 
