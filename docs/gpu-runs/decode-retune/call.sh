@@ -5,7 +5,7 @@ export PYTHONPATH=$(pwd) PYTHONUNBUFFERED=1
 mkdir -p $OUT/tuned && cp anychip/kernels/gpu/tuned/*.json $OUT/tuned/
 slug=$(python3 -c "import torch; from anychip.kernels.gpu.tuning import slug; print(slug(torch.cuda.get_device_name()))")
 shapes=$(python3 -c "
-import json, sys
+import json
 entries = json.load(open('anychip/kernels/gpu/tuned/$slug.json'))['entries']
 print(' '.join(sorted({','.join(key.split(':')[1:]) for key in entries})))")
 echo "$slug: $shapes"
