@@ -148,9 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", help="write JSON here (Markdown and PNG beside it)")
     b.add_argument("--eager", action="store_true", help="vLLM enforce_eager (faster start; default: compiled)")
     b.add_argument("--graph-tokens", type=int, default=None, metavar="N",
-                   help="cuda: every vLLM engine captures CUDA graphs for steps of up to N tokens (vLLM's "
-                        "max_cudagraph_capture_size; default: vLLM's own, twice the engine's max_num_seqs, so a "
-                        "batch-one pp512 runs eagerly; `vllm serve`'s defaults capture up to 512)")
+                   help="cuda: every vLLM engine captures CUDA graphs at vLLM's dense sizes up to N tokens "
+                        "(default: vLLM's own, twice the engine's max_num_seqs, at most 512), then at four sizes "
+                        "an octave up to its step budget, as anychip's plugin does for the models it serves, so "
+                        "prefill steps replay graphs in every system alike")
     b.add_argument("--compile-cache", default="cold", choices=["cold", "shared"],
                    help="cold (default): every vLLM engine starts with empty Inductor, Triton and vLLM compile "
                         "caches of its own, so engine start times compare; shared: the user's caches, warm from "

@@ -88,6 +88,9 @@ ANYCHIP_DIRECT_LAUNCH = "ANYCHIP_DIRECT_LAUNCH"
 #: "0" launches the GPU route's batch-one GEMVs as plain launches (default: programmatic dependent launches on
 #: Hopper and newer, kernels/gpu/launch.py).
 ANYCHIP_GPU_PDL = "ANYCHIP_GPU_PDL"
+#: "0" leaves vLLM's CUDA graph sizes alone for anychip-served models (default: prefill steps up to the step budget
+#: also replay graphs, anychip/cuda_graphs.py).
+ANYCHIP_GPU_PREFILL_GRAPHS = "ANYCHIP_GPU_PREFILL_GRAPHS"
 
 
 def _flag(name: str, default: bool) -> bool:
@@ -154,6 +157,10 @@ def fuse_silu() -> bool | None:
     if not os.environ.get(ANYCHIP_FUSE_SILU, "").strip():
         return None
     return _flag(ANYCHIP_FUSE_SILU, False)
+
+
+def gpu_prefill_graphs() -> bool:
+    return _flag(ANYCHIP_GPU_PREFILL_GRAPHS, True)
 
 
 def precompile_threads() -> int:

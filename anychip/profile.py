@@ -11,6 +11,7 @@ import platform
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from anychip import cuda_graphs
 from anychip.envs import VLLM_CPU_COMPILATION, VLLM_CPU_STARTUP, VLLM_STARTUP
 from anychip.errors import AnychipError
 
@@ -256,13 +257,16 @@ def serving_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def build_profile(cpu: CpuInfo | None = None, tensor_parallel: int = 1, device: str | None = None) -> Profile:
-    """The settings for serving on this machine; device "cpu" or "cuda" (default: serving_device())."""
+def build_profile(cpu: CpuInfo | None = None, tensor_parallel: int = 1, device: str | None = None,
+                  max_num_batched_tokens: int | None = None) -> Profile:
+    """The settings for serving on this machine; device "cpu" or "cuda" (default: serving_device());
+    max_num_batched_tokens: the step budget the user's flags set (the GPU's capture sizes follow it)."""
     cpu = cpu or detect_cpu()
     device = device or serving_device()
     ranks = rank_cpus(list(cpu.serving_cpus), tensor_parallel)
     n = len(ranks[0])
     kv_gib = max(1, min(16, int(cpu.memory_gib * 0.25)))
+    budget = max_num_batched_tokens or (2048 if n <= 8 else 4096)
     if tensor_parallel == 1:
         executor = Setting("--distributed-executor-backend", "uni", "single process executor: one CPU socket, no "
                            "tensor parallel workers")
@@ -282,7 +286,7 @@ def build_profile(cpu: CpuInfo | None = None, tensor_parallel: int = 1, device: 
         *(Setting(name, value, "engine core in the server process: no IPC hop per step (doubled decode speed on "
                   "2 cores)", "env") for name, value in VLLM_STARTUP.items()),
         executor,
-        Setting("--max-num-batched-tokens", "2048" if n <= 8 else "4096",
+        Setting("--max-num-batched-tokens", str(budget),
                 "prefill chunk that keeps the W4A8 GEMM in its tiled path without starving decode"),
         Setting("--dtype", "bfloat16", "activations in BF16 (the W4A8 kernels take BF16 in and out)"
                 if "avx512_bf16" in cpu.features or "bf16" in cpu.features else
@@ -296,6 +300,12 @@ def build_profile(cpu: CpuInfo | None = None, tensor_parallel: int = 1, device: 
         settings.append(Setting("--compilation-config", json.dumps(VLLM_CPU_COMPILATION),
                                 "one compiled graph for the whole forward: the pieces between attention calls only "
                                 "serve CUDA graphs, and each costs a Python call per step"))
+    else:
+        settings.append(Setting("--compilation-config",
+                                json.dumps({"cudagraph_capture_sizes": cuda_graphs.capture_sizes(budget)}),
+                                f"CUDA graphs for prefill steps too, up to the {budget}-token budget (vLLM's sizes to "
+                                "512, then four an octave): an eager W4A8 linear costs several times a BF16 one's "
+                                "host time, and graphs cost it none; the same sizes for any model served so"))
     return Profile(cpu=cpu, settings=settings)
 
 

@@ -28,25 +28,36 @@ def _user_flags(extra: list[str]) -> set[str]:
     return {arg.split("=", 1)[0] for arg in extra if arg.startswith("--")}
 
 
+def _flag_value(extra: list[str], *flags: str) -> tuple[str, str] | None:
+    """(flag, value) of the first of `flags` among the vLLM flags (`--flag value` or `--flag=value`), else None."""
+    for i, arg in enumerate(extra):
+        for flag in flags:
+            if arg == flag and i + 1 < len(extra):
+                return flag, extra[i + 1]
+            if arg.startswith(flag + "="):
+                return flag, arg.split("=", 1)[1]
+    return None
+
+
+def _positive(extra: list[str], *flags: str) -> int | None:
+    found = _flag_value(extra, *flags)
+    if found is None:
+        return None
+    flag, value = found
+    if not value.isdigit() or int(value) < 1:
+        raise AnychipError(f"{flag} {value!r}: a positive integer")
+    return int(value)
+
+
 def tensor_parallel_size(extra: list[str]) -> int:
     """The --tensor-parallel-size (or -tp) among the vLLM flags, 1 when absent."""
-    for i, arg in enumerate(extra):
-        for flag in ("--tensor-parallel-size", "-tp"):
-            if arg == flag and i + 1 < len(extra):
-                value = extra[i + 1]
-            elif arg.startswith(flag + "="):
-                value = arg.split("=", 1)[1]
-            else:
-                continue
-            if not value.isdigit() or int(value) < 1:
-                raise AnychipError(f"{flag} {value!r}: a positive integer")
-            return int(value)
-    return 1
+    return _positive(extra, "--tensor-parallel-size", "-tp") or 1
 
 
 def server_command(model: Path, host: str, port: int, extra: list[str]) -> tuple[list[str], dict[str, str]]:
     """The vLLM server command line and environment, profile settings first, user flags winning."""
-    profile = build_profile(tensor_parallel=tensor_parallel_size(extra))
+    profile = build_profile(tensor_parallel=tensor_parallel_size(extra),
+                            max_num_batched_tokens=_positive(extra, "--max-num-batched-tokens"))
     user = _user_flags(extra)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--host", host, "--port", str(port)]

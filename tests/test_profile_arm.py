@@ -82,7 +82,8 @@ def test_this_machine_still_profiles() -> None:
 
 def test_one_compiled_graph_on_the_cpu_and_pieces_on_a_gpu() -> None:
     """CPU engines compile the whole forward as one graph (no CUDA graphs to split it for); a GPU keeps vLLM's
-    piecewise default, which its CUDA graphs need. The user's own --compilation-config wins (serve_command)."""
+    piecewise default, which its CUDA graphs need, and captures prefill steps up to the step budget too (the
+    user's budget when they set one). The user's own --compilation-config wins (serve_command)."""
     import json
 
     from anychip.serve import server_command
@@ -90,7 +91,16 @@ def test_one_compiled_graph_on_the_cpu_and_pieces_on_a_gpu() -> None:
     cpu = detect_cpu(TREES / "graviton3")
     flags = build_profile(cpu, device="cpu").flags()
     assert json.loads(flags[flags.index("--compilation-config") + 1]) == {"splitting_ops": []}
-    assert "--compilation-config" not in build_profile(cpu, device="cuda").flags()
+    from anychip import cuda_graphs
+
+    default = int(flags[flags.index("--max-num-batched-tokens") + 1])  # the profile's own budget
+    for budget, given in ((default, None), (8192, 8192)):
+        gpu = build_profile(cpu, device="cuda", max_num_batched_tokens=given).flags()
+        assert gpu[gpu.index("--max-num-batched-tokens") + 1] == str(budget)
+        sizes = json.loads(gpu[gpu.index("--compilation-config") + 1])["cudagraph_capture_sizes"]
+        assert sizes == cuda_graphs.capture_sizes(budget) and sizes[-1] == budget
+    cmd, _ = server_command(Path("/m"), "127.0.0.1", 8000, ["--max-num-batched-tokens=3000"])
+    assert "--max-num-batched-tokens=3000" in cmd and "--max-num-batched-tokens" not in cmd
     cmd, _ = server_command(Path("/m"), "127.0.0.1", 8000, ["--compilation-config", '{"mode": 0}'])
     assert cmd.count("--compilation-config") == 1 and cmd[cmd.index("--compilation-config") + 1] == '{"mode": 0}'
 

@@ -679,9 +679,9 @@ def render_markdown(doc: dict[str, Any]) -> str:
                      f"prefix caching off, versions {settings['versions']}")
         graphs = settings.get("cuda_graph_max_tokens")
         if graphs:
-            notes.append(f"- CUDA graphs replay steps of up to {graphs} tokens (vLLM sizes them from max_num_seqs "
-                         "unless --graph-tokens sets them); "
-                         "a longer step, such as a pp prefill above that, launches every kernel from the host")
+            notes.append(f"- CUDA graphs replay steps of up to {graphs} tokens in every vLLM system (vLLM's dense "
+                         "sizes to --graph-tokens or its default, then four sizes an octave up to the step budget, "
+                         "anychip/cuda_graphs.py); a step is padded to the next size")
     runs = Counter(r["interleaved_run"] for r in doc["rows"] if r.get("interleaved_run"))
     for run, count in runs.items():
         names = ", ".join(r["system"] for r in doc["rows"] if r.get("interleaved_run") == run)

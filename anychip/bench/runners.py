@@ -45,7 +45,8 @@ class RunSpec:
     budget_s: wall-time budget for probe + warm-up + repetitions; pp, tg and reps shrink to fit (recorded).
     device: "cpu" or "cuda", where the engine runs (vLLM picks it from its build; recorded).
     batch: requests in the batched run (0: none); batch_reps: its timed repetitions.
-    graph_tokens: the largest step vLLM captures as a CUDA graph (None: vLLM's choice; GPU engines only).
+    graph_tokens: vLLM's dense CUDA graph sizes reach this step (None: vLLM's default); past it, prefill steps up
+    to the step budget are captured at four sizes an octave (cuda_graphs.capture_sizes; GPU engines only).
     """
 
     system: str
@@ -121,8 +122,14 @@ class VllmTimed:
         )
         if spec.device == "cpu" and not spec.eager:  # every vLLM system on the CPU: the same engine settings
             self._kwargs["compilation_config"] = {k: list(v) for k, v in envs.VLLM_CPU_COMPILATION.items()}
-        if spec.graph_tokens and not spec.eager:  # every vLLM system on the GPU: the same capture sizes
-            self._kwargs["compilation_config"] = {"max_cudagraph_capture_size": spec.graph_tokens}
+        if spec.device == "cuda" and not spec.eager:  # every vLLM system on the GPU: the same capture sizes,
+            # vLLM's dense ones (to --graph-tokens, else its default: twice max_num_seqs, at most 512), then the
+            # prefill sizes anychip's plugin adds (cuda_graphs.py), which a stock engine would not
+            from anychip import cuda_graphs
+
+            dense = spec.graph_tokens or min(2 * seqs, cuda_graphs.VLLM_DEFAULT_MAX)
+            self._kwargs["compilation_config"] = {"cudagraph_capture_sizes": cuda_graphs.capture_sizes(
+                self._kwargs["max_num_batched_tokens"], dense)}
         self.llm = offline.make_llm(**self._kwargs)
 
     def _run(self, prompts: list[list[int]], max_tokens: int) -> float:

@@ -15,11 +15,15 @@ def register() -> None:
     if _registered:
         return
     from anychip.kernels.machine import request_amx_tiles
-    from anychip.vllm_plugin import cpu_attention, fusion
+    from anychip.vllm_plugin import cpu_attention, fusion, graphs
     from anychip.vllm_plugin.config import AnychipW4A8Config  # registers on import
 
     request_amx_tiles()  # before any attention runs: see there
     fusion.install()  # RMSNorm (SiluAndMul) -> W4A8 linear, in every engine's compile options
-    # vLLM's CPU attention from C++, for the models this plugin's quantization config serves
-    cpu_attention.install(lambda config: isinstance(getattr(config, "quant_config", None), AnychipW4A8Config))
+
+    def serves(config) -> bool:  # the models this plugin's quantization config serves
+        return isinstance(getattr(config, "quant_config", None), AnychipW4A8Config)
+
+    cpu_attention.install(serves)  # vLLM's CPU attention from C++
+    graphs.install(serves)  # on a GPU, CUDA graphs for prefill steps too
     _registered = True
