@@ -51,6 +51,7 @@ class Setting:
     value: str
     reason: str
     kind: str = "flag"  # "flag" or "env"
+    yields_to: tuple[str, ...] = ()  # user flags besides `name` that make a flag setting step aside
 
 
 @dataclass
@@ -299,13 +300,15 @@ def build_profile(cpu: CpuInfo | None = None, tensor_parallel: int = 1, device: 
                         for name, value in VLLM_CPU_STARTUP.items())
         settings.append(Setting("--compilation-config", json.dumps(VLLM_CPU_COMPILATION),
                                 "one compiled graph for the whole forward: the pieces between attention calls only "
-                                "serve CUDA graphs, and each costs a Python call per step"))
+                                "serve CUDA graphs, and each costs a Python call per step", yields_to=("-cc",)))
     else:
         settings.append(Setting("--compilation-config",
                                 json.dumps({"cudagraph_capture_sizes": cuda_graphs.capture_sizes(budget)}),
                                 f"CUDA graphs for prefill steps too, up to the {budget}-token budget (vLLM's sizes to "
                                 "512, then four an octave): an eager W4A8 linear costs several times a BF16 one's "
-                                "host time, and graphs cost it none; the same sizes for any model served so"))
+                                "host time, and graphs cost it none; the same sizes for any model served so",
+                                yields_to=("-cc", "--cudagraph-capture-sizes", "--max-cudagraph-capture-size",
+                                           "--enforce-eager")))
     return Profile(cpu=cpu, settings=settings)
 
 

@@ -25,7 +25,10 @@ from anychip.profile import build_profile
 
 
 def _user_flags(extra: list[str]) -> set[str]:
-    return {arg.split("=", 1)[0] for arg in extra if arg.startswith("--")}
+    """The flag names among the user's vLLM arguments, long and short; a dotted one (--compilation-config.mode=3)
+    also by its head."""
+    names = {arg.split("=", 1)[0] for arg in extra if arg.startswith("-") and not arg[1:2].isdigit()}
+    return names | {name.split(".", 1)[0] for name in names if name.startswith("--")}
 
 
 def _flag_value(extra: list[str], *flags: str) -> tuple[str, str] | None:
@@ -63,14 +66,9 @@ def server_command(model: Path, host: str, port: int, extra: list[str]) -> tuple
            "--host", host, "--port", str(port)]
     if "--served-model-name" not in user:
         cmd += ["--served-model-name", model.name, str(model)]
-    flags = profile.flags()
-    i = 0
-    while i < len(flags):
-        name = flags[i]
-        takes_value = i + 1 < len(flags) and not flags[i + 1].startswith("--")
-        if name not in user:
-            cmd += flags[i:i + 2] if takes_value else [name]
-        i += 2 if takes_value else 1
+    for s in profile.settings:
+        if s.kind == "flag" and s.name not in user and not user.intersection(s.yields_to):
+            cmd += [s.name] if s.value == "" else [s.name, s.value]
     cmd += extra
     env = {k: v for k, v in profile.env().items() if k not in os.environ}  # the user's environment wins too
     return cmd, env

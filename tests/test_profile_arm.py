@@ -119,3 +119,21 @@ def test_cpu_engines_start_without_aot_compilation():
     assert "VLLM_USE_AOT_COMPILE" not in latency.system_env(stock, 2, None, device="cuda")
     assert "VLLM_USE_AOT_COMPILE" not in latency.system_env(latency.System("llama.cpp-q4_0", "llama.cpp", "Q4_0"), 2,
                                                             None, device="cpu")
+
+
+def test_gpu_capture_sizes_step_aside_for_the_users_graph_flags(monkeypatch):
+    """vLLM refuses capture sizes given twice (--cudagraph-capture-sizes beside a compilation config's) or a
+    --max-cudagraph-capture-size other than their largest: any graph flag of the user's, or a compilation config
+    of theirs in any spelling, leaves the profile's list out; other flags keep it."""
+    import anychip.profile as profile_mod
+    from anychip.serve import server_command
+
+    monkeypatch.setattr(profile_mod, "serving_device", lambda: "cuda")
+    cmd, _ = server_command(Path("/m"), "127.0.0.1", 8000, ["--max-model-len", "4096"])
+    assert '"cudagraph_capture_sizes"' in cmd[cmd.index("--compilation-config") + 1]
+    for user in (["--max-cudagraph-capture-size", "256"], ["--cudagraph-capture-sizes", "1", "2", "4"],
+                 ["--enforce-eager"], ["-cc", '{"mode": 0}'], ["--compilation-config.mode=0"],
+                 ["--max-cudagraph-capture-size=256"]):
+        cmd, _ = server_command(Path("/m"), "127.0.0.1", 8000, user)
+        assert not any("cudagraph_capture_sizes" in arg for arg in cmd), user
+        assert cmd[-len(user):] == user
