@@ -50,10 +50,18 @@ def capture_sizes(max_num_tokens: int, dense_max: int = VLLM_DEFAULT_MAX) -> lis
     return sorted(set(vllm_sizes(dense, max_num_tokens) + prefill_sizes(dense, max_num_tokens)))
 
 
-def extended(sizes: list[int], max_size: int, max_num_tokens: int) -> list[int] | None:
-    """The sizes to capture instead of an engine's `sizes` (whose largest is max_size): `capture_sizes` where
-    `sizes` are exactly vLLM's defaults for max_size, None where someone chose them (a user's list is theirs) or
-    where they already reach the budget."""
-    if not sizes or max_size >= max_num_tokens or list(sizes) != vllm_sizes(max_size, max_num_tokens):
+def vllm_default_max(max_num_seqs: int, max_num_tokens: int, speculative_tokens: int = 0) -> int:
+    """vLLM's largest capture size when nobody sets one: twice the decode tokens of max_num_seqs, at most 512, at
+    most the step budget."""
+    return min(max_num_seqs * (1 + speculative_tokens) * 2, VLLM_DEFAULT_MAX, max_num_tokens)
+
+
+def extended(sizes: list[int], max_size: int, max_num_tokens: int, default_max: int) -> list[int] | None:
+    """The sizes to capture instead of an engine's `sizes` (whose largest is max_size): `capture_sizes` where they
+    are exactly vLLM's defaults (max_size its default_max, the list its default for that), None where someone chose
+    them (a user's list or largest size is theirs) or where they already reach the budget."""
+    if not sizes or max_size != default_max or max_size >= max_num_tokens:
+        return None
+    if list(sizes) != vllm_sizes(max_size, max_num_tokens):
         return None
     return capture_sizes(max_num_tokens, max_size)

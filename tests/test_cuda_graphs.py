@@ -44,11 +44,15 @@ def test_small_budgets_and_dense_ranges():
 
 def test_extended_only_replaces_vllms_own_default():
     default = cg.vllm_sizes(512)
-    assert cg.extended(default, 512, 4096) == cg.capture_sizes(4096)
-    assert cg.extended([s for s in default if s != 64], 512, 4096) is None  # a user's list (not vLLM's default)
-    assert cg.extended(default + [4096], 4096, 4096) is None  # already reaches the budget
-    assert cg.extended(cg.vllm_sizes(256, 256), 256, 256) is None
-    assert cg.extended([], 0, 4096) is None  # no graphs at all (eager)
+    assert cg.vllm_default_max(256, 4096) == 512 and cg.vllm_default_max(4, 4096) == 8
+    assert cg.vllm_default_max(256, 300) == 300 and cg.vllm_default_max(64, 4096, speculative_tokens=3) == 512
+    assert cg.extended(default, 512, 4096, 512) == cg.capture_sizes(4096)
+    assert cg.extended([s for s in default if s != 64], 512, 4096, 512) is None  # a user's list
+    assert cg.extended(cg.vllm_sizes(256), 256, 4096, 512) is None  # the user's --max-cudagraph-capture-size 256
+    assert cg.extended(cg.vllm_sizes(8), 8, 4096, 8) == cg.capture_sizes(4096, 8)  # max_num_seqs 4: vLLM's 8
+    assert cg.extended(default + [4096], 4096, 4096, 512) is None  # already reaches the budget
+    assert cg.extended(cg.vllm_sizes(256, 256), 256, 256, 256) is None
+    assert cg.extended([], 0, 4096, 512) is None  # no graphs at all (eager)
 
 
 def _config(sizes, budget=4096, quant=True, mode="FULL_AND_PIECEWISE", compile_sizes=()):
@@ -57,7 +61,9 @@ def _config(sizes, budget=4096, quant=True, mode="FULL_AND_PIECEWISE", compile_s
     cc = types.SimpleNamespace(cudagraph_mode=getattr(CUDAGraphMode, mode), compile_sizes=list(compile_sizes),
                                cudagraph_capture_sizes=list(sizes), max_cudagraph_capture_size=max(sizes or [0]))
     return types.SimpleNamespace(compilation_config=cc, quant_config="anychip" if quant else None,
-                                 scheduler_config=types.SimpleNamespace(max_num_batched_tokens=budget))
+                                 num_speculative_tokens=0,
+                                 scheduler_config=types.SimpleNamespace(max_num_batched_tokens=budget,
+                                                                        max_num_seqs=256))
 
 
 def test_the_plugin_extends_vllms_default_sizes_for_its_models_on_a_gpu(monkeypatch):
@@ -75,6 +81,7 @@ def test_the_plugin_extends_vllms_default_sizes_for_its_models_on_a_gpu(monkeypa
     assert cfg.compilation_config.max_cudagraph_capture_size == 4096
     left = [_config(cg.vllm_sizes(512), quant=False),  # a model the plugin does not serve
             _config([1, 2, 4, 8, 1024]),  # the user's sizes
+            _config(cg.vllm_sizes(256)),  # the user's largest size (vLLM's default here: 512)
             _config(cg.vllm_sizes(512), mode="FULL"),  # mixed steps would be full graphs
             _config(cg.vllm_sizes(512), mode="NONE"),
             _config(cg.vllm_sizes(512), compile_sizes=[8])]  # compile sizes derived from the capture sizes

@@ -2,9 +2,10 @@
 
 Installed on vLLM's platform as fusion.py's pass is: after the platform finishes an engine's config, a model this
 plugin's quantization config serves on an NVIDIA GPU, with piecewise graphs for mixed steps and vLLM's default
-capture sizes, captures four more sizes an octave up to max_num_batched_tokens. Sizes someone chose (a
---compilation-config with cudagraph_capture_sizes or max_cudagraph_capture_size other than the default, `anychip
-serve`'s profile, `anychip bench`) stay as they are; ANYCHIP_GPU_PREFILL_GRAPHS=0 keeps vLLM's.
+capture sizes, captures four more sizes an octave up to max_num_batched_tokens. Sizes someone chose (a list, or a
+largest size other than vLLM's default for the engine's max_num_seqs: --cudagraph-capture-sizes,
+--max-cudagraph-capture-size, a --compilation-config, `anychip serve`'s profile, `anychip bench`) stay as they are;
+ANYCHIP_GPU_PREFILL_GRAPHS=0 keeps vLLM's.
 """
 
 from __future__ import annotations
@@ -30,9 +31,12 @@ def extend(vllm_config: Any, serves: Callable[[Any], bool]) -> bool:
         return False
     if cc.cudagraph_mode.mixed_mode() != CUDAGraphMode.PIECEWISE or cc.compile_sizes:
         return False
-    budget = int(vllm_config.scheduler_config.max_num_batched_tokens)
+    sched = vllm_config.scheduler_config
+    budget = int(sched.max_num_batched_tokens)
+    default_max = cuda_graphs.vllm_default_max(int(sched.max_num_seqs), budget,
+                                               int(getattr(vllm_config, "num_speculative_tokens", 0) or 0))
     sizes = cuda_graphs.extended(list(cc.cudagraph_capture_sizes or []), int(cc.max_cudagraph_capture_size or 0),
-                                 budget)
+                                 budget, default_max)
     if sizes is None:
         return False
     added = [s for s in sizes if s > cc.max_cudagraph_capture_size]
