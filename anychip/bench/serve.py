@@ -234,6 +234,10 @@ def render_markdown(doc: dict[str, Any]) -> str:
             notes.append(f"- {label}: launched for {srv['model']}, anychip plugin {'on' if srv['plugin'] else 'off'}"
                          f"{', vLLM flags ' + ' '.join(srv['extra_args']) if srv['extra_args'] else ''}; "
                          f"ready after {srv['start_s']} s")
+            sizes = srv.get("cuda_graph_sizes")
+            if sizes:
+                notes.append(f"- {label}: CUDA graphs captured for {len(sizes)} step sizes up to {max(sizes)} tokens "
+                             "(serve's profile; anychip/cuda_graphs.py)")
             if srv.get("tokenizer_gap"):
                 notes.append(f"- {label}: warning: {srv['tokenizer_gap']}")
     notes += [f"- {r['label']} c={r['concurrency']} in={r['input_len']}: {r['output_len_note']}"
@@ -339,6 +343,18 @@ def measure_server(url: str, args: argparse.Namespace,
     return rows
 
 
+def graph_sizes(flags: list[str]) -> list[int] | None:
+    """The CUDA graph capture sizes a server's flags give it through --compilation-config, if they give any."""
+    for name, value in zip(flags, flags[1:]):
+        if name == "--compilation-config":
+            try:
+                sizes = json.loads(value).get("cudagraph_capture_sizes")
+            except (ValueError, AttributeError):
+                return None
+            return [int(s) for s in sizes] if isinstance(sizes, list) else None
+    return None
+
+
 def tokenizer_gap(model: Path) -> str | None:
     """Why a model's server may be measured wrongly: ids its vocabulary has and its tokenizer lacks. A model that
     samples one (a random-weight model made before its tokenizer covered its vocabulary) makes vLLM's detokenizer
@@ -379,7 +395,8 @@ def _launched(args: argparse.Namespace,
     t0 = time.perf_counter()
     with local_server(model, plugin=not args.stock, extra=args.server_arg, log=log) as url:
         server = {"model": str(model), "plugin": not args.stock, "extra_args": args.server_arg,
-                  "start_s": round(time.perf_counter() - t0, 1), "log": str(log), "tokenizer_gap": gap}
+                  "start_s": round(time.perf_counter() - t0, 1), "log": str(log), "tokenizer_gap": gap,
+                  "command": url.command, "cuda_graph_sizes": graph_sizes(url.command or [])}
 
         def tagged(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             return [dict(r, server=server) for r in rows]

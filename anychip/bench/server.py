@@ -34,9 +34,11 @@ def _ready(url: str) -> bool:
 
 
 class ServerURL(str):
-    """A launched server's base URL (…/v1); `pid` is its API process (vLLM's engine core runs in a child)."""
+    """A launched server's base URL (…/v1); `pid` is its API process (vLLM's engine core runs in a child);
+    `command`: the command line it was started with (serve's profile and the user's flags)."""
 
     pid: int | None = None
+    command: list[str] | None = None
 
 
 def process_cpu_s(pid: int | None) -> float | None:
@@ -79,6 +81,7 @@ def local_server(model: Path, *, plugin: bool = True, port: int | None = None, e
             time.sleep(1)
         served = ServerURL(url)
         served.pid = proc.pid
+        served.command = list(cmd)
         yield served
     finally:
         _stop(proc)
