@@ -145,6 +145,27 @@ def step_phase(scheduler_output: Any, dummy: bool) -> tuple[str, int]:
     return ("decode" if max(scheduled.values()) <= 1 else "prefill"), tokens
 
 
+def install_config_hook(on_config: Callable[[Any], None]) -> bool:
+    """Call on_config(vllm_config) each time vLLM's platform finishes an engine's config (its
+    check_and_update_config, after the platform's own settings: the compile backend, the graph mode); False where
+    this vLLM has no platform to hook. Each call wraps the hook once more: call it once a process per callback."""
+    try:
+        from vllm.platforms import current_platform
+
+        platform = type(current_platform)
+        original = platform.check_and_update_config.__func__
+    except Exception as exc:  # another vLLM layout
+        logger.info("anychip: no platform config hook in this vLLM (%s: %s)", type(exc).__name__, exc)
+        return False
+
+    def check_and_update_config(cls: Any, vllm_config: Any, _original: Callable = original) -> None:
+        _original(cls, vllm_config)
+        on_config(vllm_config)
+
+    platform.check_and_update_config = classmethod(check_and_update_config)
+    return True
+
+
 def install_step_hook(on_step: Callable[[str, int, Any], None]) -> bool:
     """Call on_step(phase, tokens, model_runner) before every step of vLLM's GPU model runners (V1 and V2), in
     Python, also when the step replays CUDA graphs. vLLM's CPU model runners (0.32: vllm.v1.worker.cpu_model_runner

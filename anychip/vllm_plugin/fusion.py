@@ -533,25 +533,12 @@ _installed = False
 
 
 def install() -> bool:
-    """Have vLLM's platform add FusionPass to every engine config it finishes (its check_and_update_config, once a
-    process; after the platform's own settings, which choose the compile backend); False where this vLLM has no
-    platform to hook."""
+    """Have vLLM's platform add FusionPass to every engine config it finishes (once a process; after the platform's
+    own settings, which choose the compile backend); False where this vLLM has no platform to hook (then vLLM
+    serves unfused)."""
     global _installed
-    if _installed:
-        return True
-    try:
-        from vllm.platforms import current_platform
+    if not _installed:
+        from anychip.vllm_plugin import compat
 
-        platform = type(current_platform)
-        original = platform.check_and_update_config.__func__
-    except Exception as exc:  # another vLLM layout: serve unfused
-        log.info("anychip: no fusion pass in this vLLM (%s: %s)", type(exc).__name__, exc)
-        return False
-
-    def check_and_update_config(cls: Any, vllm_config: Any, _original: Callable = original) -> None:
-        _original(cls, vllm_config)
-        add_pass(vllm_config.compilation_config)
-
-    platform.check_and_update_config = classmethod(check_and_update_config)
-    _installed = True
-    return True
+        _installed = compat.install_config_hook(lambda vllm_config: add_pass(vllm_config.compilation_config))
+    return _installed

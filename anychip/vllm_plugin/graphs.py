@@ -53,23 +53,14 @@ def install(serves: Callable[[Any], bool]) -> bool:
     global _installed
     if _installed:
         return True
-    try:
-        from vllm.platforms import current_platform
+    from anychip.vllm_plugin import compat
 
-        platform = type(current_platform)
-        original = platform.check_and_update_config.__func__
-    except Exception as exc:  # another vLLM layout: vLLM's sizes
-        log.info("anychip: no prefill CUDA graphs in this vLLM (%s: %s)", type(exc).__name__, exc)
-        return False
-
-    def check_and_update_config(cls: Any, vllm_config: Any, _original: Callable = original) -> None:
-        _original(cls, vllm_config)
+    def on_config(vllm_config: Any) -> None:
         try:
             extend(vllm_config, serves)
         except Exception as exc:  # an optimization: never the reason an engine does not start
             log.warning("anychip: prefill CUDA graphs left out (%s: %s); vLLM's capture sizes stay",
                         type(exc).__name__, exc)
 
-    platform.check_and_update_config = classmethod(check_and_update_config)
-    _installed = True
-    return True
+    _installed = compat.install_config_hook(on_config)
+    return _installed
