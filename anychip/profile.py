@@ -53,6 +53,10 @@ class Setting:
     kind: str = "flag"  # "flag" or "env"
     yields_to: tuple[str, ...] = ()  # user flags besides `name` that make a flag setting step aside
 
+    def argv(self) -> list[str]:
+        """A flag setting as command-line arguments: the flag, and its value unless it takes none."""
+        return [self.name] if self.value == "" else [self.name, self.value]
+
 
 @dataclass
 class Profile:
@@ -60,11 +64,7 @@ class Profile:
     settings: list[Setting] = field(default_factory=list)
 
     def flags(self) -> list[str]:
-        out: list[str] = []
-        for s in self.settings:
-            if s.kind == "flag":
-                out += [s.name] if s.value == "" else [s.name, s.value]
-        return out
+        return [arg for s in self.settings if s.kind == "flag" for arg in s.argv()]
 
     def env(self) -> dict[str, str]:
         return {s.name: s.value for s in self.settings if s.kind == "env"}

@@ -68,7 +68,7 @@ def server_command(model: Path, host: str, port: int, extra: list[str]) -> tuple
         cmd += ["--served-model-name", model.name, str(model)]
     for s in profile.settings:
         if s.kind == "flag" and s.name not in user and not user.intersection(s.yields_to):
-            cmd += [s.name] if s.value == "" else [s.name, s.value]
+            cmd += s.argv()
     cmd += extra
     env = {k: v for k, v in profile.env().items() if k not in os.environ}  # the user's environment wins too
     return cmd, env

@@ -127,9 +127,9 @@ class VllmTimed:
             # prefill sizes anychip's plugin adds (cuda_graphs.py), which a stock engine would not
             from anychip import cuda_graphs
 
-            dense = spec.graph_tokens or min(2 * seqs, cuda_graphs.VLLM_DEFAULT_MAX)
-            self._kwargs["compilation_config"] = {"cudagraph_capture_sizes": cuda_graphs.capture_sizes(
-                self._kwargs["max_num_batched_tokens"], dense)}
+            budget = self._kwargs["max_num_batched_tokens"]
+            dense = spec.graph_tokens or cuda_graphs.vllm_default_max(seqs, budget)
+            self._kwargs["compilation_config"] = {"cudagraph_capture_sizes": cuda_graphs.capture_sizes(budget, dense)}
         self.llm = offline.make_llm(**self._kwargs)
 
     def _run(self, prompts: list[list[int]], max_tokens: int) -> float:
