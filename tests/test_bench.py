@@ -181,7 +181,8 @@ def test_plan_systems_reports_every_peer(tiny_llama, tmp_path):
 
     w4a8 = quantize_checkpoint(tiny_llama(), tmp_path / "w4a8", W4A8Scheme(group_size=32))
     rows = latency.plan_systems(ModelDir.open(w4a8), with_peers=True)
-    assert [r.name for r in rows] == [s for s in latency.SYSTEMS if not s.startswith("vllm-w4a16")]
+    assert [r.name for r in rows] == [s for s in latency.SYSTEMS
+                                      if not s.startswith("vllm-w4a16") and s != latency.FLOOR]
     assert rows[0].plugin and rows[1].plugin and not any(r.plugin for r in rows[2:])
     assert rows[1].env == {"ANYCHIP_HEAD": "int8"}  # the same model served with --head int8
     gguf = rows[-1]
@@ -802,3 +803,62 @@ def test_a_rows_coverage_note_names_the_linears_routes_and_the_heads(tmp_path):
            "requested": {"pp": 512, "tg": 128, "reps": 2}, "rows": [row], "targets": []}
     assert ("coverage: 2 quantized linears (cpu.amx_int8: 2); rms_norm computed inside the kernels of 1; output head "
             "on cpu.head_int8.avx512_vnni") in latency.render_markdown(doc)
+
+
+# ---- --floor: the model cut to its first decoder layer ----
+
+
+def test_first_layer_copy_keeps_layer_zero_and_everything_around_it(tiny_llama, tmp_path):
+    """The copy has layer 0's tensors bit for bit, the embedding, final norm and head, one layer in config.json
+    (and in its per-layer lists), a manifest that verifies; it is cached."""
+    from anychip.checkpoint.io import read_tensor, read_tensor_infos
+    from anychip.checkpoint.quantize import quantize_checkpoint
+    from anychip.checkpoint.scheme import W4A8Scheme
+    from anychip.checkpoint.verify import verify_checkpoint
+
+    w4a8 = quantize_checkpoint(tiny_llama(), tmp_path / "w4a8", W4A8Scheme(group_size=32))
+    config = json.loads((w4a8 / "config.json").read_text())
+    layers = config["num_hidden_layers"]
+    assert layers >= 2
+    config["layer_types"] = ["sliding_attention", "full_attention"] * layers
+    (w4a8 / "config.json").write_text(json.dumps(config))
+    one = peers.make_first_layer(w4a8)
+    assert one == w4a8.with_name("w4a8-1-layer")
+    got = json.loads((one / "config.json").read_text())
+    assert got["num_hidden_layers"] == 1 and got["layer_types"] == ["sliding_attention"]
+    src, dst = read_tensor_infos(w4a8), read_tensor_infos(one)
+    assert set(dst) == {n for n in src if not n.startswith("model.layers.") or n.startswith("model.layers.0.")}
+    assert any(n.startswith("model.layers.0.") for n in dst) and "model.norm.weight" in dst
+    for name in dst:
+        assert torch.equal(read_tensor(dst[name]), read_tensor(src[name]))
+    assert (one / "tokenizer.json").exists()
+    verify_checkpoint(one)
+    stamp = (one / "config.json").stat().st_mtime_ns
+    assert peers.make_first_layer(w4a8) == one and (one / "config.json").stat().st_mtime_ns == stamp
+    with pytest.raises(peers.PeerUnavailable, match="nothing to cut"):
+        peers.make_first_layer(one)
+
+
+def test_floor_row_joins_after_ours_and_its_notes(tiny_llama, tmp_path, monkeypatch):
+    """--floor adds anychip-w4a8-floor after our rows (a BF16 model gets a skipped row saying why); the report
+    puts every system's decode step beside the floor's."""
+    from anychip.checkpoint.quantize import quantize_checkpoint
+    from anychip.checkpoint.scheme import W4A8Scheme
+
+    w4a8 = quantize_checkpoint(tiny_llama(), tmp_path / "w4a8", W4A8Scheme(group_size=32))
+    floor = latency.floor_system(ModelDir.open(w4a8))
+    assert floor.name == latency.FLOOR and floor.plugin and not floor.skipped and "first of" in floor.notes[0]
+    assert "not one" in latency.floor_system(ModelDir.open(tiny_llama())).skipped
+    seen = []
+    monkeypatch.setattr(latency, "run_system", lambda system, args, workdir: seen.append(system.name) or
+                        _latency_row(system.name, 1000, 100))
+    out = tmp_path / "lat.json"
+    assert main(["bench", "latency", str(w4a8), "--floor", "--systems", "anychip-w4a8,anychip-w4a8-floor",
+                 "--device", "cpu", "--json", str(out)]) == 0
+    assert seen == ["anychip-w4a8", "anychip-w4a8-floor"]
+    rows = [_latency_row(latency.OURS, 2000, 150), _latency_row(latency.FLOOR, 2000, 250),
+            _latency_row("llama.cpp-q4_0", 500, 100)]
+    (note,) = latency.floor_notes(rows)
+    assert "anychip-w4a8-floor decodes in 4.00 ms a token" in note
+    assert "anychip-w4a8 6.67 ms (1.67x)" in note and "llama.cpp-q4_0 10.00 ms (2.50x)" in note
+    assert latency.floor_notes(rows[:1]) == []

@@ -38,8 +38,10 @@ from anychip.errors import AnychipError
 
 OURS = "anychip-w4a8"
 OURS_INT8_HEAD = "anychip-w4a8-head-int8"  # the same, with `--head int8` (ANYCHIP_HEAD=int8)
-SYSTEMS: tuple[str, ...] = (OURS, OURS_INT8_HEAD, "vllm-bf16", "vllm-w8a8", "vllm-w4a8-stock", "vllm-w4a16-machete",
-                            "vllm-w4a16-marlin", "llama.cpp-q4_0", "llama.cpp-q8_0", "llama.cpp-q4_1")
+FLOOR = "anychip-w4a8-floor"  # `--floor`: the model cut to its first decoder layer, on the same engine
+SYSTEMS: tuple[str, ...] = (OURS, OURS_INT8_HEAD, FLOOR, "vllm-bf16", "vllm-w8a8", "vllm-w4a8-stock",
+                            "vllm-w4a16-machete", "vllm-w4a16-marlin", "llama.cpp-q4_0", "llama.cpp-q8_0",
+                            "llama.cpp-q4_1")
 #: Stock vLLM's own routes for the same INT4 weights on NVIDIA GPUs (the best of them is a target's peer).
 GPU_STOCK = ("vllm-w4a8-stock", "vllm-w4a16-machete", "vllm-w4a16-marlin")
 
@@ -150,6 +152,20 @@ def plan_systems(md: ModelDir, with_peers: bool, device: str = "cpu") -> list[Sy
     except peers.PeerUnavailable as exc:
         rows.append(_skip("llama.cpp-q4_1", "llama.cpp", "Q4_1 GGUF", str(exc)))
     return rows
+
+
+def floor_system(md: ModelDir) -> System:
+    """`--floor`: anychip's engine on the W4A8 model cut to its first decoder layer (peers.make_first_layer). Its
+    decode step is the part of every step that the other layers' kernels cannot shorten: the engine's own work a
+    step (scheduling, input preparation, sampling), the embedding, one layer and the head."""
+    layers = md.config.get("num_hidden_layers")
+    if md.scheme is None:
+        return _skip(FLOOR, "vllm", "", f"--floor cuts a W4A8 model; {md.path.name} is not one")
+    system = System(FLOOR, "vllm", f"the same W4A8 weights, decoder layer 0 of {layers} only", plugin=True,
+                    build=lambda: peers.make_first_layer(md.path))
+    system.notes.append(f"the model cut to its first of {layers} decoder layers (the same embedding, final norm, "
+                        "head, tokenizer and engine settings): the step floor of the engine")
+    return system
 
 
 def _gpu_peers(md: ModelDir, kind: str) -> list[System]:
@@ -584,6 +600,19 @@ def _size(row: dict[str, Any], key: str) -> str:
     return f"{key}{row[key]}{'*' if reduced else ''}"
 
 
+def floor_notes(rows: list[dict[str, Any]]) -> list[str]:
+    """With a measured --floor row: every system's decode step in ms a token beside the floor's (same tg)."""
+    floor = next((r for r in rows if r["system"] == FLOOR and r["status"] == "ok"), None)
+    if floor is None:
+        return []
+    base = 1e3 / floor["tg_tps"].mean
+    steps = [f"{r['system']} {1e3 / r['tg_tps'].mean:.2f} ms ({1e3 / r['tg_tps'].mean / base:.2f}x)"
+             for r in rows if r["status"] == "ok" and r is not floor and r["tg"] == floor["tg"]]
+    return [f"- step floor: {FLOOR} decodes in {base:.2f} ms a token (tg{floor['tg']}): what a step of this engine "
+            "costs besides the layers after the first, which no kernel work on them removes"
+            + ("; a decode step, ms a token (÷ the floor): " + "; ".join(steps) if steps else "")]
+
+
 def render_markdown(doc: dict[str, Any]) -> str:
     req = doc["requested"]
     lines = [f"# anychip bench latency: pp{req['pp']} / tg{req['tg']}", "", "Commands:", ""]
@@ -658,6 +687,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
                                 for what, count in (cov.get("fused") or {}).items())
                 head = f"; output head on {cov['head_route']}" if cov.get("head_route") else ""
                 notes.append(f"- {r['system']}: coverage: {cov['linears']} quantized linears ({routes}){fused}{head}")
+    notes += floor_notes(doc["rows"])
     loads = [f"{r['system']} {r['loadavg'][0]:.1f}/{r['loadavg'][1]:.1f}"
              + (f", CPU share {r['cpu_share']:.2f}" if r.get("cpu_share") is not None else "")
              + (f", waited {r['waited_for_idle_s']:.0f} s for idle" if r.get("waited_for_idle_s") else "")
@@ -773,6 +803,8 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
     batch = getattr(args, "batch", None)
     args.batch = (64 if args.device == "cuda" else 0) if batch is None else batch
     systems = plan_systems(md, args.peers, args.device)
+    if getattr(args, "floor", False):
+        systems.insert(1 + sum(s.name == OURS_INT8_HEAD for s in systems), floor_system(md))
     if args.systems:
         unknown = sorted(set(args.systems) - {s.name for s in systems} - set(SYSTEMS))
         if unknown:

