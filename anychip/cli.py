@@ -175,8 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also N requests of pp tokens generating tg each, at once: output tok/s (default: 64 on "
                         "cuda, off on cpu)")
     b.add_argument("--floor", action="store_true",
-                   help="also anychip on the W4A8 model cut to its first decoder layer (anychip-w4a8-floor): the "
-                        "engine's cost a step besides the other layers, the floor under every system's decode step")
+                   help="also anychip on the W4A8 model cut to its first decoder layer (anychip-w4a8-floor; naming it "
+                        "in --systems does the same): the engine's cost a step besides the other layers, the floor "
+                        "under every system's decode step")
     b.set_defaults(target="anychip.bench.latency:cmd_bench_latency")
     b = bsub.add_parser("serve", help="streaming OpenAI client: TTFT, TPOT, ITL, throughput under concurrency")
     b.add_argument("url", nargs="?", help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")

@@ -856,6 +856,9 @@ def test_floor_row_joins_after_ours_and_its_notes(tiny_llama, tmp_path, monkeypa
     assert main(["bench", "latency", str(w4a8), "--floor", "--systems", "anychip-w4a8,anychip-w4a8-floor",
                  "--device", "cpu", "--json", str(out)]) == 0
     assert seen == ["anychip-w4a8", "anychip-w4a8-floor"]
+    seen.clear()  # naming the floor row in --systems is enough
+    assert main(["bench", "latency", str(w4a8), "--systems", "anychip-w4a8-floor", "--device", "cpu"]) == 0
+    assert seen == ["anychip-w4a8-floor"]
     rows = [_latency_row(latency.OURS, 2000, 150), _latency_row(latency.FLOOR, 2000, 250),
             _latency_row("llama.cpp-q4_0", 500, 100)]
     (note,) = latency.floor_notes(rows)

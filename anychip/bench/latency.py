@@ -803,7 +803,7 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
     batch = getattr(args, "batch", None)
     args.batch = (64 if args.device == "cuda" else 0) if batch is None else batch
     systems = plan_systems(md, args.peers, args.device)
-    if getattr(args, "floor", False):
+    if getattr(args, "floor", False) or FLOOR in (args.systems or ()):  # naming the row asks for it
         systems.insert(1 + sum(s.name == OURS_INT8_HEAD for s in systems), floor_system(md))
     if args.systems:
         unknown = sorted(set(args.systems) - {s.name for s in systems} - set(SYSTEMS))
