@@ -605,8 +605,11 @@ def floor_notes(rows: list[dict[str, Any]]) -> list[str]:
     floor = next((r for r in rows if r["system"] == FLOOR and r["status"] == "ok"), None)
     if floor is None:
         return []
-    base = 1e3 / floor["tg_tps"].mean
-    steps = [f"{r['system']} {1e3 / r['tg_tps'].mean:.2f} ms ({1e3 / r['tg_tps'].mean / base:.2f}x)"
+    def ms(row: dict[str, Any]) -> float:  # a decode step, ms a token
+        return 1e3 / row["tg_tps"].mean
+
+    base = ms(floor)
+    steps = [f"{r['system']} {ms(r):.2f} ms ({ms(r) / base:.2f}x)"
              for r in rows if r["status"] == "ok" and r is not floor and r["tg"] == floor["tg"]]
     return [f"- step floor: {FLOOR} decodes in {base:.2f} ms a token (tg{floor['tg']}): what a step of this engine "
             "costs besides the layers after the first, which no kernel work on them removes"
