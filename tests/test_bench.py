@@ -865,3 +865,17 @@ def test_floor_row_joins_after_ours_and_its_notes(tiny_llama, tmp_path, monkeypa
     assert "anychip-w4a8-floor decodes in 4.00 ms a token" in note
     assert "anychip-w4a8 6.67 ms (1.67x)" in note and "llama.cpp-q4_0 10.00 ms (2.50x)" in note
     assert latency.floor_notes(rows[:1]) == []
+
+
+def test_floor_row_skips_the_batch_run(tiny_llama, tmp_path):
+    """--batch applies to our row, not to the floor's: the floor row is there for its decode step."""
+    from anychip.checkpoint.quantize import quantize_checkpoint
+    from anychip.checkpoint.scheme import W4A8Scheme
+
+    w4a8 = quantize_checkpoint(tiny_llama(), tmp_path / "w4a8", W4A8Scheme(group_size=32))
+    md = ModelDir.open(w4a8)
+    args = argparse.Namespace(pp=16, tg=8, reps=1, wait_idle=0, threads=2, eager=True, budget_s=10,
+                              graph_tokens=None, device="cpu", batch=64, compile_cache="shared")
+    specs = {s.name: latency._system_spec(s, args, tmp_path)[1]
+             for s in (latency.plan_systems(md, False)[0], latency.floor_system(md))}
+    assert specs[latency.OURS].batch == 64 and specs[latency.FLOOR].batch == 0

@@ -304,3 +304,21 @@ def test_the_tiny_writer_makes_each_family(tiny_llama):
         assert config["architectures"] == [spec["architecture"]], name
         assert _extras(spec["architecture"], config) <= set(read_tensors(src)), name
 
+
+
+def test_layer_tensor_names_and_checkpoint_order():
+    """One parser reads a decoder tensor's layer index (any module, any suffix); the checkpoint order puts the
+    embedding first, then each layer (its linears in DECODER_LINEARS order, by layer number, not by string), then the
+    final norm and the head."""
+    from anychip.checkpoint.layout import parse_layer_tensor, tensor_order
+
+    assert parse_layer_tensor("model.layers.7.mlp.down_proj.weight_packed") == (7, "mlp.down_proj.weight_packed")
+    assert parse_layer_tensor("model.layers.x.mlp.weight") is None
+    assert parse_layer_tensor("model.norm.weight") is None
+    names = ["lm_head.weight", "model.norm.weight", "model.layers.10.self_attn.q_proj.weight",
+             "model.layers.2.mlp.down_proj.weight", "model.layers.2.input_layernorm.weight",
+             "model.layers.2.self_attn.q_proj.weight", "model.embed_tokens.weight"]
+    assert sorted(names, key=tensor_order) == [
+        "model.embed_tokens.weight", "model.layers.2.self_attn.q_proj.weight", "model.layers.2.mlp.down_proj.weight",
+        "model.layers.2.input_layernorm.weight", "model.layers.10.self_attn.q_proj.weight", "model.norm.weight",
+        "lm_head.weight"]

@@ -190,3 +190,20 @@ def test_interleaved_systems_take_turns_with_their_engines_loaded(bpe_llama, tmp
     assert all(a[1] <= b[0] for a, b in zip(windows, windows[1:]))  # one at a time
     assert [name for *_, name, _ in windows] == ["llama.cpp-q4_0", "llama.cpp-q8_0", "llama.cpp-q8_0",
                                                  "llama.cpp-q4_0", "llama.cpp-q4_0", "llama.cpp-q8_0"]
+
+
+def test_gguf_names_of_layer_tensors():
+    """Each decoder tensor's llama.cpp name from its layer index and module; anything else is refused by name."""
+    from anychip.bench.gguf_peers import gguf_name
+    from anychip.bench.peers import PeerUnavailable
+
+    assert gguf_name("model.layers.12.self_attn.q_proj.weight") == "blk.12.attn_q.weight"
+    assert gguf_name("model.layers.0.self_attn.k_proj.bias") == "blk.0.attn_k.bias"
+    assert gguf_name("model.layers.3.post_attention_layernorm.weight") == "blk.3.ffn_norm.weight"
+    sandwich = gguf_name("model.layers.3.post_attention_layernorm.weight", sandwich=True)
+    assert sandwich == "blk.3.post_attention_norm.weight"
+    assert gguf_name("lm_head.weight") == "output.weight"
+    for name in ("model.layers.3.self_attn.q_proj.weight_packed", "model.layers.3.mlp.router.weight",
+                 "model.layers.x.mlp.up_proj.weight", "model.layers.3.weight", "model.rotary.inv_freq"):
+        with pytest.raises(PeerUnavailable, match="no llama.cpp name"):
+            gguf_name(name)

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from anychip.bench.peers import PeerUnavailable, check_gguf_matches, llama_cpp_available, smollm2_gguf
-from anychip.checkpoint.layout import DecoderDims
+from anychip.checkpoint.layout import DecoderDims, parse_layer_tensor
 from anychip.checkpoint.model_dir import ModelDir
 from anychip.errors import AnychipError
 
@@ -58,11 +58,12 @@ def gguf_name(hf_name: str, sandwich: bool = False) -> str:
     """llama.cpp's name for a tensor; `sandwich`: the model normalizes each block's output (Gemma 2 / 3)."""
     if hf_name in _TOP:
         return _TOP[hf_name]
-    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", hf_name)
+    parsed = parse_layer_tensor(hf_name)
+    module, _, kind = parsed[1].rpartition(".") if parsed else ("", "", "")
     names = _LAYER | _SANDWICH if sandwich else _LAYER
-    if m is None or m.group(2) not in names:
+    if kind not in ("weight", "bias") or module not in names:
         raise PeerUnavailable(f"no llama.cpp name for tensor {hf_name}")
-    return f"blk.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
+    return f"blk.{parsed[0]}.{names[module]}.{kind}"
 
 
 def rotary_rows(w: np.ndarray, heads: int) -> np.ndarray:

@@ -87,6 +87,7 @@ class System:
     skipped: str | None = None
     notes: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)  # on top of system_env's
+    batch: bool = True  # whether --batch applies to it (the floor row's point is its decode step)
 
 
 def _skip(name: str, engine: Engine, weights: str, reason: str) -> System:
@@ -162,7 +163,7 @@ def floor_system(md: ModelDir) -> System:
     if md.scheme is None:
         return _skip(FLOOR, "vllm", "", f"--floor cuts a W4A8 model; {md.path.name} is not one")
     system = System(FLOOR, "vllm", f"the same W4A8 weights, decoder layer 0 of {layers} only", plugin=True,
-                    build=lambda: peers.make_first_layer(md.path))
+                    build=lambda: peers.make_first_layer(md.path), batch=False)
     system.notes.append(f"the model cut to its first of {layers} decoder layers (the same embedding, final norm, "
                         "head, tokenizer and engine settings): the step floor of the engine")
     return system
@@ -408,7 +409,7 @@ def _system_spec(system: System, args: argparse.Namespace, workdir: Path) -> tup
     spec = RunSpec(system=system.name, engine=system.engine, model=str(model), pp=args.pp, tg=args.tg,
                    reps=args.reps, threads=args.threads, eager=args.eager, budget_s=args.budget_s,
                    graph_tokens=getattr(args, "graph_tokens", None),
-                   device=args.device, batch=args.batch if system.engine == "vllm" else 0,
+                   device=args.device, batch=args.batch if system.engine == "vllm" and system.batch else 0,
                    env=system_env(system, args.threads, coverage, _cold_caches(args, workdir, system),
                                   args.device),
                    notes=system.notes)

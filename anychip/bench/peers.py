@@ -23,7 +23,6 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.util
-import re
 import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -33,7 +32,7 @@ import torch
 
 from anychip.checkpoint.convert import convert_format, packed_weight_shape
 from anychip.checkpoint.io import TensorInfo, read_tensor, read_tensor_infos
-from anychip.checkpoint.layout import TensorSpec, parse_linear_weight
+from anychip.checkpoint.layout import TensorSpec, parse_layer_tensor, parse_linear_weight
 from anychip.checkpoint.model_dir import ModelDir
 from anychip.checkpoint.rewrite import is_cached, rewrite_checkpoint
 from anychip.checkpoint.scheme import IGNORED
@@ -180,15 +179,14 @@ def make_w4a16(w4a8: Path, dst: Path | None = None) -> Path:
                               overwrite=True, checksums=False)
 
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 #: config.json lists with one entry a decoder layer (Gemma 2 and 3's sliding or full attention)
 _PER_LAYER_LISTS = ("layer_types",)
 
 
 def _past_first_layer(name: str) -> bool:
     """A tensor of decoder layer 1 or later ("model.layers.7.mlp.down_proj.weight_packed")."""
-    m = _LAYER.match(name)
-    return m is not None and int(m.group(1)) >= 1
+    parsed = parse_layer_tensor(name)
+    return parsed is not None and parsed[0] >= 1
 
 
 def make_first_layer(model: Path, dst: Path | None = None) -> Path:

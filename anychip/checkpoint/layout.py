@@ -19,6 +19,8 @@ from anychip.formats import PACK_FACTOR
 
 #: "model.layers.3.mlp.down_proj.weight" -> layer 3, linear "mlp.down_proj".
 _LINEAR_WEIGHT = re.compile(r"^model\.layers\.(\d+)\.(" + "|".join(map(re.escape, DECODER_LINEARS)) + r")\.weight$")
+#: "model.layers.3.<rest>" -> layer 3, "<rest>".
+_LAYER_TENSOR = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
 @dataclass(frozen=True)
@@ -206,6 +208,13 @@ def parse_linear_weight(name: str) -> tuple[int, str] | None:
     return (int(m.group(1)), m.group(2)) if m else None
 
 
+def parse_layer_tensor(name: str) -> tuple[int, str] | None:
+    """(layer index, the name's rest) for any tensor of a decoder layer ("model.layers.7.mlp.down_proj.weight_packed"
+    -> (7, "mlp.down_proj.weight_packed")), else None."""
+    m = _LAYER_TENSOR.match(name)
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
 def linear_prefix(layer: int, linear: str) -> str:
     return f"model.layers.{layer}.{linear}"
 
@@ -256,9 +265,9 @@ def tensor_order(name: str) -> tuple[int, int, str]:
     """Sort key: embedding, then layer by layer (linears in DECODER_LINEARS order), then final norm, lm_head."""
     if name.startswith("model.embed_tokens."):
         return (0, 0, name)
-    m = re.match(r"^model\.layers\.(\d+)\.(.*)$", name)
-    if m:
-        rest = m.group(2)
+    parsed = parse_layer_tensor(name)
+    if parsed:
+        layer, rest = parsed
         rank = next((i for i, lin in enumerate(DECODER_LINEARS) if rest.startswith(lin + ".")), len(DECODER_LINEARS))
-        return (1, int(m.group(1)), f"{rank:02d}{rest}")
+        return (1, layer, f"{rank:02d}{rest}")
     return (2 if name.startswith("model.") else 3, 0, name)
