@@ -1,5 +1,6 @@
 # one bench latency call at llama-2b, appending to /root/keep/out/$2.json (default lat-2b); $1: the systems
-# (runs 163-165: `s38lat.sh anychip-w4a8,vllm-bf16,vllm-w4a8-stock`, then `s38lat.sh vllm-w4a16-machete,vllm-w4a16-marlin`;
+# (runs 163-165: `s38lat.sh anychip-w4a8,vllm-bf16,vllm-w4a8-stock`,
+# then `s38lat.sh vllm-w4a16-machete,vllm-w4a16-marlin`;
 # run 166: `s38lat.sh vllm-bf16,anychip-w4a8 lat-2b-again`)
 source .gpu/scripts/stage.sh > /dev/null 2>&1
 export PYTHONUNBUFFERED=1
