@@ -122,7 +122,8 @@ def assert_same_bits(run, runs: dict, a: str, b: str, rounds: int = 3) -> None:
             odd = [key for key in (a, b) if again[key]["outputs"] != runs[key]["outputs"]]
             runs.update(again)  # later comparisons take the pair that agreed, not a one-off
             warnings.warn(f"{a} and {b} differed in {len(seen)} pair(s) ({seen}), then agreed; the first run(s) that "
-                          f"did not repeat: {odd}")
+                          f"did not repeat: {odd}; processes of the pair that agreed "
+                          f"{ {key: again[key].get('process') for key in (a, b)} }")
             return
         seen.append((still, {key: again[key].get("process") for key in (a, b)}))
     raise AssertionError(f"{a} and {b} differ in all {rounds} pairs: {seen}")
@@ -201,7 +202,8 @@ def test_a_difference_that_repeats_fails_and_a_one_off_warns():
     with pytest.raises(AssertionError, match=r'differ in all 3 pairs: \[\("request 0, logprobs\[1\]'):
         assert_same_bits(lambda key: (runs[key], {}), runs, "a", "b")
     once = iter([row, off, row, row])  # a then b: the second pair differs too, the third agrees
-    with pytest.warns(UserWarning, match=r"differed in 2 pair\(s\) .* did not repeat: \['b'\]"):
+    agreed = r"differed in 2 pair\(s\) .* did not repeat: \['b'\]; processes of the pair that agreed"
+    with pytest.warns(UserWarning, match=agreed):
         assert_same_bits(lambda key: ({"outputs": [next(once)]}, {}), runs, "a", "b")
     assert runs["b"] == {"outputs": [row]}  # the one-off is gone: a later comparison against b runs nothing again
     assert_same_bits(lambda key: pytest.fail("ran again"), {"c": {"outputs": [row]}, **runs}, "c", "b")
