@@ -65,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPTQ: then tune each layer's codes and scales for N signed-gradient steps against the float "
                         "model's layer outputs, INT8 activations included (default: the default recipe's; "
                         "docs/bench/accuracy.md, 'Block tuning')")
+    s.add_argument("--e2e-steps", type=int, metavar="N",
+                   help="GPTQ: then tune every group scale for N steps so that the W4A8 model's next-token "
+                        "distribution on the calibration text approaches the BF16 model's (codes kept; an eighth "
+                        "of the sequences held out; default: the default recipe's; docs/bench/accuracy.md)")
     s.add_argument("--asymmetric", action="store_true",
                    help="GPTQ: fit each linear to the float model's output on the float model's own inputs, not "
                         "to its own weights on the quantized model's inputs (GPTAQ); off by default: it cost the "

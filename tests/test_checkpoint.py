@@ -214,7 +214,7 @@ def test_cli_gptq_dispatches_to_gptq_quantizer(tiny_llama, tmp_path, monkeypatch
                "--seq-len", "16", "--damp", "0.05", "--calibration", "calib.txt", "--refit", "2"])
     assert rc == 0
     assert seen == dict(src=src, scheme=W4A8Scheme(group_size=64), calibration="calib.txt", samples=4, seq_len=16,
-                        damp=0.05, refit=2, tune_steps=None, asymmetric=None)
+                        damp=0.05, refit=2, tune_steps=None, asymmetric=None, e2e_steps=None)
     assert json.loads((dst / "config.json").read_text())["quantization_config"]["anychip"]["method"] == "gptq"
 
 

@@ -524,3 +524,67 @@ def test_quantize_cli_asymmetric(tmp_path):
                  str(text), "--samples", "4", "--seq-len", "32", "--asymmetric"]) == 0
     recipe = json.loads((dst / "config.json").read_text())["quantization_config"]["anychip"]["recipe"]
     assert recipe["gptq"]["asymmetric"] is True
+
+
+def test_end_to_end_scale_tuning_keeps_codes_and_is_recorded(tmp_path):
+    """--e2e-steps N: GPTQ's codes are written unchanged, the scales stay positive BF16, the provenance records the
+    held-out KL divergences, and the tuned scales are kept only when theirs is lower; --e2e-steps without GPTQ is
+    refused."""
+    import json
+
+    from conftest import write_tiny_llama
+
+    from anychip.checkpoint.torch_model import load_reference_model
+    from anychip.cli import main
+
+    src = write_tiny_llama(tmp_path / "bf16", num_hidden_layers=2)
+    text = tmp_path / "calib.txt"
+    text.write_text(" ".join(f"w{(i * 7) % 97}" for i in range(4000)))
+    assert main(["quantize", str(src), str(tmp_path / "rtn"), "--e2e-steps", "5"]) != 0
+    assert not (tmp_path / "rtn").exists()
+    common = ["--method", "gptq", "--group-size", "32", "--calibration", str(text), "--samples", "8", "--seq-len",
+              "32"]
+    assert main(["quantize", str(src), str(tmp_path / "gptq"), *common]) == 0
+    assert main(["quantize", str(src), str(tmp_path / "e2e"), *common, "--e2e-steps", "30"]) == 0
+    recipe = json.loads((tmp_path / "e2e" / "config.json").read_text())["quantization_config"]["anychip"]["recipe"]
+    assert recipe["gptq"]["e2e_steps"] == 30
+    e2e = recipe["e2e_tuning"]
+    assert (e2e["train_sequences"], e2e["heldout_sequences"]) == (7, 1)
+    assert e2e["kept"] == (e2e["kl_heldout_tuned"] < e2e["kl_heldout_gptq"])
+    assert e2e["kl_heldout_gptq"] > 0
+    plain = json.loads((tmp_path / "gptq" / "config.json").read_text())["quantization_config"]["anychip"]["recipe"]
+    assert "e2e_steps" not in plain["gptq"] and "e2e_tuning" not in plain  # recipes without it keep their record
+    a = {n: m for n, m in load_reference_model(tmp_path / "gptq").named_modules() if hasattr(m, "wq")}
+    b = {n: m for n, m in load_reference_model(tmp_path / "e2e").named_modules() if hasattr(m, "wq")}
+    assert a.keys() == b.keys() and len(a) == 14
+    changed = 0
+    for name, m in a.items():
+        assert torch.equal(m.wq, b[name].wq)  # the codes are GPTQ's
+        sc = b[name].scales  # the loader gives fp32: BF16 values in the checkpoint
+        assert torch.equal(sc, sc.bfloat16().float()) and bool((sc > 0).all())
+        changed += int(not torch.equal(m.scales, b[name].scales))
+    assert changed == (len(a) if e2e["kept"] else 0)
+
+
+def test_end_to_end_tuning_lowers_the_kl_divergence(tmp_path):
+    """On a model whose scales were perturbed away from the source's, tuning the scales end to end brings the W4A8
+    model's distribution closer to the source's: the held-out KL drops and the tuned scales are kept."""
+    from conftest import write_tiny_llama
+    from transformers import AutoModelForCausalLM
+
+    from anychip.checkpoint.e2etune import tune_scales
+
+    src = write_tiny_llama(tmp_path / "bf16", num_hidden_layers=2)
+    teacher, student = (AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).eval() for _ in range(2))
+    weights = {}
+    for name, m in teacher.named_modules():
+        if isinstance(m, torch.nn.Linear) and ".layers." in name:
+            wq, sc = rtn_quantize(m.weight.data, 32)
+            gen = torch.Generator().manual_seed(len(weights))
+            noise = torch.exp(0.3 * torch.randn(sc.shape, generator=gen))  # scales off by about 30%
+            weights[name] = (wq, (sc.float() * noise).to(torch.bfloat16))
+    tokens = torch.randint(1, teacher.config.vocab_size, (8, 24), generator=torch.Generator().manual_seed(1))
+    out, outcome = tune_scales(student, teacher, weights, tokens, steps=60, lr=0.02, batch=4)
+    assert outcome.kept and outcome.after < 0.8 * outcome.before
+    for name, (wq, sc) in out.items():
+        assert wq is weights[name][0] and sc.dtype == torch.bfloat16 and bool((sc > 0).all())

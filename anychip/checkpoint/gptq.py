@@ -43,6 +43,7 @@ import torch
 from anychip.checkpoint.blocktune import tune_layer
 from anychip.checkpoint.calibration import (HessianHooks, InputSample, calibration_batch, forward_all,
                                             forward_pairs, generated_batch, layer_inputs)
+from anychip.checkpoint.e2etune import tune_scales
 from anychip.checkpoint.layout import Family, family_of
 from anychip.checkpoint.scales import SCALE_SEARCHES, search_scales
 from anychip.checkpoint.scheme import W4A8Scheme
@@ -74,6 +75,8 @@ class GPTQConfig:
     against the full Hessian; each count above 1 adds a round of codes swept again with those scales fixed and
     scales re-solved for the new codes (_refit_rounds); tune_steps: block-tuning steps per layer after GPTQ (0: off;
     blocktune.py), each on tune_batch calibration sequences, step size tune_lr (None: 1 / tune_steps);
+    e2e_steps: steps of end-to-end scale tuning after the last layer (0: off; e2etune.py), each on e2e_batch
+    calibration sequences, Adam step size e2e_lr on the scales' logarithms;
     asymmetric: each linear quantized against the float model's output on its own inputs (drift_corrected);
     signed_scales: a group's scale may be negative (scales.search_scales' `signed`): for the accuracy sweep only
     (its -sg flag; docs/bench/accuracy.md, not promoted), since the checkpoint contract wants scales > 0 and
@@ -94,6 +97,9 @@ class GPTQConfig:
     tune_steps: int = 0
     tune_batch: int = 4
     tune_lr: float | None = None
+    e2e_steps: int = 0
+    e2e_batch: int = 4
+    e2e_lr: float = 1e-3
     asymmetric: bool = False
     signed_scales: bool = False
 
@@ -121,6 +127,15 @@ class GPTQConfig:
             raise AnychipError(f"--tune-steps {self.tune_steps}: must be 0 (off) or more")
         if self.tune_batch < 1:
             raise AnychipError(f"tune_batch {self.tune_batch}: need at least 1 calibration sequence a step")
+        if self.e2e_steps < 0:
+            raise AnychipError(f"--e2e-steps {self.e2e_steps}: must be 0 (off) or more")
+        if self.e2e_steps and self.samples < 2:
+            raise AnychipError(f"--e2e-steps needs at least 2 calibration sequences (one is held out); got "
+                               f"--samples {self.samples}")
+        if self.e2e_batch < 1:
+            raise AnychipError(f"e2e_batch {self.e2e_batch}: need at least 1 calibration sequence a step")
+        if not 0.0 < self.e2e_lr <= 0.1:
+            raise AnychipError(f"e2e_lr {self.e2e_lr}: use a step size in (0, 0.1]")
         if self.tune_lr is not None and not 0.0 < self.tune_lr <= 0.5:
             raise AnychipError(f"tune_lr {self.tune_lr}: use a step size in (0, 0.5] (default 1 / tune_steps)")
 
@@ -132,6 +147,9 @@ class GPTQConfig:
         if not self.tune_steps:
             for key in ("tune_steps", "tune_batch", "tune_lr"):
                 out.pop(key)  # recipes made before block tuning existed keep their provenance (and cache key)
+        if not self.e2e_steps:
+            for key in ("e2e_steps", "e2e_batch", "e2e_lr"):
+                out.pop(key)  # and before end-to-end scale tuning
         if not self.asymmetric:
             out.pop("asymmetric")  # the same for recipes made before asymmetric calibration existed
         if not self.signed_scales:
@@ -355,12 +373,14 @@ def _columns(w: torch.Tensor, hinv: torch.Tensor, block_size: int,
 class GPTQResult:
     """run_gptq's output: {linear prefix: (wq, scales)} on the CPU; the BF16 tensors smoothing changed
     ({name: tensor}); per layer, the smoothing alpha kept at each point (None: no smoothing there) and, with block
-    tuning, its output error before and after and whether the tuned weights were kept."""
+    tuning, its output error before and after and whether the tuned weights were kept; with end-to-end scale
+    tuning, its held-out KL divergences and whether the tuned scales were kept."""
 
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
     dense: dict[str, torch.Tensor] = field(default_factory=dict)
     smoothing: list[dict[str, float | None]] = field(default_factory=list)
     tuning: list[dict[str, Any]] = field(default_factory=list)
+    e2e: dict[str, Any] | None = None
 
 
 def _smooth_layer(layer, xs: list[torch.Tensor], kwargs: dict, scheme: W4A8Scheme, config: GPTQConfig,
@@ -492,7 +512,8 @@ def run_gptq(src: str | Path, scheme: W4A8Scheme, calibration: str | Path | None
     log(f"{config.samples} x {config.seq_len} calibration tokens from {source}, {len(layers)} layers, "
         f"group size {scheme.group_size}, scales {config.scale_search}, act-order {config.act_order}, "
         f"true-sequential {config.true_sequential}, smoothing {','.join(config.smooth) or 'off'}, "
-        f"refit {config.refit}, block tuning {config.tune_steps or 'off'}, asymmetric {config.asymmetric}, on {dev}")
+        f"refit {config.refit}, block tuning {config.tune_steps or 'off'}, end-to-end scales "
+        f"{config.e2e_steps or 'off'}, asymmetric {config.asymmetric}, on {dev}")
     result = GPTQResult(weights={})
     with torch.inference_mode():
         xs, layer_kwargs = layer_inputs(model, batch, dev)
@@ -535,6 +556,16 @@ def run_gptq(src: str | Path, scheme: W4A8Scheme, calibration: str | Path | None
                     tuned = (f" (block tuning: output error {100 * (t['mse_tuned'] / t['mse_gptq'] - 1):+.1f}%, "
                              f"{'kept' if t['kept'] else 'GPTQ kept'})") if t["mse_gptq"] > 0 else ""
                 log(f"layer {li + 1}/{len(layers)} quantized{tuned}")
+    if config.e2e_steps:
+        teacher = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16, local_files_only=True,
+                                                       attn_implementation="sdpa").eval().to(dev)
+        result.weights, outcome = tune_scales(model.to(dev), teacher, result.weights, batch, config.e2e_steps,
+                                              config.e2e_lr, config.e2e_batch, seed=config.seed, log=log)
+        result.e2e = outcome.record()
+        log(f"end-to-end scales: held-out KL {outcome.before:.5f} -> {outcome.after:.5f} a token, "
+            f"{'kept' if outcome.kept else 'GPTQ kept'}")
+        del teacher
+        model.to("cpu")
     return result
 
 
@@ -580,11 +611,12 @@ class GPTQWeights:
 def gptq_quantizer(src: str | Path, scheme: W4A8Scheme, calibration: str | Path | None = None,
                    samples: int | None = None, seq_len: int | None = None, damp: float | None = None,
                    refit: int | None = None, tune_steps: int | None = None, asymmetric: bool | None = None,
-                   config: GPTQConfig = DEFAULT_GPTQ) -> GPTQWeights:
-    """Run GPTQ on `src` now (`config`, with samples / seq_len / damp / refit / tune_steps / asymmetric overriding
-    it when given); return the quantizer that hands each linear its precomputed (wq, scales)."""
+                   e2e_steps: int | None = None, config: GPTQConfig = DEFAULT_GPTQ) -> GPTQWeights:
+    """Run GPTQ on `src` now (`config`, with samples / seq_len / damp / refit / tune_steps / asymmetric / e2e_steps
+    overriding it when given); return the quantizer that hands each linear its precomputed (wq, scales)."""
     overrides = {k: v for k, v in dict(samples=samples, seq_len=seq_len, damp=damp, refit=refit,
-                                       tune_steps=tune_steps, asymmetric=asymmetric).items() if v is not None}
+                                       tune_steps=tune_steps, asymmetric=asymmetric,
+                                       e2e_steps=e2e_steps).items() if v is not None}
     config = replace(config, **overrides)
     result = run_gptq(src, scheme, calibration, config)
     recipe = {"gptq": config.recipe(),
@@ -597,4 +629,6 @@ def gptq_quantizer(src: str | Path, scheme: W4A8Scheme, calibration: str | Path 
         recipe["bf16_changed_tensors"] = sorted(result.dense)
     if result.tuning:
         recipe["block_tuning"] = result.tuning
+    if result.e2e is not None:
+        recipe["e2e_tuning"] = result.e2e
     return GPTQWeights(Path(src), result, recipe)

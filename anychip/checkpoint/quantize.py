@@ -61,7 +61,7 @@ def rtn_quantizer(scheme: W4A8Scheme) -> WeightQuantizer:
 
 def make_quantizer(method: str, src: Path, scheme: W4A8Scheme, **options: Any) -> WeightQuantizer:
     """The quantizer for `method`; `options` go to GPTQ (calibration, samples, seq_len, damp, refit, tune_steps,
-    asymmetric, config)."""
+    asymmetric, e2e_steps, config)."""
     if method == "rtn":
         return rtn_quantizer(scheme)
     if method == "gptq":
@@ -218,11 +218,14 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     options = {}
     if args.tune_steps is not None and args.method != "gptq":
         raise AnychipError(f"--tune-steps {args.tune_steps} tunes GPTQ's result: add --method gptq")
+    if args.e2e_steps is not None and args.method != "gptq":
+        raise AnychipError(f"--e2e-steps {args.e2e_steps} tunes GPTQ's scales: add --method gptq")
     if args.asymmetric and args.method != "gptq":
         raise AnychipError("--asymmetric is a way of calibrating GPTQ: add --method gptq")
     if args.method == "gptq":
         options = dict(calibration=args.calibration, samples=args.samples, seq_len=args.seq_len, damp=args.damp,
-                       refit=args.refit, tune_steps=args.tune_steps, asymmetric=args.asymmetric or None)
+                       refit=args.refit, tune_steps=args.tune_steps, asymmetric=args.asymmetric or None,
+                       e2e_steps=args.e2e_steps)
     if args.rotate is None:
         quantizer = make_quantizer(args.method, src, scheme, **options)
         out = quantize_checkpoint(src, dst, scheme, quantizer, method=args.method)

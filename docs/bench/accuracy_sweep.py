@@ -8,21 +8,24 @@ INT8; SimulatedW4A8Linear) and, where smoothing changed them, its RMSNorm weight
     a8                            BF16 weights, INT8 activations only
     default                       the recipe `anychip prepare` uses (PrepareRecipe + gptq.DEFAULT_GPTQ)
     rtn-gG[-amax|-clip|-mse][-sg] round to nearest, scales by scales.py (default amax; -sg: signed)
-    gptq-gG[-sN][-lN][-dX][-rN][-amax|-clip|-mse][-ao][-ts][-sm|-smn][-fN][-tN][-as][-sg][-gen|-xNAME]
+    gptq-gG[-sN][-lN][-dX][-rN][-amax|-clip|-mse][-ao][-ts][-sm|-smn][-fN][-tN][-eN][-uX][-as][-sg][-gen|-xNAME]
                                   GPTQ: N calibration sequences (default 128) of N tokens each (-l, default
                                   512), damp X, calibration windows drawn with seed N (default 0; to see
                                   run-to-run spread), scale search,
                                   act-order (static groups), true-sequential, smoothing at all four points (-sm)
                                   or at the two RMSNorms only (-smn), scales refit against the full Hessian
                                   (GPTQConfig.refit N), N block-tuning steps a layer after GPTQ
-                                  (GPTQConfig.tune_steps), asymmetric calibration (-as: GPTQConfig.asymmetric),
+                                  (GPTQConfig.tune_steps), N steps of end-to-end scale tuning after GPTQ
+                                  (GPTQConfig.e2e_steps) at step size X (-u, GPTQConfig.e2e_lr),
+                                  asymmetric calibration (-as: GPTQConfig.asymmetric),
                                   signed group scales (-sg: GPTQConfig.signed_scales; for rtn too),
                                   calibration text sampled from the model (-gen)
                                   or read from the file `--text NAME=PATH` names (-xNAME; default: the shipped
                                   text)
-    default[-fN][-tN][-dX][-as][-sg][-sN][-lN]
-                                  the default recipe with GPTQConfig.refit N (and tune_steps N, damp X,
-                                  asymmetric, N calibration sequences of N tokens)
+    default[-fN][-tN][-eN][-uX][-dX][-as][-sg][-sN][-lN][-xNAME]
+                                  the default recipe with GPTQConfig.refit N (and tune_steps N, e2e_steps N,
+                                  e2e_lr X, damp X, asymmetric, N calibration sequences of N tokens, the
+                                  calibration text --text NAME=PATH names)
     any of these + -wonly         activations left in float (INT4 weights alone)
     llama.cpp-TYPE                the peer: llama.cpp's own GGUF of the BF16 source (TYPE Q4_0, Q8_0 or F32, made
                                   by llama.cpp's quantizer) scored through llama-cpp-python on the CPU, on the
@@ -72,27 +75,30 @@ def parse_variant(name: str, texts: dict[str, Path] | None = None) -> tuple[str,
     texts = texts or {}
     head, _, rest = name.partition("-")
     extra = rest.split("-") if rest else []
-    if head == "default" and all(f in ("as", "sg") or f[:1] in "ftsl" and f[1:].isdigit()
-                                 or f[:1] == "d" and f[1:].replace(".", "", 1).isdigit() for f in extra):
+    named = {f"x{key}": str(path) for key, path in texts.items()}  # -xNAME: the file --text NAME=PATH names
+    if head == "default" and all(f in ("as", "sg") or f in named or f[:1] in "ftsle" and f[1:].isdigit()
+                                 or f[:1] in "du" and f[1:].replace(".", "", 1).isdigit() for f in extra):
         refit = next((int(f[1:]) for f in extra if f[0] == "f"), DEFAULT_GPTQ.refit)
         tune = next((int(f[1:]) for f in extra if f[0] == "t"), DEFAULT_GPTQ.tune_steps)
+        e2e = next((int(f[1:]) for f in extra if f[0] == "e"), DEFAULT_GPTQ.e2e_steps)
+        e2e_lr = next((float(f[1:]) for f in extra if f[0] == "u"), DEFAULT_GPTQ.e2e_lr)
         damp = next((float(f[1:]) for f in extra if f[0] == "d"), DEFAULT_GPTQ.damp)
         samples = next((int(f[1:]) for f in extra if f[0] == "s" and f[1:].isdigit()), DEFAULT_RECIPE.gptq_samples)
         seq_len = next((int(f[1:]) for f in extra if f[0] == "l"), DEFAULT_GPTQ.seq_len)
         config = replace(DEFAULT_GPTQ, samples=samples, seq_len=seq_len, refit=refit, tune_steps=tune, damp=damp,
-                         asymmetric=DEFAULT_GPTQ.asymmetric or "as" in extra,
+                         e2e_steps=e2e, e2e_lr=e2e_lr, asymmetric=DEFAULT_GPTQ.asymmetric or "as" in extra,
                          signed_scales=DEFAULT_GPTQ.signed_scales or "sg" in extra)
-        return DEFAULT_RECIPE.method, DEFAULT_RECIPE.group_size or 32, config, None, True
+        calibration = next((named[f] for f in reversed(extra) if f in named), None)
+        return DEFAULT_RECIPE.method, DEFAULT_RECIPE.group_size or 32, config, calibration, True
     method, group, *flags = name.split("-")
     if method not in ("rtn", "gptq") or not group.startswith("g") or not group[1:].isdigit():
         raise SystemExit(f"variant {name!r}: use bf16, a8, default, rtn-gG[...] or gptq-gG[...] (see --help)")
     act = "wonly" not in flags
-    named = {f"x{key}": str(path) for key, path in texts.items()}  # -xNAME: the file --text NAME=PATH names
     calibration = next((named[f] for f in reversed(flags) if f in named), GENERATED if "gen" in flags else None)
     search = next((f for f in flags if f in SCALE_SEARCHES), "amax" if method == "rtn" else None)
     known = {"wonly", "gen", "ao", "ts", "sm", "smn", "as", "sg", *SCALE_SEARCHES, *named}
     for f in flags:
-        if f not in known and not (f[0] in "sldrft" and f[1:].replace(".", "").isdigit()):
+        if f not in known and not (f[0] in "sldrfteu" and f[1:].replace(".", "").isdigit()):
             raise SystemExit(f"variant {name!r}: unknown option -{f} (-xNAME needs --text NAME=PATH)")
     if method == "rtn":
         return method, int(group[1:]), search + ("-sg" if "sg" in flags else ""), None, act
@@ -102,10 +108,14 @@ def parse_variant(name: str, texts: dict[str, Path] | None = None) -> tuple[str,
     seed = next((int(f[1:]) for f in flags if f[0] == "r" and f[1:].isdigit()), 0)
     refit = next((int(f[1:]) for f in flags if f[0] == "f" and f[1:].isdigit()), 0)
     tune = next((int(f[1:]) for f in flags if f[0] == "t" and f[1:].isdigit()), 0)
+    e2e = next((int(f[1:]) for f in flags if f[0] == "e" and f[1:].isdigit()), 0)
+    e2e_lr = next((float(f[1:]) for f in flags if f[0] == "u" and f[1:].replace(".", "").isdigit()),
+                  GPTQConfig.e2e_lr)
     smooth = POINT_NAMES if "sm" in flags else NORM_POINTS if "smn" in flags else ()
     config = replace(GPTQConfig(), samples=samples, seq_len=seq_len, damp=damp, seed=seed,
                      scale_search=search or "clip", act_order="ao" in flags, true_sequential="ts" in flags,
-                     smooth=smooth, refit=refit, tune_steps=tune, asymmetric="as" in flags,
+                     smooth=smooth, refit=refit, tune_steps=tune, e2e_steps=e2e, e2e_lr=e2e_lr,
+                     asymmetric="as" in flags,
                      signed_scales="sg" in flags)
     return method, int(group[1:]), config, calibration, act
 
@@ -119,7 +129,8 @@ def quantize_variant(name: str, bf16: Path, model, device: str, texts: dict[str,
     if method == "gptq":
         res = run_gptq(bf16, W4A8Scheme(group_size=group), calibration=calibration, config=how, device=device)
         return res.weights, res.dense, act, {"gptq": how.recipe(), "smoothing": res.smoothing,
-                                             "tuning": res.tuning, "calibration": calibration or "shipped"}
+                                             "tuning": res.tuning, "e2e_tuning": res.e2e,
+                                             "calibration": calibration or "shipped"}
     out = {}
     for prefix in linears(model):
         w = model.get_submodule(prefix).weight.data.float()
