@@ -46,27 +46,47 @@ class E2EOutcome:
                 "train_sequences": self.train, "heldout_sequences": self.heldout}
 
 
+class _GroupScaledLinear(torch.autograd.Function):
+    """y = x @ (codes x scales)^T with a gradient for x and the scales only. The weight is rebuilt in the backward
+    pass instead of saved (autograd would keep every linear's fp32 weight, 4 bytes a weight, for the whole step);
+    the scales' gradient is each group's sum of codes x (gy^T x)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, codes, scales)
+        return torch.nn.functional.linear(x, _weight(codes, scales))
+
+    @staticmethod
+    def backward(ctx, gy: torch.Tensor):
+        x, codes, scales = ctx.saved_tensors
+        gx = gy @ _weight(codes, scales) if ctx.needs_input_grad[0] else None
+        gw = gy.reshape(-1, gy.shape[-1]).t() @ x.reshape(-1, x.shape[-1])  # (N, K), one linear at a time
+        return gx, None, (gw.view(codes.shape) * codes).sum(-1)
+
+
+def _weight(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """(N, K) fp32 from int8 codes (N, G, K/G) and scales (N, G)."""
+    return (codes.float() * scales.unsqueeze(2)).flatten(1)
+
+
 class _TunedLinear(torch.nn.Module):
     """A decoder linear on the server's arithmetic (eval.engines.SimulatedW4A8Linear: per-token INT8 activations
     times codes x BF16 scales in fp32, the output in the input's dtype) whose scales are s0 * exp(t): GPTQ's codes
-    (N, K), its scales s0 (N, G) and the trainable log-factors t (N, G)."""
+    (N, K) as int8, its scales s0 (N, G) and the trainable log-factors t (N, G)."""
 
-    def __init__(self, wq: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-                 device: torch.device) -> None:
+    def __init__(self, wq: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
-        self.shape = tuple(wq.shape)
-        self.register_buffer("codes", wq.to(device, torch.float32).view(wq.shape[0], scales.shape[1], -1))
-        self.register_buffer("s0", scales.to(device, torch.float32))
+        self.register_buffer("codes", wq.to(torch.int8).reshape(wq.shape[0], scales.shape[1], -1).clone())
+        self.register_buffer("s0", scales.to(torch.float32).clone())
+        self.register_buffer("bias", bias)
         self.t = torch.nn.Parameter(torch.zeros_like(self.s0))
-        self.bias = bias
 
     def scales(self) -> torch.Tensor:
         s = self.s0 * torch.exp(self.t)
         return s + (s.to(torch.bfloat16).float() - s).detach()  # BF16 as stored, gradient straight through
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = (self.codes * self.scales().unsqueeze(2)).view(self.shape)
-        y = torch.nn.functional.linear(fake_quantize_activations(x.float()), w)
+        y = _GroupScaledLinear.apply(fake_quantize_activations(x.float()), self.codes, self.scales())
         if self.bias is not None:
             y = y + self.bias.float()
         return y.to(x.dtype)
@@ -102,15 +122,15 @@ Weights = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
 def tune_scales(student: torch.nn.Module, teacher: torch.nn.Module, weights: Weights, tokens: torch.Tensor,
-                steps: int, lr: float, batch: int, seed: int = 0,
+                steps: int, lr: float, batch: int, device: torch.device | str, seed: int = 0,
                 log: Callable[[str], None] | None = None) -> tuple[Weights, E2EOutcome]:
     """Tune the group scales of `weights` ({linear prefix: (wq, scales)}, GPTQ's result for the decoder linears of
     `student`) end to end against `teacher` (the BF16 source) on the calibration `tokens` (sequences, length).
-    `student` is the source with GPTQ's dense changes applied (smoothed norms), on the device to compute on; its
-    linears named in `weights` are replaced (the model is spent). Returns the chosen (wq, scales) and the outcome;
-    the codes are GPTQ's either way."""
+    `student` is the source with GPTQ's dense changes applied (smoothed norms); its linears named in `weights` are
+    replaced first, then it moves to `device` (the model is spent); `teacher` must sit on `device`. Returns the
+    chosen (wq, scales) and the outcome; the codes are GPTQ's either way. The held-out sequences are other windows
+    of the same calibration text: they can overlap the training windows where the text is short for their number."""
     log = log or (lambda msg: None)
-    device = next(student.parameters()).device
     n = tokens.shape[0]
     heldout = max(1, n // 8)
     if n - heldout < 1:
@@ -118,22 +138,24 @@ def tune_scales(student: torch.nn.Module, teacher: torch.nn.Module, weights: Wei
     train, held = tokens[:n - heldout], tokens[n - heldout:]
     teacher.requires_grad_(False)
     with torch.inference_mode(False), torch.enable_grad():
-        _own_tensors(student)
-        student.requires_grad_(False)
         tuned: dict[str, _TunedLinear] = {}
-        for prefix, (wq, sc) in weights.items():
+        for prefix, (wq, sc) in weights.items():  # before the move: the dense weights they replace never go there
             parent, child = prefix.rsplit(".", 1)
             old = student.get_submodule(prefix)
             bias = old.bias.detach().clone() if getattr(old, "bias", None) is not None else None
-            tuned[prefix] = _TunedLinear(wq, sc, bias, device)
+            tuned[prefix] = _TunedLinear(wq, sc, bias)
             setattr(student.get_submodule(parent), child, tuned[prefix])
+        _own_tensors(student)
+        student.to(device).requires_grad_(False)
+        for m in tuned.values():
+            m.t.requires_grad_(True)
 
         def heldout_kl() -> float:
             with torch.no_grad():
                 total = 0.0
                 for i in range(0, held.shape[0], batch):
                     ids = held[i:i + batch].to(device)
-                    total += float(_kl(student(ids).logits, teacher(ids).logits))
+                    total += float(_kl(student(ids, use_cache=False).logits, teacher(ids, use_cache=False).logits))
                 return total / held.numel()
 
         before = heldout_kl()
@@ -143,8 +165,8 @@ def tune_scales(student: torch.nn.Module, teacher: torch.nn.Module, weights: Wei
         for step in range(steps):
             ids = train[torch.randperm(train.shape[0], generator=gen)[:batch]].to(device)
             with torch.no_grad():
-                target = teacher(ids).logits
-            loss = _kl(student(ids).logits, target) / ids.numel()
+                target = teacher(ids, use_cache=False).logits
+            loss = _kl(student(ids, use_cache=False).logits, target) / ids.numel()
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()

@@ -559,13 +559,11 @@ def run_gptq(src: str | Path, scheme: W4A8Scheme, calibration: str | Path | None
     if config.e2e_steps:
         teacher = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16, local_files_only=True,
                                                        attn_implementation="sdpa").eval().to(dev)
-        result.weights, outcome = tune_scales(model.to(dev), teacher, result.weights, batch, config.e2e_steps,
-                                              config.e2e_lr, config.e2e_batch, seed=config.seed, log=log)
+        result.weights, outcome = tune_scales(model, teacher, result.weights, batch, config.e2e_steps,
+                                              config.e2e_lr, config.e2e_batch, dev, seed=config.seed, log=log)
         result.e2e = outcome.record()
         log(f"end-to-end scales: held-out KL {outcome.before:.5f} -> {outcome.after:.5f} a token, "
             f"{'kept' if outcome.kept else 'GPTQ kept'}")
-        del teacher
-        model.to("cpu")
     return result
 
 

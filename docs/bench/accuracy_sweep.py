@@ -89,6 +89,8 @@ def parse_variant(name: str, texts: dict[str, Path] | None = None) -> tuple[str,
                          e2e_steps=e2e, e2e_lr=e2e_lr, asymmetric=DEFAULT_GPTQ.asymmetric or "as" in extra,
                          signed_scales=DEFAULT_GPTQ.signed_scales or "sg" in extra)
         calibration = next((named[f] for f in reversed(extra) if f in named), None)
+        if any(f[0] == "u" for f in extra) and not any(f[0] == "e" for f in extra):
+            raise SystemExit(f"variant {name!r}: -uX is the step size of end-to-end tuning: add -eN")
         return DEFAULT_RECIPE.method, DEFAULT_RECIPE.group_size or 32, config, calibration, True
     method, group, *flags = name.split("-")
     if method not in ("rtn", "gptq") or not group.startswith("g") or not group[1:].isdigit():
@@ -98,8 +100,11 @@ def parse_variant(name: str, texts: dict[str, Path] | None = None) -> tuple[str,
     search = next((f for f in flags if f in SCALE_SEARCHES), "amax" if method == "rtn" else None)
     known = {"wonly", "gen", "ao", "ts", "sm", "smn", "as", "sg", *SCALE_SEARCHES, *named}
     for f in flags:
-        if f not in known and not (f[0] in "sldrfteu" and f[1:].replace(".", "").isdigit()):
+        if f not in known and not (f[0] in "sldrft" and f[1:].replace(".", "").isdigit()
+                                   or f[0] in "eu" and f[1:].replace(".", "", 1).isdigit()):
             raise SystemExit(f"variant {name!r}: unknown option -{f} (-xNAME needs --text NAME=PATH)")
+    if any(f[0] == "u" for f in flags) and not any(f[0] == "e" and f[1:].isdigit() for f in flags):
+        raise SystemExit(f"variant {name!r}: -uX is the step size of end-to-end tuning: add -eN")
     if method == "rtn":
         return method, int(group[1:]), search + ("-sg" if "sg" in flags else ""), None, act
     samples = next((int(f[1:]) for f in flags if f[0] == "s" and f[1:].isdigit()), 128)
@@ -109,7 +114,7 @@ def parse_variant(name: str, texts: dict[str, Path] | None = None) -> tuple[str,
     refit = next((int(f[1:]) for f in flags if f[0] == "f" and f[1:].isdigit()), 0)
     tune = next((int(f[1:]) for f in flags if f[0] == "t" and f[1:].isdigit()), 0)
     e2e = next((int(f[1:]) for f in flags if f[0] == "e" and f[1:].isdigit()), 0)
-    e2e_lr = next((float(f[1:]) for f in flags if f[0] == "u" and f[1:].replace(".", "").isdigit()),
+    e2e_lr = next((float(f[1:]) for f in flags if f[0] == "u" and f[1:].replace(".", "", 1).isdigit()),
                   GPTQConfig.e2e_lr)
     smooth = POINT_NAMES if "sm" in flags else NORM_POINTS if "smn" in flags else ()
     config = replace(GPTQConfig(), samples=samples, seq_len=seq_len, damp=damp, seed=seed,
