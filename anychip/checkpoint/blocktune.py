@@ -36,6 +36,11 @@ def _round_ste(t: torch.Tensor) -> torch.Tensor:
     return t + (torch.round(t) - t).detach()
 
 
+def round_bf16_ste(s: torch.Tensor) -> torch.Tensor:
+    """s rounded to BF16 as a checkpoint stores its scales, with the gradient passed straight through."""
+    return s + (s.to(torch.bfloat16).float() - s).detach()
+
+
 def fake_quantize_activations(x: torch.Tensor) -> torch.Tensor:
     """Per-token symmetric INT8 as quantize_activations_ref computes it, in float, with a straight-through
     gradient (the scale is held constant for the gradient)."""
@@ -58,8 +63,7 @@ class TunedLinear:
         self.d = torch.zeros_like(self.s0, requires_grad=True)
 
     def scales(self) -> torch.Tensor:
-        s = self.s0 * (1 + self.d)
-        return s + (s.to(torch.bfloat16).float() - s).detach()  # BF16 as stored, gradient straight through
+        return round_bf16_ste(self.s0 * (1 + self.d))
 
     def codes_and_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
         n, k = self.base.shape

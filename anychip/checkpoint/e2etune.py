@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from anychip.checkpoint.blocktune import fake_quantize_activations
+from anychip.checkpoint.blocktune import fake_quantize_activations, round_bf16_ste
 
 #: Largest |t| (a scale moves at most by a factor e^0.5 either way).
 LOG_SCALE_RANGE = 0.5
@@ -82,8 +82,7 @@ class _TunedLinear(torch.nn.Module):
         self.t = torch.nn.Parameter(torch.zeros_like(self.s0))
 
     def scales(self) -> torch.Tensor:
-        s = self.s0 * torch.exp(self.t)
-        return s + (s.to(torch.bfloat16).float() - s).detach()  # BF16 as stored, gradient straight through
+        return round_bf16_ste(self.s0 * torch.exp(self.t))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _GroupScaledLinear.apply(fake_quantize_activations(x.float()), self.codes, self.scales())
@@ -112,7 +111,7 @@ def _own_tensors(model: torch.nn.Module) -> None:
     which autograd can save for the backward pass."""
     with torch.no_grad():
         for module in model.modules():
-            for name, t in module.named_parameters(recurse=False):
+            for t in module.parameters(recurse=False):
                 t.data = t.data.clone()
             for name, t in list(module.named_buffers(recurse=False)):
                 module._buffers[name] = t.clone()

@@ -76,6 +76,9 @@ def parse_variant(name: str, texts: dict[str, Path] | None = None) -> tuple[str,
     head, _, rest = name.partition("-")
     extra = rest.split("-") if rest else []
     named = {f"x{key}": str(path) for key, path in texts.items()}  # -xNAME: the file --text NAME=PATH names
+    if (any(f[:1] == "u" and f[1:].replace(".", "", 1).isdigit() for f in extra)
+            and not any(f[:1] == "e" and f[1:].isdigit() for f in extra)):
+        raise SystemExit(f"variant {name!r}: -uX is the step size of end-to-end tuning: add -eN")
     if head == "default" and all(f in ("as", "sg") or f in named or f[:1] in "ftsle" and f[1:].isdigit()
                                  or f[:1] in "du" and f[1:].replace(".", "", 1).isdigit() for f in extra):
         refit = next((int(f[1:]) for f in extra if f[0] == "f"), DEFAULT_GPTQ.refit)
@@ -89,8 +92,6 @@ def parse_variant(name: str, texts: dict[str, Path] | None = None) -> tuple[str,
                          e2e_steps=e2e, e2e_lr=e2e_lr, asymmetric=DEFAULT_GPTQ.asymmetric or "as" in extra,
                          signed_scales=DEFAULT_GPTQ.signed_scales or "sg" in extra)
         calibration = next((named[f] for f in reversed(extra) if f in named), None)
-        if any(f[0] == "u" for f in extra) and not any(f[0] == "e" for f in extra):
-            raise SystemExit(f"variant {name!r}: -uX is the step size of end-to-end tuning: add -eN")
         return DEFAULT_RECIPE.method, DEFAULT_RECIPE.group_size or 32, config, calibration, True
     method, group, *flags = name.split("-")
     if method not in ("rtn", "gptq") or not group.startswith("g") or not group[1:].isdigit():
@@ -103,8 +104,6 @@ def parse_variant(name: str, texts: dict[str, Path] | None = None) -> tuple[str,
         if f not in known and not (f[0] in "sldrft" and f[1:].replace(".", "").isdigit()
                                    or f[0] in "eu" and f[1:].replace(".", "", 1).isdigit()):
             raise SystemExit(f"variant {name!r}: unknown option -{f} (-xNAME needs --text NAME=PATH)")
-    if any(f[0] == "u" for f in flags) and not any(f[0] == "e" and f[1:].isdigit() for f in flags):
-        raise SystemExit(f"variant {name!r}: -uX is the step size of end-to-end tuning: add -eN")
     if method == "rtn":
         return method, int(group[1:]), search + ("-sg" if "sg" in flags else ""), None, act
     samples = next((int(f[1:]) for f in flags if f[0] == "s" and f[1:].isdigit()), 128)
