@@ -88,6 +88,7 @@ ANYCHIP_DIRECT_LAUNCH = "ANYCHIP_DIRECT_LAUNCH"
 #: "0" launches the GPU route's batch-one GEMVs as plain launches (default: programmatic dependent launches on
 #: Hopper and newer, kernels/gpu/launch.py).
 ANYCHIP_GPU_PDL = "ANYCHIP_GPU_PDL"
+ANYCHIP_GPU_WGMMA = "ANYCHIP_GPU_WGMMA"
 #: "0" leaves vLLM's CUDA graph sizes alone for anychip-served models (default: prefill steps up to the step budget
 #: also replay graphs, anychip/cuda_graphs.py).
 ANYCHIP_GPU_PREFILL_GRAPHS = "ANYCHIP_GPU_PREFILL_GRAPHS"
@@ -175,11 +176,11 @@ def precompile_threads() -> int:
 def kernel_policy(allow_fallback: bool | None = None) -> KernelPolicy:
     """The kernel policy from the environment (ANYCHIP_KERNEL_ISA, ANYCHIP_ALLOW_FALLBACK / ANYCHIP_STRICT,
     ANYCHIP_BUILD_DIR, ANYCHIP_HEAD, ANYCHIP_GPU_TUNE, ANYCHIP_GPU_PRECOMPILE, ANYCHIP_DIRECT_LAUNCH, ANYCHIP_GPU_PDL,
-    ANYCHIP_CPU_AMX); `allow_fallback` overrides the environment's answer (a CLI flag)."""
+    ANYCHIP_GPU_WGMMA, ANYCHIP_CPU_AMX); `allow_fallback` overrides the environment's answer (a CLI flag)."""
     return KernelPolicy(route=forced_isa(), build_dir=build_dir(), head=os.environ.get(ANYCHIP_HEAD) or "bf16",
                         gpu_tuning=os.environ.get(ANYCHIP_GPU_TUNE) or "load", tuning_dir=tuning_dir(),
                         gpu_precompile=precompile_threads(), gpu_direct_launch=_flag(ANYCHIP_DIRECT_LAUNCH, True),
-                        gpu_pdl=_flag(ANYCHIP_GPU_PDL, True),
+                        gpu_pdl=_flag(ANYCHIP_GPU_PDL, True), gpu_wgmma=_flag(ANYCHIP_GPU_WGMMA, False),
                         cpu_amx=_flag(ANYCHIP_CPU_AMX, True),
                         allow_fallback=fallback_allowed() if allow_fallback is None else allow_fallback)
 

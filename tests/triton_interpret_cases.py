@@ -43,6 +43,22 @@ def test_quantize_bit_exact(m: int, k: int, dtype: torch.dtype) -> None:
     assert torch.equal(sx, rs) and torch.equal(xq, rq)
 
 
+@pytest.mark.parametrize("m,k,g", [(3, 640, 128), (2, 576, 64), (1, 5120, 128)])  # 5120: two blocks
+def test_quantize_in_split_order(m: int, k: int, g: int) -> None:
+    """The Gluon GEMM's activations (each group's even columns, then its odd ones), by the quantization kernel
+    itself and through the fused norm prologue: the same values and scales as quantize_act's, reordered."""
+    from anychip.kernels.gpu.gluon_w4a8 import split_groups
+
+    x = activations(m, k, torch.bfloat16, seed=m * k)
+    rq, rs = quantize_activations_ref(x)
+    xs, sx = launch.quantize_act(x, split=g)
+    assert torch.equal(sx, rs) and torch.equal(xs, split_groups(rq, g))
+    norm = launch.Norm(torch.rand(k, dtype=torch.bfloat16) + 0.5, 1e-6)
+    plain, plain_s = launch.pre_quantize(x, norm, k)
+    split, split_s = launch.pre_quantize(x, norm, k, split=g)
+    assert torch.equal(split_s, plain_s) and torch.equal(split, split_groups(plain, g))
+
+
 def test_quantize_ties_round_half_to_even() -> None:
     halves = torch.arange(-126, 127, dtype=torch.float32) + 0.5
     x = torch.stack([torch.cat([halves, torch.tensor([127.0])]), torch.cat([halves / 4, torch.tensor([127.0 / 4])])])

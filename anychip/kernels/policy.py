@@ -30,6 +30,9 @@ class KernelPolicy:
     gpu_pdl: launch the batch-one GEMVs as programmatic dependent launches on Hopper and newer, so that one behind
     another streams its first weights while that one finishes (kernels/gpu/launch.py, set_pdl); process-wide as
     gpu_direct_launch.
+    gpu_wgmma: let load-time tuning time the Gluon GEMM (kernels/gpu/gluon_w4a8.py, sm_90 only) beside the Triton
+    prefill tiles (ANYCHIP_GPU_WGMMA=1; off by default until measured on a GPU); a table entry that names it is
+    served either way.
     cpu_amx: whether route cpu.amx_int8 (AMX-INT8 prefill tiles, the same bits as cpu.avx512_vnni) may be picked
     where the CPU has it (False: cpu.avx512_vnni serves; ANYCHIP_CPU_AMX=0); forcing the route overrides it.
     """
@@ -43,6 +46,7 @@ class KernelPolicy:
     gpu_precompile: int = 0
     gpu_direct_launch: bool = True
     gpu_pdl: bool = True
+    gpu_wgmma: bool = False
     cpu_amx: bool = True
 
     def __post_init__(self) -> None:

@@ -17,8 +17,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from anychip.kernels.gpu import gluon_w4a8 as gw
 from anychip.kernels.gpu import triton_w4a8 as k
 from anychip.kernels.gpu.direct import Direct
+from anychip.kernels.gpu.gluon_w4a8 import WgmmaConfig
 from anychip.kernels.hooks import DeviceCounter
 
 DECODE_M = 16
@@ -87,7 +89,7 @@ class GemvConfig:
             raise ValueError(f"GemvConfig.ahead={self.ahead}: 1 or 2")
 
 
-Config = GemmConfig | GemvConfig
+Config = GemmConfig | GemvConfig | WgmmaConfig
 
 
 def gemv_fits(kk: int, g: int) -> str | None:
@@ -162,9 +164,15 @@ def split_for(m: int, n: int, k: int, g: int, block_m: int, block_n: int, block_
     return max(1, min(cdiv(per_sm * sms, tiles), steps // 2 if streaming else steps, MAX_SPLIT_K))
 
 
-def candidates(m: int, n: int, k: int, g: int, sms: int = 132) -> list[Config]:
+# (block_m, block_n, num_warps, stages) of the Gluon GEMM (gluon_w4a8.py), timed beside the prefill tiles on sm_90:
+# 64 accumulator registers a thread or fewer (128 x 128 with 8 warps spills)
+_WGMMA = ((128, 64, 8, 4), (64, 128, 8, 4), (128, 64, 8, 3))
+
+
+def candidates(m: int, n: int, k: int, g: int, sms: int = 132, wgmma: bool = False) -> list[Config]:
     """The configs tuning times for M's regime (the first is the default): at M = 1 the GEMV's where the shape
-    fits it, then the tensor-core decode tiles."""
+    fits it, then the tensor-core decode tiles; for prefill with `wgmma` (an sm_90 GPU whose Triton has Gluon:
+    wgmma_capable), also the Gluon GEMM's tiles where the shape fits them (never the default)."""
     out: list[Config] = []
     if regime(m) == "gemv" and gemv_fits(k, g) is None:
         # fused (one launch): it beat the two-launch GEMV on all 14 shapes of the H200 table, by 1.04-1.41x
@@ -177,7 +185,16 @@ def candidates(m: int, n: int, k: int, g: int, sms: int = 132) -> list[Config]:
         bk = max(bk, g)
         split = split_for(m, n, k, g, bm, bn, bk, per_sm, sms, streaming="s" in flags)
         out.append(GemmConfig(bm, bn, bk, swap, split, warps, stages, pipe="p" in flags))
+    if wgmma and regime(m) == "prefill" and gw.wgmma_fits(m, n, k, g) is None:
+        out += [WgmmaConfig(bm, bn, warps, stages) for bm, bn, warps, stages in _WGMMA]
     return list(dict.fromkeys(out))  # two table rows can give one config at a shape (split-K capped): time it once
+
+
+@functools.cache
+def wgmma_capable(device: torch.device) -> bool:
+    """Whether the Gluon GEMM can run on `device`: an sm_90 GPU (wgmma, TMA) and a Triton with Gluon."""
+    return (device.type == "cuda" and gw.gluon is not None
+            and torch.cuda.get_device_capability(indexed(device)) == (9, 0))
 
 
 _TUNED: dict[tuple, Config] = {}  # process lifetime, like Triton's own autotune cache
@@ -191,24 +208,28 @@ def clear_tuning() -> None:
     _TUNED.clear()
 
 
-def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(M, K) bf16/fp16/fp32 -> xq (M, K) int8, sx (M, 1) fp32; bit-exact with quantize_activations_ref."""
+def quantize_act(x: torch.Tensor, split: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) bf16/fp16/fp32 -> xq (M, K) int8, sx (M, 1) fp32; bit-exact with quantize_activations_ref.
+    split = G: each group's columns in gluon_w4a8.split_groups' order (the Gluon GEMM's input)."""
     m, kk = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
     xq = torch.empty((m, kk), dtype=torch.int8, device=x.device)
     sx = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m:
-        _run(k._quantize_rows_kernel, (m,), (x, xq, sx, kk, x.stride(0), xq.stride(0)), quantize_options(kk))
+        _run(k._quantize_rows_kernel, (m,), (x, xq, sx, kk, x.stride(0), xq.stride(0)),
+             quantize_options(kk, split=split))
     return xq, sx
 
 
 @functools.lru_cache(maxsize=1024)
-def quantize_options(kk: int, pre: int = 0) -> dict[str, int]:
+def quantize_options(kk: int, pre: int = 0, split: int = 0) -> dict[str, int]:
     """The quantization kernels' compile-time options for rows of K (precompile.py compiles the same); pre: the
-    prologue's kind (Prologue.kind), 0 for none.  Cached: one dict a shape, which nobody mutates."""
+    prologue's kind (Prologue.kind), 0 for none; split: see quantize_act.  Cached: one dict a shape, which nobody
+    mutates."""
     block = min(next_pow2(kk), 4096)
-    return {"BLOCK": block, "num_warps": 4 if block <= 1024 else 8, **({"PRE": pre} if pre else {}), **FP_FUSION}
+    return {"BLOCK": block, "num_warps": 4 if block <= 1024 else 8, **({"PRE": pre} if pre else {}),
+            **({"SPLIT": split} if split else {}), **FP_FUSION}
 
 
 def _run(kernel, grid: tuple[int, ...], args: tuple, options: dict):
@@ -246,6 +267,9 @@ def w4a8_linear(
             xw, sx = quantize_words(x)
             launch_gemv(config, xw, sx, weight, scales, bias, n, kk, group_size, out, counter)
         return out
+    if isinstance(config, WgmmaConfig):
+        return _wgmma_linear(*quantize_act(x, group_size), weight, scales, bias, n, kk, group_size, x.dtype, config,
+                             counter)
     xq, sx = quantize_act(x)
     return w4a8_linear_q(xq, sx, weight, scales, bias, n, kk, group_size, x.dtype, config, counter)
 
@@ -271,13 +295,16 @@ def w4a8_linear_pre(
         if n == 0 and pre.kind == 2:  # no GEMV program ran to write the residual
             pre_quantize(x, pre, kk)
         return out
+    if isinstance(config, WgmmaConfig):
+        return _wgmma_linear(*pre_quantize(x, pre, kk, group_size), weight, scales, bias, n, kk, group_size,
+                             x.dtype, config, counter)
     xq, sx = pre_quantize(x, pre, kk)
     return w4a8_linear_q(xq, sx, weight, scales, bias, n, kk, group_size, x.dtype, config, counter)
 
 
-def pre_quantize(x: torch.Tensor, pre: Prologue, kk: int) -> tuple[torch.Tensor, torch.Tensor]:
+def pre_quantize(x: torch.Tensor, pre: Prologue, kk: int, split: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(M, pre.k_in(K)) -> the INT8 activations (M, K) and scales (M, 1) of pre(x), writing a fused_add_rms_norm's
-    residual_out."""
+    residual_out; split: see quantize_act."""
     m = x.shape[0]
     xq = torch.empty((m, kk), dtype=torch.int8, device=x.device)
     sx = torch.empty((m, 1), dtype=torch.float32, device=x.device)
@@ -285,7 +312,7 @@ def pre_quantize(x: torch.Tensor, pre: Prologue, kk: int) -> tuple[torch.Tensor,
         r, nw, ro, eps = pre.inputs()
         _run(k._pre_quantize_rows_kernel, (m,), (x, r, nw, ro, xq, sx, kk, eps, x.stride(0),
                                                 0 if r is None else r.stride(0), 0 if ro is None else ro.stride(0),
-                                                xq.stride(0)), quantize_options(kk, pre.kind))
+                                                xq.stride(0)), quantize_options(kk, pre.kind, split))
     return xq, sx
 
 
@@ -362,8 +389,24 @@ def w4a8_linear_q(
         if config.fused:  # the INT8 activations are given: the same GEMV on their words
             config = replace(config, fused=False)
         launch_gemv(config, words_of(xq), sx, weight, scales, bias, n, kk, group_size, out, counter)
+    elif isinstance(config, WgmmaConfig):  # given in column order: one more pass to reorder them
+        gw.w4a8_gemm_wgmma(gw.split_groups(xq, group_size).contiguous(), sx, weight, scales, bias, n, kk,
+                           group_size, out, config, _compiled(weight), counter)
     else:
         launch_config(config, xq, sx, weight, scales, bias, n, kk, group_size, out, counter)
+    return out
+
+
+def _wgmma_linear(xs: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+                  bias: torch.Tensor | None, n: int, kk: int, g: int, out_dtype: torch.dtype, config: WgmmaConfig,
+                  counter: DeviceCounter | None) -> torch.Tensor:
+    """The Gluon GEMM on activations quantized in split order (quantize_act / pre_quantize with split=G)."""
+    m = xs.shape[0]
+    _check(xs, weight, scales, n, kk, g)
+    out = torch.empty((m, n), dtype=out_dtype, device=xs.device)
+    if m and n:
+        gw.w4a8_gemm_wgmma(xs, sx.reshape(-1), weight, scales, bias, n, kk, g, out, config, _compiled(weight),
+                           counter)
     return out
 
 
@@ -543,7 +586,10 @@ def _check(xq: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, n: int,
 
 def launch_config(cfg: GemmConfig, xq, sx, weight, scales, bias, n, kk, g, out,
                   counter: DeviceCounter | None = None):
-    """Runs the GEMM with `cfg` into `out`; returns its compiled kernel (registers, spills, PTX)."""
+    """Runs the GEMM with `cfg` into `out`; returns its compiled kernel (registers, spills, PTX). A WgmmaConfig
+    runs the Gluon GEMM, which reads xq's columns in split order (quantize_act(x, split=G))."""
+    if isinstance(cfg, WgmmaConfig):
+        return gw.w4a8_gemm_wgmma(xq, sx, weight, scales, bias, n, kk, g, out, cfg, _compiled(weight), counter)
     m = xq.shape[0]
     split = split_of(cfg, m, n)
     parts = locks = None

@@ -25,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
+from anychip.kernels.gpu import gluon_w4a8 as gw
 from anychip.kernels.gpu import launch
 from anychip.kernels.gpu import triton_w4a8 as kern
 
@@ -55,7 +56,12 @@ def gemm_specs(n: int, kk: int, g: int, device: torch.device, buckets: Iterable[
     for bucket in buckets:
         for m in token_counts(bucket):
             cfg = launch.serving_config(m, n, kk, g, device)
-            if isinstance(cfg, launch.GemvConfig):
+            if isinstance(cfg, launch.WgmmaConfig):
+                kernel = gw._w4a8_wgmma_kernel
+                xs = torch.empty((cfg.block_m, kk), dtype=i8, device=device)  # the TMA descriptor's type
+                spec = gw.launch_spec(cfg, xs, m, n, kk, g, f32, i8, scales_dtype, None, bf16, torch.int64, i32)
+                key = (cfg, m == 1, m % 16 == 0)
+            elif isinstance(cfg, launch.GemvConfig):
                 split = launch.gemv_split(cfg, n)
                 kernel = kern._w4a8_gemv_kernel
                 spec = launch.gemv_launch(cfg, n, kk, g, bf16 if cfg.fused else i32, None if cfg.fused else f32,
@@ -91,6 +97,9 @@ def submit(n: int, kk: int, g: int, device: torch.device, buckets: Iterable[str 
     jobs = gemm_specs(n, kk, g, device, buckets, scales_dtype)
     jobs.append((kern._quantize_rows_kernel, ((1,), (torch.bfloat16, torch.int8, torch.float32, kk, kk, kk),
                                               launch.quantize_options(kk))))
+    if any(kernel is gw._w4a8_wgmma_kernel for kernel, _ in jobs):  # its activations in split order
+        jobs.append((kern._quantize_rows_kernel, ((1,), (torch.bfloat16, torch.int8, torch.float32, kk, kk, kk),
+                                                  launch.quantize_options(kk, split=g))))
     if any(kernel is kern._w4a8_gemv_kernel and not spec[2].get("FUSED") for kernel, spec in jobs):
         jobs.append((kern._quantize_words_kernel, ((1,), (torch.bfloat16, torch.int32, torch.float32, kk, kk // 8,
                                                           kk), launch.quantize_words_options(kk))))

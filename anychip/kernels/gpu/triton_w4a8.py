@@ -16,23 +16,29 @@ import triton
 import triton.language as tl
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr):
-    """One program per token: sx = amax / 127, q = rint(x / sx), both IEEE round-to-nearest-even like torch."""
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr, SPLIT: tl.constexpr = 0):
+    """One program per token: sx = amax / 127, q = rint(x / sx), both IEEE round-to-nearest-even like torch.
+    SPLIT = G: each group's columns stored even ones first, then odd ones (the Gluon GEMM's order)."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
-    _quantize_row(x_row, x_row, x_row, x_row, q_ptr + row * stride_q, s_ptr + row, K, 0.0, False, BLOCK, 0)
+    _quantize_row(x_row, x_row, x_row, x_row, q_ptr + row * stride_q, s_ptr + row, K, 0.0, False, BLOCK, 0, SPLIT)
 
 
 @triton.jit
 def _quantize_row(x_row, r_row, rout_row, nw_ptr, q_row, s_at, K, eps, write, BLOCK: tl.constexpr,
-                  PRE: tl.constexpr):
+                  PRE: tl.constexpr, SPLIT: tl.constexpr = 0):
     """One token's INT8 row at q_row and its scale at s_at: of the row itself (PRE 0), or of what vLLM computes
-    ahead of a linear (_pre_values, PRE 1-3; PRE 2 and `write`: the new residual stored at rout_row)."""
+    ahead of a linear (_pre_values, PRE 1-3; PRE 2 and `write`: the new residual stored at rout_row).  SPLIT = G:
+    column k of a group stored at (k even) k / 2, (k odd) G / 2 + k // 2 of it (gluon_w4a8.split_groups)."""
     rstd, scale, safe = _pre_stats(x_row, r_row, rout_row, nw_ptr, K, eps, write, BLOCK, PRE)
     for k0 in range(0, K, BLOCK):
         offs = k0 + tl.arange(0, BLOCK)
         v = _pre_values(x_row, r_row, nw_ptr, offs, K, rstd, PRE)
-        tl.store(q_row + offs, _round_q(v, safe).to(tl.int8), mask=offs < K)
+        if SPLIT:
+            dst = offs - offs % SPLIT + (offs % 2) * (SPLIT // 2) + (offs % SPLIT) // 2
+        else:
+            dst = offs
+        tl.store(q_row + dst, _round_q(v, safe).to(tl.int8), mask=offs < K)
     tl.store(s_at, scale)
 
 
@@ -373,7 +379,7 @@ def _pre_stats(x_row, r_row, rout_row, nw_ptr, K, eps, write, XBLOCK: tl.constex
 
 @triton.jit
 def _pre_quantize_rows_kernel(x_ptr, r_ptr, nw_ptr, rout_ptr, q_ptr, s_ptr, K, eps, stride_x, stride_r, stride_ro,
-                              stride_q, BLOCK: tl.constexpr, PRE: tl.constexpr):
+                              stride_q, BLOCK: tl.constexpr, PRE: tl.constexpr, SPLIT: tl.constexpr = 0):
     """One program per token: what vLLM computes ahead of a linear (_pre_values: its RMSNorm, writing the new
     residual to rout for PRE 2, or SiluAndMul), quantized per token as _quantize_rows_kernel quantizes a row: the
     W4A8 linear's INT8 input in one pass over the activations instead of vLLM's kernel's and the quantization's."""
@@ -385,7 +391,8 @@ def _pre_quantize_rows_kernel(x_ptr, r_ptr, nw_ptr, rout_ptr, q_ptr, s_ptr, K, e
     else:
         r_row = r_ptr
         rout_row = rout_ptr
-    _quantize_row(x_row, r_row, rout_row, nw_ptr, q_ptr + row * stride_q, s_ptr + row, K, eps, row >= 0, BLOCK, PRE)
+    _quantize_row(x_row, r_row, rout_row, nw_ptr, q_ptr + row * stride_q, s_ptr + row, K, eps, row >= 0, BLOCK, PRE,
+                  SPLIT)
 
 
 @triton.jit

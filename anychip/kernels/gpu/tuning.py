@@ -87,14 +87,15 @@ def _config(fields: dict) -> launch.Config | None:
     fields = dict(fields)
     kind = fields.pop("kind", "gemm")
     try:
-        return {"gemm": launch.GemmConfig, "gemv": launch.GemvConfig}[kind](**fields)
+        return {"gemm": launch.GemmConfig, "gemv": launch.GemvConfig, "wgmma": launch.WgmmaConfig}[kind](**fields)
     except (KeyError, TypeError, ValueError):  # written by another anychip version: retune rather than fail
         return None
 
 
 def _fields(cfg: launch.Config) -> dict:
-    """A config as a table entry: its fields, and "kind": "gemv" for the GEMV's."""
-    return {**asdict(cfg), "kind": "gemv"} if isinstance(cfg, launch.GemvConfig) else asdict(cfg)
+    """A config as a table entry: its fields, and "kind": "gemv" for the GEMV's, "wgmma" for the Gluon GEMM's."""
+    kind = "gemv" if isinstance(cfg, launch.GemvConfig) else "wgmma" if isinstance(cfg, launch.WgmmaConfig) else None
+    return {**asdict(cfg), "kind": kind} if kind else asdict(cfg)
 
 
 def lookup(bucket: str | int, n: int, k: int, g: int, device: torch.device,
@@ -109,13 +110,14 @@ def lookup(bucket: str | int, n: int, k: int, g: int, device: torch.device,
 
 def tune_linear(weight: torch.Tensor, scales: torch.Tensor, n: int, k: int, g: int, mode: str,
                 tuning_dir: Path | None, precompile_threads: int = 0, retune: bool | Collection[str] = False,
-                times: dict[str, dict[str, float]] | None = None) -> None:
+                times: dict[str, dict[str, float]] | None = None, wgmma: bool = False) -> None:
     """Make every bucket's config known for this linear before it serves (called at load, by the route's
     prepare): from the caches, else (mode "load") timed here on the layer's weights and written to the disk
     cache; mode "off" leaves unknown buckets on their default config. precompile_threads > 0: then compile the
     configs' kernels on that many background threads (precompile.py). retune: time every bucket even where a
     table knows it (the table maker), or only the buckets named ("gemv", "decode", "mid", "512", ...).
-    times: filled with each timed bucket's {config: ms}."""
+    times: filled with each timed bucket's {config: ms}. wgmma: time the Gluon GEMM's tiles too where the GPU runs
+    them (launch.wgmma_capable)."""
     if mode not in TUNING_MODES:
         raise ValueError(f"GPU tuning mode {mode!r} is not one of {TUNING_MODES}")
     device = weight.device
@@ -129,7 +131,7 @@ def tune_linear(weight: torch.Tensor, scales: torch.Tensor, n: int, k: int, g: i
         cfg = None if again else lookup(bucket, n, k, g, device, tuning_dir)
         if cfg is None and mode == "load":
             timed: dict[str, float] = {}
-            cfg = _time_candidates(m, weight, scales, n, k, g, timed)
+            cfg = _time_candidates(m, weight, scales, n, k, g, timed, wgmma)
             if times is not None:
                 times[entry_key(bucket, n, k, g)] = timed
             fresh[entry_key(bucket, n, k, g)] = _fields(cfg)
@@ -142,7 +144,7 @@ def tune_linear(weight: torch.Tensor, scales: torch.Tensor, n: int, k: int, g: i
 
 
 def _time_candidates(m: int, weight: torch.Tensor, scales: torch.Tensor, n: int, k: int, g: int,
-                     times: dict[str, float] | None = None) -> launch.Config:
+                     times: dict[str, float] | None = None, wgmma: bool = True) -> launch.Config:
     """The fastest candidate at M tokens, timed as it serves: in a CUDA graph (no launch cost hides a short
     kernel), and for decode and mid M over weight copies beyond the L2 cache (weights stream from HBM, as in a
     model; prefill is compute-bound, one copy). times: filled with each candidate's ms."""
@@ -157,7 +159,7 @@ def _time_candidates(m: int, weight: torch.Tensor, scales: torch.Tensor, n: int,
     nbytes = weight.numel() + scales.numel() * scales.element_size()
     copies = rotation(nbytes, device) if m <= launch.MID_M else 1
     operands = [(weight, scales)] + [(weight.clone(), scales.clone()) for _ in range(copies - 1)]
-    options = launch.candidates(m, n, k, g, launch.multiprocessors(device))
+    options = launch.candidates(m, n, k, g, launch.multiprocessors(device), wgmma and launch.wgmma_capable(device))
     ms = []
     for cfg in options:
         if launch.regime(m) == "gemv":  # the GEMV quantizes inside: time every candidate with its quantization
@@ -165,7 +167,7 @@ def _time_candidates(m: int, weight: torch.Tensor, scales: torch.Tensor, n: int,
                      for w, s in operands]
         else:
             calls = [lambda cfg=cfg, w=w, s=s: launch.launch_config(cfg, xq, sx, w, s, None, n, k, g, out)
-                     for w, s in operands]
+                     for w, s in operands]  # (a WgmmaConfig reads xq's columns in another order: the same time)
         ms.append(graph_ms(calls, replays=max(2, 16 // len(calls)), samples=5))
         if times is not None:
             times[str(cfg)] = round(ms[-1], 5)
@@ -194,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(their entries are replaced)")
     parser.add_argument("--bucket", action="append", choices=[str(b) for b, _ in BUCKETS],
                         help="with --retune: re-time only this M bucket (repeatable); the others come from the tables")
+    parser.add_argument("--wgmma", action="store_true", help="time the Gluon GEMM's tiles too (sm_90; the policy's "
+                        "gpu_wgmma)")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     triples: list[tuple[int, int, int]] = []
@@ -214,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         # every prefill shape with BF16 scales, while the table timed with fp32 ones had mostly picked the plain one)
         scales = (torch.rand((k // g, n), dtype=torch.float32, device=device, generator=gen) / 50 + 1e-3).bfloat16()
         retune = set(args.bucket) if args.retune and args.bucket else args.retune
-        tune_linear(weight, scales, n, k, g, "load", args.out, retune=retune, times=times)
+        tune_linear(weight, scales, n, k, g, "load", args.out, retune=retune, times=times, wgmma=args.wgmma)
         print(f"N={n} K={k} G={g}: " + ", ".join(
             f"{b}={launch.config_for(m, n, k, g, device)}" for b, m in BUCKETS), flush=True)
     print(f"tuned {len(set(triples))} shapes in {time.perf_counter() - t0:.0f} s -> {args.out}")

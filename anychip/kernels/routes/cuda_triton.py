@@ -52,7 +52,7 @@ class CudaTriton(Route):
         weight, scales = triton_layout(weights)
         # every M bucket's config known now, at load: no request waits for the tuner
         tuning.tune_linear(weight, scales, weights.n, weights.k, weights.group_size, policy.gpu_tuning,
-                           policy.tuning_dir, policy.gpu_precompile)
+                           policy.tuning_dir, policy.gpu_precompile, wgmma=policy.gpu_wgmma)
         return weight, scales
 
     def linear(self, x, weight, scales, bias, n, k, group_size):
