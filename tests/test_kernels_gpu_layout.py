@@ -220,3 +220,32 @@ def test_streaming_split_gives_each_program_two_steps_and_splits_past_the_wave_c
     assert launch.split_for(16, 4096, 256, 128, *args, streaming=True) == 1  # one step: nothing to split
     streaming = [c for c in launch.candidates(16, 14336, 4096, 128, 132) if c.block_k == 256 and c.split_k == 2]
     assert len(streaming) == 2 and {c.block_n for c in streaming} == {32, 64}
+
+
+def test_gluon_gemm_candidates_table_entries_and_policy(monkeypatch) -> None:
+    """The Gluon GEMM's tiles are timed only for prefill, only when asked (the policy's gpu_wgmma, off by default)
+    and only where the shape fits them (G 64 or 128); never the untuned default; a table entry names them with
+    "kind": "wgmma" and reads back as the same config."""
+    pytest.importorskip("triton")
+    from anychip import envs
+    from anychip.kernels.gpu import launch, tuning
+    from anychip.kernels.gpu.gluon_w4a8 import WgmmaConfig
+
+    def kinds(m: int, g: int, wgmma: bool) -> set[type]:
+        return {type(c) for c in launch.candidates(m, 4096, 2048, g, 132, wgmma)}
+
+    if launch.gw.gluon is not None:
+        assert WgmmaConfig in kinds(512, 128, True) and WgmmaConfig in kinds(4096, 64, True)
+        assert not isinstance(launch.candidates(512, 4096, 2048, 128, 132, True)[0], WgmmaConfig)
+    assert WgmmaConfig not in kinds(512, 128, False) | kinds(64, 128, True) | kinds(16, 128, True)
+    assert WgmmaConfig not in kinds(512, 32, True)  # G32: the Gluon GEMM's groups are 64 or 128 columns
+    assert not launch.wgmma_capable(torch.device("cpu"))
+    cfg = WgmmaConfig(64, 128, 8, 3, unroll=4)
+    fields = tuning._fields(cfg)
+    assert fields["kind"] == "wgmma" and tuning._config(fields) == cfg
+    with pytest.raises(ValueError, match="unroll"):
+        WgmmaConfig(unroll=3)
+    monkeypatch.delenv("ANYCHIP_GPU_WGMMA", raising=False)
+    assert envs.kernel_policy().gpu_wgmma is False
+    monkeypatch.setenv("ANYCHIP_GPU_WGMMA", "1")
+    assert envs.kernel_policy().gpu_wgmma is True
