@@ -98,24 +98,25 @@ if gluon is not None:
         return lo, hi
 
     @gluon.jit
-    def _rescale(acc, done, s_ptr, offs_sn, g, groups, N):
-        """acc + float(group g's sums) * its scales / 16, as one fma; a g outside [0, groups) adds zeros (its
-        sums are zero: the first step's empty accumulator, or the padding group's zero tiles).  offs_sn is clamped
-        to N - 1, so the loads need no mask."""
-        real = (g >= 0) & (g < groups)
-        s = gl.load(s_ptr + gl.minimum(gl.maximum(g, 0), groups - 1) * N + offs_sn)
-        factor = gl.where(real, 0.0625, 0.0)
-        return gl.fma(done.to(gl.float32), (s.to(gl.float32) * factor)[None, :], acc)
+    def _scales(s_ptr, offs_on, g, groups, N):
+        """Group g's scales (bf16 as stored) of the tile's columns, zeros for a g past the last group; columns past
+        N read zeros (masked: with N a multiple of 16, as the JIT specializes it, the loads are pairs of columns)."""
+        return gl.load(s_ptr + gl.minimum(g, groups - 1) * N + offs_on, mask=(offs_on < N) & (g < groups), other=0.0)
 
     @gluon.jit
-    def _group_step(g, d_prev, spare, acc, wp, a_desc, a_lo, a_hi, b_lo, b_hi, bars, w_ptrs, s_ptr, offs_sn,
+    def _rescale(acc, done, s):
+        """acc + float(a group's sums) * its scales s / 16, as one fma (s zero: a group that adds nothing)."""
+        return gl.fma(done.to(gl.float32), (s.to(gl.float32) * 0.0625)[None, :], acc)
+
+    @gluon.jit
+    def _group_step(g, d_prev, s_prev, spare, acc, wp, a_desc, a_lo, a_hi, b_lo, b_hi, bars, w_ptrs, s_ptr, offs_on,
                     off_m, N, groups, padded, G: gl.constexpr, STAGES: gl.constexpr, ASM: gl.constexpr,
                     FIRST: gl.constexpr):
         """Group g: its B tiles from the prefetched nibbles, its dots issued; then group g - 1's dots retired and
-        rescaled into acc (FIRST: d_prev is an empty accumulator, its group already added). `spare`: a retired
-        accumulator (already added), whose registers group g's dots take over (use_acc=False), so no zero tile
-        stays live beside the three that work. Returns (group g's running accumulator, group g - 1's retired one,
-        acc, group g + 1's nibbles)."""
+        rescaled into acc with its scales s_prev (FIRST: d_prev is an empty accumulator, its group already added).
+        `spare`: a retired accumulator (already added), whose registers group g's dots take over (use_acc=False), so
+        no zero tile stays live beside the three that work. Returns (group g's running accumulator and scales, group
+        g - 1's retired accumulator, acc, group g + 1's nibbles)."""
         HALF: gl.constexpr = G // 2
         bs = g % 3  # a B stage is rewritten two groups after the wait that retired its reader
         lo, hi = _widen(wp, ASM)
@@ -131,17 +132,19 @@ if gluon is not None:
         _tma_load(a_desc, [off_m, refill * G + HALF], bars.index(rs), a_hi.index(rs),
                                         pred=live)
         wp = gl.load(w_ptrs + gl.minimum(g + 1, groups - 1) * HALF)  # past the last group: a harmless re-read
+        s = _scales(s_ptr, offs_on, g, groups, N)  # loaded a group ahead of its use
         st = g % STAGES
         mbarrier.wait(bars.index(st), (g // STAGES) & 1)
         d = warpgroup_mma(a_lo.index(st), b_lo.index(bs).permute((1, 0)), spare, use_acc=False, is_async=True)
         d = warpgroup_mma(a_hi.index(st), b_hi.index(bs).permute((1, 0)), d, is_async=True)
         done = warpgroup_mma_wait(num_outstanding=2, deps=(d_prev,))  # group g - 1's two are done
-        acc = _rescale(acc, done, s_ptr, offs_sn, -1 if FIRST else g - 1, groups, N)
+        if not FIRST:
+            acc = _rescale(acc, done, s_prev)
         # a side-effecting copy: the compiler may not move the rescale (its reads of `done`) below the next
         # group's wgmma, which takes over done's registers; moved, it copies a running accumulator at the loop's
         # back edge, and ptxas then serializes every wgmma (C7514)
         acc = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=gl.float32, is_pure=False, pack=1)
-        return d, done, acc, wp
+        return d, s, done, acc, wp
 
     @gluon.jit
     def _w4a8_wgmma_kernel(
@@ -195,7 +198,6 @@ if gluon is not None:
         w_ptrs = w_ptr + gl.minimum(offs_wn, N - 1)[:, None].to(gl.int64) * (K // 2) + offs_wk[None, :]
         offs_on = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
         mask_on = offs_on < N
-        offs_sn = gl.minimum(offs_on, N - 1)
 
         wp = gl.load(w_ptrs)
         acc = gl.zeros([BM, BN], gl.float32, mma)
@@ -206,15 +208,16 @@ if gluon is not None:
         # drained. Groups past K // G (to a whole trip) read zero activations and add nothing, bit for bit.
         for c in range(0, padded, UNROLL):
             d_b = warpgroup_mma_init(gl.zeros([BM, BN], gl.int32, mma))
+            s_b = gl.zeros([BN], s_ptr.dtype.element_ty, gl.SliceLayout(0, mma))
             for j in gl.static_range(0, UNROLL, 2):
-                d_a, spare, acc, wp = _group_step(c + j, d_b, spare, acc, wp, a_desc, a_lo, a_hi, b_lo, b_hi, bars,
-                                                  w_ptrs, s_ptr, offs_sn, off_m, N, groups, padded, G, STAGES, ASM,
-                                                  j == 0)
-                d_b, spare, acc, wp = _group_step(c + j + 1, d_a, spare, acc, wp, a_desc, a_lo, a_hi, b_lo, b_hi,
-                                                  bars, w_ptrs, s_ptr, offs_sn, off_m, N, groups, padded, G, STAGES,
-                                                  ASM, False)
+                d_a, s_a, spare, acc, wp = _group_step(c + j, d_b, s_b, spare, acc, wp, a_desc, a_lo, a_hi, b_lo,
+                                                       b_hi, bars, w_ptrs, s_ptr, offs_on, off_m, N, groups, padded,
+                                                       G, STAGES, ASM, j == 0)
+                d_b, s_b, spare, acc, wp = _group_step(c + j + 1, d_a, s_a, spare, acc, wp, a_desc, a_lo, a_hi, b_lo,
+                                                       b_hi, bars, w_ptrs, s_ptr, offs_on, off_m, N, groups, padded,
+                                                       G, STAGES, ASM, False)
             done = warpgroup_mma_wait(num_outstanding=0, deps=(d_b,))
-            acc = _rescale(acc, done, s_ptr, offs_sn, c + UNROLL - 1, groups, N)
+            acc = _rescale(acc, done, s_b)
             acc = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=gl.float32, is_pure=False,
                                             pack=1)
             spare = done
@@ -225,7 +228,7 @@ if gluon is not None:
         mask_m = offs_m < M
         y = acc * gl.load(sx_ptr + offs_m, mask=mask_m, other=0.0)[:, None]
         if HAS_BIAS:
-            y += gl.load(bias_ptr + offs_sn).to(gl.float32)[None, :]
+            y += gl.load(bias_ptr + offs_on, mask=mask_on, other=0.0).to(gl.float32)[None, :]
         out_ptrs = out_ptr + offs_m[:, None].to(gl.int64) * stride_om + offs_on[None, :]
         gl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_on[None, :])
 
