@@ -135,8 +135,24 @@ class Coverage:
                 "attention_calls": self.attention_calls,
                 "route_stats": self.route_stats(),
                 "head_route": self.head_route,
+                "gpu_gemm_configs": self.gpu_gemm_configs(),
                 "layers": {layer.name: layer.to_json() for layer in self.layers},
             }
+
+    def gpu_gemm_configs(self) -> dict[str, dict[str, str]] | None:
+        """For the cuda.triton route: which GEMM serves each linear shape ("N:K:G") at each M bucket in this
+        process, the Triton tiles ("gemm"), the batch-one GEMV ("gemv") or the Gluon GEMM ("wgmma"), with its
+        config; None where no layer takes the route."""
+        if not any(layer.route == "cuda.triton" for layer in self.layers):
+            return None
+        from anychip.kernels.gpu import launch
+
+        out: dict[str, dict[str, str]] = {}
+        for (bucket, n, kk, g, _device), cfg in sorted(launch.tuned().items(), key=str):
+            kind = ("gemv" if isinstance(cfg, launch.GemvConfig) else "wgmma" if isinstance(cfg, launch.WgmmaConfig)
+                    else "gemm")
+            out.setdefault(f"{n}:{kk}:{g}", {})[str(bucket)] = f"{kind} {cfg}"
+        return out
 
 
 def write_atomic(path: Path, document: dict[str, Any]) -> None:

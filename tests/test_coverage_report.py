@@ -103,3 +103,31 @@ def test_engine_lists_the_linears_it_leaves_unquantized(tiny_llama, tmp_path):
     for layer in unquantized.values():  # the same report without the ignore list's word for them fails
         layer["ignored"] = False
     assert any("4 linears run unquantized" in p for p in check(doc, expect_linears=4))
+
+
+def test_report_names_the_gpu_gemm_of_each_shape_and_bucket() -> None:
+    """For the cuda.triton route the report says which GEMM each shape's M buckets run (the Triton tiles, the GEMV,
+    or the Gluon GEMM) with its config; no such field for other routes."""
+    pytest.importorskip("triton")
+    import torch
+
+    from anychip.kernels.gpu import launch
+    from anychip.kernels.gpu.gluon_w4a8 import WgmmaConfig
+
+    cov = Coverage(strict=True, fallback_allowed=False, platform_info={})
+    cov.add_layer(LayerRoute(name="l.qkv", route="cpu.avx2", kernel="w4a8_cpu", isa="avx2", group_size=128, n=4096,
+                             k=2048, checkpoint_format="pack-quantized"))
+    assert cov.snapshot()["gpu_gemm_configs"] is None
+    cov.add_layer(LayerRoute(name="l.o", route="cuda.triton", kernel="triton", isa="sm_90", group_size=128, n=2048,
+                             k=2048, checkpoint_format="pack-quantized"))
+    launch.clear_tuning()
+    cpu = torch.device("cpu")
+    launch.remember(1, 2048, 2048, 128, cpu, launch.GemvConfig(64, 512))
+    launch.remember(512, 2048, 2048, 128, cpu, WgmmaConfig(128, 64, 8, 4))
+    launch.remember(2048, 2048, 2048, 128, cpu, launch.GemmConfig(128, 64, 128))
+    try:
+        got = cov.snapshot()["gpu_gemm_configs"]["2048:2048:128"]
+    finally:
+        launch.clear_tuning()
+    assert got["gemv"].startswith("gemv ") and got["512"].startswith("wgmma WgmmaConfig(")
+    assert got["2048"].startswith("gemm GemmConfig(") and set(got) == {"gemv", "512", "2048"}
