@@ -4,6 +4,7 @@ shipped Triton GEMM (the GPU's tuned config) and cuBLAS BF16, same process, bit 
 python docs/gpu-runs/session40/gluon_ab.py OUT.json   (PYTHONPATH=$PWD; no vLLM needed)
 """
 import json
+import os
 import sys
 import time
 import traceback
@@ -17,6 +18,8 @@ from anychip.kernels.gpu.layout import pack_nibbles
 G = 128
 SHAPES = [(4096, 2048), (2048, 2048), (12288, 2048), (2048, 6144)]  # llama-2b qkv, o, gate/up, down (N, K)
 MS = [512, 2048, 4096]
+if os.environ.get("AB_QUICK"):  # the first shape and the down projection, two token counts
+    SHAPES, MS = [SHAPES[0], SHAPES[3]], [512, 4096]
 CONFIGS = [gw.WgmmaConfig(128, 64, 8, 4), gw.WgmmaConfig(64, 128, 8, 4), gw.WgmmaConfig(128, 64, 8, 3),
            gw.WgmmaConfig(128, 64, 8, 4, unroll=64)]  # the last: K's groups all unrolled (one trip)
 
