@@ -129,6 +129,8 @@ def tune_linear(weight: torch.Tensor, scales: torch.Tensor, n: int, k: int, g: i
             continue
         again = retune if isinstance(retune, bool) else str(bucket) in retune
         cfg = None if again else lookup(bucket, n, k, g, device, tuning_dir)
+        if isinstance(cfg, launch.WgmmaConfig) and not launch.wgmma_capable(device):
+            cfg = None  # a Gluon GEMM entry where this Triton has no Gluon: time (or default) as if unknown
         if cfg is None and mode == "load":
             timed: dict[str, float] = {}
             cfg = _time_candidates(m, weight, scales, n, k, g, timed, wgmma)
