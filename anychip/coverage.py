@@ -149,9 +149,7 @@ class Coverage:
 
         out: dict[str, dict[str, str]] = {}
         for (bucket, n, kk, g, _device), cfg in sorted(launch.tuned().items(), key=str):
-            kind = ("gemv" if isinstance(cfg, launch.GemvConfig) else "wgmma" if isinstance(cfg, launch.WgmmaConfig)
-                    else "gemm")
-            out.setdefault(f"{n}:{kk}:{g}", {})[str(bucket)] = f"{kind} {cfg}"
+            out.setdefault(f"{n}:{kk}:{g}", {})[str(bucket)] = f"{launch.config_kind(cfg)} {cfg}"
         return out
 
 

@@ -90,6 +90,12 @@ class GemvConfig:
 
 
 Config = GemmConfig | GemvConfig | WgmmaConfig
+#: A config's kind as tuning tables and the coverage report name it.
+CONFIG_KINDS: dict[str, type] = {"gemm": GemmConfig, "gemv": GemvConfig, "wgmma": WgmmaConfig}
+
+
+def config_kind(cfg: Config) -> str:
+    return next(kind for kind, cls in CONFIG_KINDS.items() if isinstance(cfg, cls))
 
 
 def gemv_fits(kk: int, g: int) -> str | None:

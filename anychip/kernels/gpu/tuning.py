@@ -87,15 +87,15 @@ def _config(fields: dict) -> launch.Config | None:
     fields = dict(fields)
     kind = fields.pop("kind", "gemm")
     try:
-        return {"gemm": launch.GemmConfig, "gemv": launch.GemvConfig, "wgmma": launch.WgmmaConfig}[kind](**fields)
+        return launch.CONFIG_KINDS[kind](**fields)
     except (KeyError, TypeError, ValueError):  # written by another anychip version: retune rather than fail
         return None
 
 
 def _fields(cfg: launch.Config) -> dict:
     """A config as a table entry: its fields, and "kind": "gemv" for the GEMV's, "wgmma" for the Gluon GEMM's."""
-    kind = "gemv" if isinstance(cfg, launch.GemvConfig) else "wgmma" if isinstance(cfg, launch.WgmmaConfig) else None
-    return {**asdict(cfg), "kind": kind} if kind else asdict(cfg)
+    kind = launch.config_kind(cfg)
+    return asdict(cfg) if kind == "gemm" else {**asdict(cfg), "kind": kind}
 
 
 def lookup(bucket: str | int, n: int, k: int, g: int, device: torch.device,
