@@ -166,11 +166,13 @@ VARIANTS = {
     "wtma_64x128": dict(bm=64, bn=128),
     "wtma_u2": dict(unroll=2),
     "wtma_u4_s5": dict(unroll=4, stages=5),
+    "wtma_64x64w4_u2": dict(bm=64, warps=4, unroll=2),
+    "wtma_64x64w4_u4": dict(bm=64, warps=4, unroll=4),
     "wtma_norescale": dict(rescale=False),
     "wtma_nowiden": dict(widen=False),
     "wtma_nowiden_norescale": dict(widen=False, rescale=False),
 }
-CHECKED = ("base", "wtma", "wtma_s5", "wtma_64x128", "wtma_u2", "wtma_u4_s5")
+CHECKED = ("base", "wtma", "wtma_s5", "wtma_64x128", "wtma_u2", "wtma_u4_s5", "wtma_64x64w4_u2", "wtma_64x64w4_u4")
 
 
 def main(out_path: str) -> None:
