@@ -23,6 +23,9 @@ from anychip.kernels.gpu import gluon_w4a8 as gw
 from anychip.kernels.gpu import launch, timing
 from anychip.kernels.gpu.layout import pack_nibbles
 
+sys.path.insert(0, "docs/gpu-runs/session41")
+import triton_split  # noqa: E402
+
 _tma_load, _cta_barrier = gw._tma_load, gw._cta_barrier
 
 
@@ -172,7 +175,15 @@ VARIANTS = {
     "wtma_nowiden": dict(widen=False),
     "wtma_nowiden_norescale": dict(widen=False, rescale=False),
 }
-CHECKED = ("base", "wtma", "wtma_s5", "wtma_64x128", "wtma_u2", "wtma_u4_s5", "wtma_64x64w4_u2", "wtma_64x64w4_u4")
+TRITON_VARIANTS = {  # the shipped Triton GEMM's loop on split-order activations (triton_split.py)
+    "tsplit_ptr": dict(tma=False),
+    "tsplit_tma": dict(),
+    "tsplit_tma_w8": dict(warps=8),
+    "tsplit_tma_128x128w8": dict(bn=128, warps=8),
+    "tsplit_tma_s3": dict(stages=3),
+}
+CHECKED = tuple(TRITON_VARIANTS) + ("base", "wtma", "wtma_s5", "wtma_64x128", "wtma_u2", "wtma_u4_s5",
+                                    "wtma_64x64w4_u2", "wtma_64x64w4_u4")
 
 
 def main(out_path: str) -> None:
@@ -203,15 +214,17 @@ def main(out_path: str) -> None:
                  for w, o in zip(ws, outs)])
             row["gluon_shipped_ms"] = timing.graph_ms(
                 [lambda w=w, o=o: gw.w4a8_gemm_wgmma(xs, sx, w[0], w[1], None, n, k, G, o) for w, o in zip(ws, outs)])
-            for name, kw in VARIANTS.items():
+            for name, kw in list(VARIANTS.items()) + list(TRITON_VARIANTS.items()):
+                fn = triton_split.run if name in TRITON_VARIANTS else run
                 try:
                     got = torch.empty_like(ref)
-                    run(xs, sx, weight, scales, n, k, G, got, **kw)
+                    fn(xs, sx, weight, scales, n, k, G, got, **kw)
                     torch.cuda.synchronize()
                     if name in CHECKED:
                         row[name + "_mismatch"] = int((got.view(torch.int16) != ref.view(torch.int16)).sum())
                     row[name + "_ms"] = timing.graph_ms(
-                        [lambda w=w, o=o: run(xs, sx, w[0], w[1], n, k, G, o, **kw) for w, o in zip(ws, outs)])
+                        [lambda w=w, o=o, fn=fn, kw=kw: fn(xs, sx, w[0], w[1], n, k, G, o, **kw)
+                         for w, o in zip(ws, outs)])
                 except Exception as exc:  # noqa: BLE001
                     row[name + "_error"] = repr(exc)[:300]
                     traceback.print_exc()
