@@ -181,6 +181,10 @@ TRITON_VARIANTS = {  # the shipped Triton GEMM's loop on split-order activations
     "tsplit_tma_w8": dict(warps=8),
     "tsplit_tma_128x128w8": dict(bn=128, warps=8),
     "tsplit_tma_s3": dict(stages=3),
+    "tsplit_ptr_cat": dict(tma=False, cat=True),
+    "tsplit_tma_cat": dict(cat=True),
+    "tsplit_tma_cat_w8": dict(cat=True, warps=8),
+    "tsplit_tma_cat_128x128w8": dict(cat=True, bn=128, warps=8),
 }
 CHECKED = tuple(TRITON_VARIANTS) + ("base", "wtma", "wtma_s5", "wtma_64x128", "wtma_u2", "wtma_u4_s5",
                                     "wtma_64x64w4_u2", "wtma_64x64w4_u4")

@@ -113,17 +113,19 @@ def gluon(unroll=2, bm=128, bn=64, warps=8) -> None:
     report(f"Gluon GEMM {bm}x{bn} w{warps} trips of {unroll}, weights by TMA", sass, log, unroll)
 
 
-def split(tma=True, warps=4) -> None:
+def split(tma=True, warps=4, cat=False) -> None:
     xs, w = torch.zeros(128, K, dtype=torch.int8), torch.zeros(64, K // 2, dtype=torch.int8)
-    sig = {"x_desc": mangle_type(TensorDescriptor.from_tensor(xs, [128, G // 2])) if tma else "*i8", "x_ptr": "*i8",
+    xw = G if cat else G // 2
+    sig = {"x_desc": mangle_type(TensorDescriptor.from_tensor(xs, [128, xw])) if tma else "*i8", "x_ptr": "*i8",
            "w_desc": mangle_type(TensorDescriptor.from_tensor(w, [64, G // 2])) if tma else "*i8", "w_ptr": "*i8",
            "s_ptr": "*bf16", "sx_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
            "stride_xm": "i32", "stride_om": "i32"}
-    const = dict(G=G, BM=128, BN=64, GROUP_M=8, TMA=tma, ASM=True)
+    const = dict(G=G, BM=128, BN=64, GROUP_M=8, TMA=tma, ASM=True, CAT=cat)
     sig.update({k: "constexpr" for k in const})
     kernel = triton_split.gemm_split_kernel
     sass, log = sass_of(ASTSource(kernel, sig, const, _attrs(kernel, sig)), {"num_warps": warps, "num_stages": 4})
-    report(f"Triton GEMM on split-order activations 128x64 w{warps}, {'TMA' if tma else 'pointer loads'}", sass, log, 1)
+    report(f"Triton GEMM on split-order activations 128x64 w{warps}, {'TMA' if tma else 'pointer loads'}"
+           f"{', one dot (CAT)' if cat else ''}", sass, log, 1)
 
 
 if __name__ == "__main__":
@@ -132,3 +134,5 @@ if __name__ == "__main__":
     gluon(unroll=8)
     split(tma=False)
     split(tma=True)
+    split(tma=False, cat=True)
+    split(tma=True, cat=True)

@@ -14,7 +14,7 @@ from anychip.kernels.gpu.triton_w4a8 import _epilogue, _rescale_add, _tile_of, _
 @triton.jit
 def gemm_split_kernel(x_desc, x_ptr, w_desc, w_ptr, s_ptr, sx_ptr, out_ptr, M, N, K, stride_xm, stride_om,
                       G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr,
-                      ASM: tl.constexpr):
+                      ASM: tl.constexpr, CAT: tl.constexpr = False):
     HALF: tl.constexpr = G // 2
     pid = tl.program_id(0)
     pid_m, pid_n = _tile_of(pid, M, N, BM, BN, GROUP_M)
@@ -24,11 +24,22 @@ def gemm_split_kernel(x_desc, x_ptr, w_desc, w_ptr, s_ptr, sx_ptr, out_ptr, M, N
     offs_n = off_n + tl.arange(0, BN)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + tl.arange(0, HALF)[None, :]
+    XW: tl.constexpr = G if CAT else HALF
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + tl.arange(0, XW)[None, :]
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * (K // 2) + tl.arange(0, HALF)[None, :]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for g in range(0, K // G):
-        if TMA:
+        if CAT:  # one dot of K = G: the low nibbles' tile, then the high ones', against the split-order group
+            if TMA:
+                xg = x_desc.load([off_m, g * G])
+                wp = w_desc.load([off_n, g * HALF])
+            else:
+                xg = tl.load(x_ptrs + g * G, mask=mask_m[:, None], other=0)
+                wp = tl.load(w_ptrs + g * HALF, mask=mask_n[:, None], other=0)
+            lo, hi = _widen_nibbles(wp, ASM)
+            w = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (BN, G))
+            d = tl.dot(xg, tl.trans(w), out_dtype=tl.int32)
+        elif TMA:
             xe = x_desc.load([off_m, g * G])
             xo = x_desc.load([off_m, g * G + HALF])
             wp = w_desc.load([off_n, g * HALF])
@@ -36,20 +47,21 @@ def gemm_split_kernel(x_desc, x_ptr, w_desc, w_ptr, s_ptr, sx_ptr, out_ptr, M, N
             xe = tl.load(x_ptrs + g * G, mask=mask_m[:, None], other=0)
             xo = tl.load(x_ptrs + g * G + HALF, mask=mask_m[:, None], other=0)
             wp = tl.load(w_ptrs + g * HALF, mask=mask_n[:, None], other=0)
-        lo, hi = _widen_nibbles(wp, ASM)
-        d = tl.dot(xe, tl.trans(lo), out_dtype=tl.int32)
-        d = tl.dot(xo, tl.trans(hi), d, out_dtype=tl.int32)
+        if not CAT:
+            lo, hi = _widen_nibbles(wp, ASM)
+            d = tl.dot(xe, tl.trans(lo), out_dtype=tl.int32)
+            d = tl.dot(xo, tl.trans(hi), d, out_dtype=tl.int32)
         s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32) * 0.0625
         acc = _rescale_add(acc, d, s, False)
     _epilogue(acc, offs_m, offs_n, mask_m, mask_n, sx_ptr, sx_ptr, out_ptr, stride_om, False)
 
 
-def run(xs, sx, weight, scales, n, kk, g, out, bm=128, bn=64, warps=4, stages=4, tma=True, group_m=8):
+def run(xs, sx, weight, scales, n, kk, g, out, bm=128, bn=64, warps=4, stages=4, tma=True, group_m=8, cat=False):
     from triton.tools.tensor_descriptor import TensorDescriptor
     m = xs.shape[0]
-    x_desc = TensorDescriptor.from_tensor(xs, [bm, g // 2]) if tma else xs
+    x_desc = TensorDescriptor.from_tensor(xs, [bm, g if cat else g // 2]) if tma else xs
     w_desc = TensorDescriptor.from_tensor(weight, [bn, g // 2]) if tma else weight
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     return gemm_split_kernel[grid](x_desc, xs, w_desc, weight, scales, sx, out, m, n, kk, xs.stride(0),
-                                   out.stride(0), G=g, BM=bm, BN=bn, GROUP_M=group_m, TMA=tma, ASM=True,
+                                   out.stride(0), G=g, BM=bm, BN=bn, GROUP_M=group_m, TMA=tma, ASM=True, CAT=cat,
                                    num_warps=warps, num_stages=stages, enable_fp_fusion=True)
