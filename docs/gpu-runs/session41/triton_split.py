@@ -56,12 +56,13 @@ def gemm_split_kernel(x_desc, x_ptr, w_desc, w_ptr, s_ptr, sx_ptr, out_ptr, M, N
     _epilogue(acc, offs_m, offs_n, mask_m, mask_n, sx_ptr, sx_ptr, out_ptr, stride_om, False)
 
 
-def run(xs, sx, weight, scales, n, kk, g, out, bm=128, bn=64, warps=4, stages=4, tma=True, group_m=8, cat=False):
+def run(xs, sx, weight, scales, n, kk, g, out, bm=128, bn=64, warps=4, stages=4, tma=True, group_m=8, cat=False,
+        asm=True):
     from triton.tools.tensor_descriptor import TensorDescriptor
     m = xs.shape[0]
     x_desc = TensorDescriptor.from_tensor(xs, [bm, g if cat else g // 2]) if tma else xs
     w_desc = TensorDescriptor.from_tensor(weight, [bn, g // 2]) if tma else weight
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     return gemm_split_kernel[grid](x_desc, xs, w_desc, weight, scales, sx, out, m, n, kk, xs.stride(0),
-                                   out.stride(0), G=g, BM=bm, BN=bn, GROUP_M=group_m, TMA=tma, ASM=True, CAT=cat,
+                                   out.stride(0), G=g, BM=bm, BN=bn, GROUP_M=group_m, TMA=tma, ASM=asm, CAT=cat,
                                    num_warps=warps, num_stages=stages, enable_fp_fusion=True)
