@@ -3,6 +3,8 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name --format=csv,noheader
 which ncu nsys 2>&1 | head -2
 timeout ${DIAG_TIMEOUT:-240} python3 docs/gpu-runs/session41/gluon_diag.py $OUT/gluon_diag.json 2>&1 | grep -v "^\s*$" | tail -30
+# the warp-specialized Gluon GEMM, in its own process (a partition hand-over error would hang it)
+timeout ${WS_TIMEOUT:-120} python3 docs/gpu-runs/session41/ws_check.py $OUT/ws_check.json 2>&1 | grep -v "^\s*$" | tail -12
 # a profile of one launch each (the shipped GEMM, two Gluon variants, cuBLAS), if this host has Nsight Compute
 if command -v ncu > /dev/null; then
   timeout ${NCU_TIMEOUT:-120} ncu --launch-count 60 --section SpeedOfLight --section Occupancy \
