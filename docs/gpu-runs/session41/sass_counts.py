@@ -24,6 +24,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).parent))
 import gluon_diag  # noqa: E402
+import gluon_ws  # noqa: E402
 import triton_split  # noqa: E402
 
 from anychip.kernels.gpu import launch, triton_w4a8  # noqa: E402
@@ -128,6 +129,22 @@ def split(tma=True, warps=4, cat=False) -> None:
            f"{', one dot (CAT)' if cat else ''}", sass, log, 1)
 
 
+def warp_specialized(unroll=4, warps=8) -> None:
+    half = G // 2
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=half, element_bitwidth=8, rank=2)
+    xs, w = torch.zeros(128, K, dtype=torch.int8), torch.zeros(64, K // 2, dtype=torch.int8)
+    sig = {"a_desc": mangle_type(GluonDescriptor(xs, list(xs.shape), [K, 1], [128, half], layout)),
+           "w_desc": mangle_type(GluonDescriptor(w, list(w.shape), [K // 2, 1], [64, half], layout)),
+           "s_ptr": "*bf16", "sx_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
+           "stride_om": "i32"}
+    const = dict(G=G, BM=128, BN=64, STAGES=4, GROUP_M=8, UNROLL=unroll, num_warps=warps)
+    sig.update({k: "constexpr" for k in const})
+    sass, log = sass_of(GluonASTSource(gluon_ws.ws_kernel, sig, const, _attrs(gluon_ws.ws_kernel, sig)),
+                        {"num_warps": warps})
+    report(f"warp-specialized Gluon GEMM 128x64, {warps} consumer warps, trips of {unroll} (the consumers' loop)",
+           sass, log, unroll)
+
+
 if __name__ == "__main__":
     shipped()
     gluon()
@@ -136,3 +153,4 @@ if __name__ == "__main__":
     split(tma=True)
     split(tma=False, cat=True)
     split(tma=True, cat=True)
+    warp_specialized()
