@@ -146,13 +146,15 @@ def ws_kernel(a_desc, w_desc, s_ptr, sx_ptr, out_ptr, M, N, K, stride_om, G: gl.
     gl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & (offs_on < N)[None, :])
 
 
-def run(xs, sx, weight, scales, n, kk, g, out, bm=128, bn=64, warps=8, stages=4, unroll=4, maxnreg=None):
+def run(xs, sx, weight, scales, n, kk, g, out, bm=128, bn=64, warps=8, stages=4, unroll=4, maxnreg=128):
     half = g // 2
     layout = gl.NVMMASharedLayout(swizzle_byte_width=half, element_bitwidth=8, rank=2)
     a_desc = TensorDescriptor(xs, list(xs.shape), [kk, 1], [bm, half], layout)
     w_desc = TensorDescriptor(weight, list(weight.shape), [kk // 2, 1], [bn, half], layout)
     m = xs.shape[0]
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    # 16 warps in all (8 consumers, 4 widening, the TMA warp's warpgroup): 128 registers a thread at launch; the
+    # compiler's setmaxnreg then gives the consumers 208 inside the partitioned loop (2 x 208 + 64 + 24 <= 512)
     extra = {"maxnreg": maxnreg} if maxnreg else {}
     return ws_kernel[grid](a_desc, w_desc, scales, sx, out, m, n, kk, out.stride(0), G=g, BM=bm, BN=bn,
                            STAGES=stages, GROUP_M=8, UNROLL=min(unroll, kk // g + (kk // g) % 2), num_warps=warps,
