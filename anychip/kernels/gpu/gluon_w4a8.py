@@ -98,6 +98,16 @@ if gluon is not None:
         return lo, hi
 
     @gluon.jit
+    def _tile_offsets(pid, M, N, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr):
+        """(first row, first column) of program pid's output tile: GROUP_M row tiles sweep the columns together
+        (L2 reuse of the weight tiles), as triton_w4a8._tile_of orders them."""
+        grid_m = gl.cdiv(M, BM)
+        width = GROUP_M * gl.cdiv(N, BN)
+        first_m = (pid // width) * GROUP_M
+        rows = gl.minimum(grid_m - first_m, GROUP_M)
+        return (first_m + (pid % width) % rows) * BM, ((pid % width) // rows) * BN
+
+    @gluon.jit
     def _scales(s_ptr, offs_on, g, groups, N):
         """Group g's scales (bf16 as stored) of the tile's columns, zeros for a g past the last group; columns past
         N read zeros (masked: with N a multiple of 16, as the JIT specializes it, the loads are pairs of columns)."""
@@ -163,12 +173,7 @@ if gluon is not None:
                 at = count_ptr + gl.load(slot_ptr).to(gl.int64) * 2
                 gl.atomic_add(at, 1)
                 gl.atomic_add(at + 1, M.to(gl.int64))
-        grid_m = gl.cdiv(M, BM)
-        width = GROUP_M * gl.cdiv(N, BN)
-        first_m = (pid // width) * GROUP_M
-        rows = gl.minimum(grid_m - first_m, GROUP_M)
-        off_m = (first_m + (pid % width) % rows) * BM
-        off_n = ((pid % width) // rows) * BN
+        off_m, off_n = _tile_offsets(pid, M, N, BM, BN, GROUP_M)
 
         WM: gl.constexpr = num_warps if BM >= 16 * num_warps else 4  # warps along M (a warpgroup: 4 x 16 rows)
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WM, num_warps // WM],

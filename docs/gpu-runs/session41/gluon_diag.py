@@ -7,12 +7,9 @@ shipped Triton GEMM in one process:
   WIDEN    0: the B tiles are not rewritten per group (wrong results; timing only: the widening's share)
 python docs/gpu-runs/session41/gluon_diag.py OUT.json   (PYTHONPATH=$PWD; no vLLM needed)
 """
-import json
 import sys
-import time
-import traceback
+from pathlib import Path
 
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
@@ -20,10 +17,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from anychip.kernels.gpu import gluon_w4a8 as gw
-from anychip.kernels.gpu import launch, timing
-from anychip.kernels.gpu.layout import pack_nibbles
 
-sys.path.insert(0, "docs/gpu-runs/session41")
+sys.path.insert(0, str(Path(__file__).parent))
+import ab  # noqa: E402
 import triton_split  # noqa: E402
 
 _tma_load, _cta_barrier = gw._tma_load, gw._cta_barrier
@@ -77,12 +73,7 @@ def _kernel(a_desc, w_desc, w_ptr, s_ptr, sx_ptr, out_ptr, M, N, K, stride_om, G
     HALF: gl.constexpr = G // 2
     B_STAGES: gl.constexpr = 3
     pid = gl.program_id(0)
-    grid_m = gl.cdiv(M, BM)
-    width = GROUP_M * gl.cdiv(N, BN)
-    first_m = (pid // width) * GROUP_M
-    rows = gl.minimum(grid_m - first_m, GROUP_M)
-    off_m = (first_m + (pid % width) % rows) * BM
-    off_n = ((pid % width) // rows) * BN
+    off_m, off_n = gw._tile_offsets(pid, M, N, BM, BN, GROUP_M)
     WM: gl.constexpr = num_warps if BM >= 16 * num_warps else 4
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WM, num_warps // WM],
                                                   instr_shape=[16, BN // (num_warps // WM), 32])
@@ -190,53 +181,15 @@ CHECKED = tuple(TRITON_VARIANTS) + ("base", "wtma", "wtma_s5", "wtma_64x128", "w
                                     "wtma_64x64w4_u2", "wtma_64x64w4_u4")
 
 
+def _gluon_shipped(xs, sx, weight, scales, n, k, g, out):
+    return gw.w4a8_gemm_wgmma(xs, sx, weight, scales, None, n, k, g, out)
+
+
 def main(out_path: str) -> None:
-    dev = torch.device("cuda")
-    torch.manual_seed(0)
-    G = 128
-    shapes = [(4096, 2048), (2048, 6144), (12288, 2048)]
-    rows, t0 = [], time.time()
-    for n, k in shapes:
-        q = torch.randint(-8, 8, (n, k), dtype=torch.int8, device=dev)
-        weight = pack_nibbles(q)
-        scales = (torch.rand(k // G, n, device=dev) * 0.02 + 0.001).to(torch.bfloat16).contiguous()
-        wbf = (q.float() * scales.float().t().repeat_interleave(G, dim=1)).to(torch.bfloat16)
-        ws = [(weight.clone(), scales.clone()) for _ in range(timing.rotation(weight.numel() * 2, dev))]
-        wbs = [wbf.clone() for _ in range(timing.rotation(wbf.numel() * 2, dev))]
-        for m in (512, 4096):
-            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            xq, sx = launch.quantize_act(x)
-            xs = gw.split_groups(xq, G).contiguous()
-            cfg = launch.serving_config(m, n, k, G, dev)
-            ref = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
-            launch.launch_config(cfg, xq, sx, weight, scales, None, n, k, G, ref)
-            outs = [torch.empty_like(ref) for _ in ws]
-            row = {"m": m, "n": n, "k": k, "shipped_cfg": str(cfg)}
-            row["bf16_ms"] = timing.graph_ms([lambda w=w: torch.mm(x, w.t()) for w in wbs])
-            row["shipped_ms"] = timing.graph_ms(
-                [lambda w=w, o=o: launch.launch_config(cfg, xq, sx, w[0], w[1], None, n, k, G, o)
-                 for w, o in zip(ws, outs)])
-            row["gluon_shipped_ms"] = timing.graph_ms(
-                [lambda w=w, o=o: gw.w4a8_gemm_wgmma(xs, sx, w[0], w[1], None, n, k, G, o) for w, o in zip(ws, outs)])
-            for name, kw in list(VARIANTS.items()) + list(TRITON_VARIANTS.items()):
-                fn = triton_split.run if name in TRITON_VARIANTS else run
-                try:
-                    got = torch.empty_like(ref)
-                    fn(xs, sx, weight, scales, n, k, G, got, **kw)
-                    torch.cuda.synchronize()
-                    if name in CHECKED:
-                        row[name + "_mismatch"] = int((got.view(torch.int16) != ref.view(torch.int16)).sum())
-                    row[name + "_ms"] = timing.graph_ms(
-                        [lambda w=w, o=o, fn=fn, kw=kw: fn(xs, sx, w[0], w[1], n, k, G, o, **kw)
-                         for w, o in zip(ws, outs)])
-                except Exception as exc:  # noqa: BLE001
-                    row[name + "_error"] = repr(exc)[:300]
-                    traceback.print_exc()
-            rows.append(row)
-            print(f"[{time.time() - t0:6.1f}s] M={m} N={n} K={k} " + " ".join(
-                f"{kk[:-3]}={v:.4f}" for kk, v in row.items() if kk.endswith("_ms")) + " mism " + str(
-                {kk[:-9]: v for kk, v in row.items() if kk.endswith("_mismatch")}), flush=True)
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, open(out_path, "w"), indent=1)
+    variants = {"gluon_shipped": (_gluon_shipped, {}, False)}
+    variants.update({name: (run, kw, name in CHECKED) for name, kw in VARIANTS.items()})
+    variants.update({name: (triton_split.run, kw, name in CHECKED) for name, kw in TRITON_VARIANTS.items()})
+    ab.run(out_path, [(4096, 2048, (512, 4096)), (2048, 6144, (512, 4096)), (12288, 2048, (512, 4096))], variants)
 
 
 if __name__ == "__main__":

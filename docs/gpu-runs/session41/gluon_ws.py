@@ -103,12 +103,7 @@ def ws_kernel(a_desc, w_desc, s_ptr, sx_ptr, out_ptr, M, N, K, stride_om, G: gl.
               num_warps: gl.constexpr):
     HALF: gl.constexpr = G // 2
     pid = gl.program_id(0)
-    grid_m = gl.cdiv(M, BM)
-    width = GROUP_M * gl.cdiv(N, BN)
-    first_m = (pid // width) * GROUP_M
-    rows = gl.minimum(grid_m - first_m, GROUP_M)
-    off_m = (first_m + (pid % width) % rows) * BM
-    off_n = ((pid % width) // rows) * BN
+    off_m, off_n = gw._tile_offsets(pid, M, N, BM, BN, GROUP_M)
     WM: gl.constexpr = num_warps if BM >= 16 * num_warps else 4
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WM, num_warps // WM],
                                                   instr_shape=[16, BN // (num_warps // WM), 32])
