@@ -39,12 +39,13 @@ def assert_close(y: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 def config_id(v: object) -> str:
-    """A test id for a launch.GemmConfig parameter (tiles, s: swap, p: pipe, f: fcvt, k: split-K, w: warps) or a
+    """A test id for a launch.GemmConfig parameter (tiles, s: swap, p: pipe, f: fcvt, c: cat, k: split-K, w: warps) or a
     GemvConfig (gemv, then block_n x block_k, k, w, f: fused); str otherwise."""
     if hasattr(v, "block_n") and not hasattr(v, "block_m"):
         return f"gemv{v.block_n}x{v.block_k}k{v.split_k}w{v.num_warps}" + ("f" if v.fused else "")
     if hasattr(v, "block_m"):
-        flags = ("s" if v.swap else "") + ("p" if v.pipe else "") + ("f" if v.fcvt else "")
+        flags = ("s" if v.swap else "") + ("p" if v.pipe else "") + ("f" if v.fcvt else "") + (
+            "c" if getattr(v, "cat", False) else "")
         return f"{v.block_m}x{v.block_n}x{v.block_k}{flags}k{v.split_k}w{v.num_warps}"
     return str(v)
 

@@ -173,7 +173,7 @@ def test_direct_launch_fills_the_signature_and_keys_like_the_jit(monkeypatch) ->
     cfg = launch.GemmConfig(128, 64, 128, split_k=2)
     _, args, options = launch.gemm_launch(cfg, 512, 576, 2048, 128, *[None] * 10, 2048, 576)
     tail = Direct(triton_w4a8._w4a8_gemm_kernel)._tail(args, options)
-    assert tail == (128, 128, 64, 128, False, 2, 8, False, False, False, True, False)  # G BM BN ... ASM, FCVT
+    assert tail == (128, 128, 64, 128, False, 2, 8, False, False, False, True, False, False)  # G BM BN ... FCVT, CAT
     gemv = launch.GemvConfig(64, 512, fused=True)
     _, args, options = launch.gemv_launch(gemv, 576, 2048, 128, *[None] * 10)
     tail = Direct(triton_w4a8._w4a8_gemv_kernel)._tail(args, options)

@@ -85,7 +85,11 @@ def _configs() -> list[tuple[int, int, launch.GemmConfig]]:
     cases += [(7, 32, launch.GemmConfig(16, 32, 64, split_k=3)),
               (7, 32, launch.GemmConfig(16, 16, 128, swap=True, split_k=5)),
               (7, 64, launch.GemmConfig(16, 32, 128, pipe=True, split_k=3)),  # two groups a step
-              (7, 64, launch.GemmConfig(16, 16, 128, swap=True, pipe=True, split_k=5))]
+              (7, 64, launch.GemmConfig(16, 16, 128, swap=True, pipe=True, split_k=5)),
+              # split-order activations (cat): given in column order, reordered by w4a8_linear_q
+              (33, 32, launch.GemmConfig(32, 32, 128, cat=True)),
+              (33, 128, launch.GemmConfig(32, 32, 128, swap=True, pipe=True, cat=True)),
+              (7, 64, launch.GemmConfig(16, 16, 128, swap=True, split_k=3, cat=True))]
     return cases
 
 
@@ -230,6 +234,26 @@ def test_norm_inside_the_kernels_is_the_norm_then_the_linear(m: int, k: int, war
             assert torch.equal(rout, r_ref)
     xq, sx = launch.pre_quantize(x, launch.Norm(nw, 1e-6, r, None if r is None else torch.empty_like(x)), k)
     assert torch.equal(xq, rq) and torch.equal(sx, rs)
+
+
+@pytest.mark.parametrize("swap", [False, True])
+@pytest.mark.parametrize("m,k,g", [(5, 512, 128), (33, 576, 32)])
+def test_split_order_gemm_is_the_gemm(m: int, k: int, g: int, swap: bool) -> None:
+    """A GemmConfig with cat quantizes the activations in split order (by quantize_act, and by the norm prologue)
+    and gives the same bits as the same tile on activations in column order, through every entry point."""
+    n = 40
+    w, sw = _layout(*weights(n, k, g, seed=m + k))
+    x = activations(m, k, torch.bfloat16, seed=m)
+    nw = (torch.rand(k, generator=torch.Generator().manual_seed(k)) + 0.5).bfloat16()
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(n)).bfloat16()
+    plain = launch.GemmConfig(32, 32, 128, swap=swap, pipe=swap)
+    cat = replace(plain, cat=True)
+    assert launch.split_order(cat) and not launch.split_order(plain)
+    for run in (lambda c: launch.w4a8_linear(x, w, sw, bias, n, k, g, config=c),
+                lambda c: launch.w4a8_linear_pre(x, launch.Norm(nw, 1e-6), w, sw, bias, n, k, g, config=c),
+                lambda c: launch.w4a8_linear_q(*launch.quantize_act(x), w, sw, bias, n, k, g, torch.float32,
+                                               config=c)):
+        assert torch.equal(run(cat), run(plain))
 
 
 def test_norm_inside_the_kernels_on_real_valued_rows() -> None:

@@ -42,7 +42,9 @@ class GemmConfig:
     fcvt: convert a group's int32 sums to fp32 with an integer add and an exact fp32 subtraction instead of the
     conversion instruction, which NVIDIA's throughput tables put at a quarter of the FMA rate or less (same bits).
     Measured on an H100: 1.5-1.8x faster for 128 x 256 tiles, whose conversions bind, and no gain for the fastest
-    (128 x 64), so no candidate below takes it."""
+    (128 x 64), so no candidate below takes it.
+    cat: the activations come in split order (quantize_act(x, split=G)), so a group's weight tile is its low
+    nibbles' half, then its high ones', with no byte interleaving (same bits; see triton_w4a8._group_dot16)."""
 
     block_m: int
     block_n: int
@@ -54,6 +56,7 @@ class GemmConfig:
     group_m: int = 8
     pipe: bool = False
     fcvt: bool = False
+    cat: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -273,8 +276,8 @@ def w4a8_linear(
             xw, sx = quantize_words(x)
             launch_gemv(config, xw, sx, weight, scales, bias, n, kk, group_size, out, counter)
         return out
-    if isinstance(config, WgmmaConfig):
-        return _wgmma_linear(*quantize_act(x, group_size), weight, scales, bias, n, kk, group_size, x.dtype, config,
+    if split_order(config):
+        return _split_linear(*quantize_act(x, group_size), weight, scales, bias, n, kk, group_size, x.dtype, config,
                              counter)
     xq, sx = quantize_act(x)
     return w4a8_linear_q(xq, sx, weight, scales, bias, n, kk, group_size, x.dtype, config, counter)
@@ -301,8 +304,8 @@ def w4a8_linear_pre(
         if n == 0 and pre.kind == 2:  # no GEMV program ran to write the residual
             pre_quantize(x, pre, kk)
         return out
-    if isinstance(config, WgmmaConfig):
-        return _wgmma_linear(*pre_quantize(x, pre, kk, group_size), weight, scales, bias, n, kk, group_size,
+    if split_order(config):
+        return _split_linear(*pre_quantize(x, pre, kk, group_size), weight, scales, bias, n, kk, group_size,
                              x.dtype, config, counter)
     xq, sx = pre_quantize(x, pre, kk)
     return w4a8_linear_q(xq, sx, weight, scales, bias, n, kk, group_size, x.dtype, config, counter)
@@ -395,24 +398,30 @@ def w4a8_linear_q(
         if config.fused:  # the INT8 activations are given: the same GEMV on their words
             config = replace(config, fused=False)
         launch_gemv(config, words_of(xq), sx, weight, scales, bias, n, kk, group_size, out, counter)
-    elif isinstance(config, WgmmaConfig):  # given in column order: one more pass to reorder them
-        gw.w4a8_gemm_wgmma(gw.split_groups(xq, group_size).contiguous(), sx, weight, scales, bias, n, kk,
-                           group_size, out, config, _compiled(weight), counter)
+    elif split_order(config):  # given in column order: one more pass to reorder them
+        launch_config(config, gw.split_groups(xq, group_size).contiguous(), sx, weight, scales, bias, n, kk,
+                      group_size, out, counter)
     else:
         launch_config(config, xq, sx, weight, scales, bias, n, kk, group_size, out, counter)
     return out
 
 
-def _wgmma_linear(xs: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
-                  bias: torch.Tensor | None, n: int, kk: int, g: int, out_dtype: torch.dtype, config: WgmmaConfig,
+def split_order(config: Config) -> bool:
+    """Whether `config`'s GEMM reads each group's activations in split order (gluon_w4a8.split_groups: even
+    columns, then odd): the Gluon GEMM's, and the Triton GEMM's with GemmConfig.cat."""
+    return isinstance(config, WgmmaConfig) or isinstance(config, GemmConfig) and config.cat
+
+
+def _split_linear(xs: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+                  bias: torch.Tensor | None, n: int, kk: int, g: int, out_dtype: torch.dtype, config: Config,
                   counter: DeviceCounter | None) -> torch.Tensor:
-    """The Gluon GEMM on activations quantized in split order (quantize_act / pre_quantize with split=G)."""
+    """A split_order config's GEMM on activations quantized in split order (quantize_act / pre_quantize with
+    split=G)."""
     m = xs.shape[0]
     _check(xs, weight, scales, n, kk, g)
     out = torch.empty((m, n), dtype=out_dtype, device=xs.device)
     if m and n:
-        gw.w4a8_gemm_wgmma(xs, sx.reshape(-1), weight, scales, bias, n, kk, g, out, config, _compiled(weight),
-                           counter)
+        launch_config(config, xs, sx.reshape(-1).float().contiguous(), weight, scales, bias, n, kk, g, out, counter)
     return out
 
 
@@ -593,7 +602,7 @@ def _check(xq: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, n: int,
 def launch_config(cfg: GemmConfig, xq, sx, weight, scales, bias, n, kk, g, out,
                   counter: DeviceCounter | None = None):
     """Runs the GEMM with `cfg` into `out`; returns its compiled kernel (registers, spills, PTX). A WgmmaConfig
-    runs the Gluon GEMM, which reads xq's columns in split order (quantize_act(x, split=G))."""
+    runs the Gluon GEMM; it and a GemmConfig with cat read xq's columns in split order (split_order)."""
     if isinstance(cfg, WgmmaConfig):
         return gw.w4a8_gemm_wgmma(xq, sx, weight, scales, bias, n, kk, g, out, cfg, _compiled(weight), counter)
     m = xq.shape[0]
@@ -628,7 +637,7 @@ def _gemm_options(cfg: GemmConfig, g: int, split: int, has_bias: bool, count: bo
     """The GEMM's compile-time options (one dict a combination, which nobody mutates)."""
     return dict(G=g, BM=cfg.block_m, BN=cfg.block_n, BK=max(cfg.block_k, g), SWAP=cfg.swap, SPLIT_K=split,
                 GROUP_M=cfg.group_m, HAS_BIAS=has_bias, COUNT=count, PIPE=cfg.pipe, ASM=asm,
-                FCVT=cfg.fcvt,
+                FCVT=cfg.fcvt, CAT=cfg.cat,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **FP_FUSION)
 
 

@@ -69,12 +69,17 @@ def _round_q(v, safe):
 
 @triton.jit
 def _group_dot16(x_ptrs, w_ptrs, x_mask, w_mask, BN: tl.constexpr, G: tl.constexpr, SWAP: tl.constexpr,
-                 ASM: tl.constexpr):
-    """16 x one group's integer dot products: (BM, BN) int32, or (BN, BM) when SWAP (weights as the MMA's A)."""
+                 ASM: tl.constexpr, CAT: tl.constexpr = False):
+    """16 x one group's integer dot products: (BM, BN) int32, or (BN, BM) when SWAP (weights as the MMA's A).
+    CAT: the group's activations are in split order (gluon_w4a8.split_groups: even columns, then odd), so the
+    weight tile is the low nibbles' half then the high ones' (no byte interleaving); the same integer sums."""
     x = tl.load(x_ptrs, mask=x_mask, other=0)  # (BM, G) int8
     wp = tl.load(w_ptrs, mask=w_mask, other=0)  # (BN, G/2) int8, two nibbles a byte
     lo, hi = _widen_nibbles(wp, ASM)
-    w = tl.reshape(tl.join(lo, hi), (BN, G))  # (BN, G), k = 2b + {0, 1}
+    if CAT:
+        w = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (BN, G))  # (BN, G): k = 2b for b < G/2, then 2b + 1
+    else:
+        w = tl.reshape(tl.join(lo, hi), (BN, G))  # (BN, G), k = 2b + {0, 1}
     if SWAP:
         d = tl.dot(w, tl.trans(x), out_dtype=tl.int32)
     else:
@@ -105,14 +110,15 @@ def _w4a8_gemm_kernel(
     M, N, K, stride_xm, stride_om, stride_split,
     G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr,
     SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, COUNT: tl.constexpr,
-    PIPE: tl.constexpr = False, ASM: tl.constexpr = False, FCVT: tl.constexpr = False,
+    PIPE: tl.constexpr = False, ASM: tl.constexpr = False, FCVT: tl.constexpr = False, CAT: tl.constexpr = False,
 ):
     """out (M, N) = the W4A8 linear.  SPLIT_K > 1: part (SPLIT_K, M, N) fp32 scratch, lock (>= tiles) int32 zeros.
     COUNT: count (slots, 2) int64 [calls, rows] of this layer, bumped at slot[0] by one program (hooks.py).
     PIPE: rescale group g-1's integer sums while group g's dot runs (the dot's result
     is first read one step later, so the tensor cores need not wait for the rescale); the fp32 sum adds the
     same terms in the same order, so the result is the same bits.  FCVT: _rescale_add's conversion without I2F
-    (same bits).  ASM: widen nibbles with inline PTX (compiled only; the interpreter runs the int8 operators)."""
+    (same bits).  ASM: widen nibbles with inline PTX (compiled only; the interpreter runs the int8 operators).
+    CAT: x holds each group's columns in split order (quantize_act(x, split=G)); see _group_dot16."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     if COUNT:
@@ -153,7 +159,7 @@ def _w4a8_gemm_kernel(
                 x_mask = mask_m[:, None] & live[None, :]
                 w_mask = mask_n[:, None] & live[None, :]
                 s_mask = mask_n & live
-            d = _group_dot16(x_ptrs + g * G, w_ptrs + g * (G // 2), x_mask, w_mask, BN, G, SWAP, ASM)
+            d = _group_dot16(x_ptrs + g * G, w_ptrs + g * (G // 2), x_mask, w_mask, BN, G, SWAP, ASM, CAT)
             s = tl.load(s_ptr + g * N + offs_n, mask=s_mask, other=0.0).to(tl.float32) * 0.0625
             if PIPE:
                 acc = _rescale_add(acc, d_prev, s_prev, SWAP, FCVT)

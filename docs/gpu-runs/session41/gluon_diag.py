@@ -8,6 +8,7 @@ shipped Triton GEMM in one process:
 python docs/gpu-runs/session41/gluon_diag.py OUT.json   (PYTHONPATH=$PWD; no vLLM needed)
 """
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from triton.experimental import gluon
@@ -17,6 +18,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from anychip.kernels.gpu import gluon_w4a8 as gw
+from anychip.kernels.gpu import launch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import ab  # noqa: E402
@@ -185,8 +187,15 @@ def _gluon_shipped(xs, sx, weight, scales, n, k, g, out):
     return gw.w4a8_gemm_wgmma(xs, sx, weight, scales, None, n, k, g, out)
 
 
+def _shipped_cat(xs, sx, weight, scales, n, k, g, out):
+    """Session 42: the shipped Triton GEMM with its serving config and GemmConfig.cat (one dot a group against
+    split-order activations: no byte interleaving of the nibbles; 368 SASS instructions a warp a group against 379)."""
+    cfg = replace(launch.serving_config(xs.shape[0], n, k, g, xs.device), cat=True)
+    return launch.launch_config(cfg, xs, sx, weight, scales, None, n, k, g, out)
+
+
 def main(out_path: str) -> None:
-    variants = {"gluon_shipped": (_gluon_shipped, {}, False)}
+    variants = {"gluon_shipped": (_gluon_shipped, {}, False), "shipped_cat": (_shipped_cat, {}, True)}
     variants.update({name: (run, kw, name in CHECKED) for name, kw in VARIANTS.items()})
     variants.update({name: (triton_split.run, kw, name in CHECKED) for name, kw in TRITON_VARIANTS.items()})
     ab.run(out_path, [(4096, 2048, (512, 4096)), (2048, 6144, (512, 4096)), (12288, 2048, (512, 4096))], variants)
