@@ -50,6 +50,8 @@ for name, cfg in BASE.items():
     if name != "t128x64":
         VARIANTS[name] = (_run, {"cfg": cfg}, True)
     VARIANTS[name + "_cat"] = (_run, {"cfg": replace(cfg, cat=True)}, True)
+VARIANTS["swap256x64w8_cat"] = (_run, {"cfg": GemmConfig(256, 64, 128, swap=True, num_warps=8, num_stages=3,
+                                                          cat=True)}, True)
 VARIANTS["swap128x128w8s4_cat"] = (_run, {"cfg": GemmConfig(128, 128, 128, swap=True, num_warps=8, num_stages=4,
                                                             cat=True)}, True)
 
