@@ -156,6 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: vLLM's own, twice the engine's max_num_seqs, at most 512), then at four sizes "
                         "an octave up to its step budget, as anychip's plugin does for the models it serves, so "
                         "prefill steps replay graphs in every system alike")
+    b.add_argument("--no-warm-python", dest="warm_python", action="store_false",
+                   help="skip the throwaway process that byte-compiles and imports vLLM (and creates a CUDA context) "
+                        "before the first engine, which otherwise keeps that once-a-machine work out of the first "
+                        "system's engine start")
     b.add_argument("--compile-cache", default="cold", choices=["cold", "shared"],
                    help="cold (default): every vLLM engine starts with empty Inductor, Triton and vLLM compile "
                         "caches of its own, so engine start times compare; shared: the user's caches, warm from "

@@ -413,10 +413,34 @@ def test_a_crash_mid_run_keeps_the_rows_measured_before_it(tiny_llama, tmp_path,
         return _latency_row(system.name, 1000, 60)
 
     monkeypatch.setattr(latency, "run_system", run_system)
+    monkeypatch.setattr(latency, "warm_python", lambda packages, device: {"packages": list(packages),
+                                                                          "device": device, "seconds": 1.5})
     out = tmp_path / "lat.json"
     assert main(["bench", "latency", str(w4a8), "--peers", "--device", "cpu", "--json", str(out)]) == 130
-    assert [r["system"] for r in json.loads(out.read_text())["rows"]] == ["vllm-bf16"]
-    assert "vllm-bf16" in out.with_suffix(".md").read_text()
+    doc = json.loads(out.read_text())
+    assert [r["system"] for r in doc["rows"]] == ["vllm-bf16"]
+    assert doc["warm_python"] == {"packages": ["vllm", "anychip"], "device": "cpu", "seconds": 1.5}
+    md = out.with_suffix(".md").read_text()
+    assert "vllm-bf16" in md and "one throwaway process byte-compiled and imported vllm, anychip (1.5 s" in md
+
+
+def test_warm_python_compiles_and_imports_in_a_throwaway_process(tmp_path, monkeypatch):
+    """bench latency's warm-up child: every module of the package byte-compiled (no .pyc before), the package
+    imported; a package that does not import is reported, not raised."""
+    from anychip.bench.host import warm_python
+
+    pkg = tmp_path / "warmpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from . import used\n")
+    (pkg / "used.py").write_text("X = 1\n")
+    (pkg / "unused.py").write_text("Y = 2\n")  # never imported: compiled all the same
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.delenv("PYTHONDONTWRITEBYTECODE", raising=False)
+    done = warm_python(("warmpkg",))
+    assert "error" not in done and done["seconds"] >= 0 and done["packages"] == ["warmpkg"]
+    assert {p.name.split(".")[0] for p in (pkg / "__pycache__").glob("*.pyc")} == {"__init__", "used", "unused"}
+    failed = warm_python(("warmpkg", "no_such_package_here"))
+    assert "No module named 'no_such_package_here'" in failed["error"]
 
 
 def test_a_llama_cpp_that_does_not_import_is_an_unavailable_peer(tmp_path, monkeypatch):
@@ -650,6 +674,7 @@ def test_bench_latency_real_run(default_model, tmp_path):
     assert row["pp_tps"]["mean"] > 0 and row["tg_tps"]["mean"] > 0 and row["engine_start_s"] > 0
     assert row["settings"]["compile_mode"] == "eager" and "anychip" not in row["settings"]["env"]["VLLM_PLUGINS"]
     assert row["settings"]["cuda_graph_max_tokens"] == 0  # an eager CPU engine replays no CUDA graph
+    assert "error" not in doc["warm_python"], doc["warm_python"]  # vLLM and anychip imported before the engine
     assert out.with_suffix(".md").exists()
 
 
@@ -852,12 +877,15 @@ def test_floor_row_joins_after_ours_and_its_notes(tiny_llama, tmp_path, monkeypa
     seen = []
     monkeypatch.setattr(latency, "run_system", lambda system, args, workdir: seen.append(system.name) or
                         _latency_row(system.name, 1000, 100))
+    monkeypatch.setattr(latency, "warm_python", lambda packages, device: seen.append("warm") or
+                        {"packages": list(packages), "device": device, "seconds": 0.1})
     out = tmp_path / "lat.json"
     assert main(["bench", "latency", str(w4a8), "--floor", "--systems", "anychip-w4a8,anychip-w4a8-floor",
                  "--device", "cpu", "--json", str(out)]) == 0
-    assert seen == ["anychip-w4a8", "anychip-w4a8-floor"]
-    seen.clear()  # naming the floor row in --systems is enough
-    assert main(["bench", "latency", str(w4a8), "--systems", "anychip-w4a8-floor", "--device", "cpu"]) == 0
+    assert seen == ["warm", "anychip-w4a8", "anychip-w4a8-floor"]  # the warm-up once, before the first engine
+    seen.clear()  # naming the floor row in --systems is enough; --no-warm-python skips the warm-up
+    assert main(["bench", "latency", str(w4a8), "--systems", "anychip-w4a8-floor", "--device", "cpu",
+                 "--no-warm-python"]) == 0
     assert seen == ["anychip-w4a8-floor"]
     rows = [_latency_row(latency.OURS, 2000, 150), _latency_row(latency.FLOOR, 2000, 250),
             _latency_row("llama.cpp-q4_0", 500, 100)]

@@ -80,3 +80,41 @@ def wait_for_idle(max_wait_s: float, busy_below: float = 0.25) -> float:
     while time.monotonic() - t0 < max_wait_s and cpu_busy() >= busy_below:
         time.sleep(5)
     return time.monotonic() - t0
+
+
+#: What warm_python does in its child: byte-compile each package (writes only missing or stale .pyc files), then
+#: import them, and on "cuda" create the CUDA context (torch's CUDA libraries read from disk once).
+_WARM_CHILD = """
+import compileall, importlib, importlib.util, os, sys
+device, names = sys.argv[1], sys.argv[2:]
+for name in names:
+    spec = importlib.util.find_spec(name)
+    for where in (spec.submodule_search_locations or []) if spec else []:
+        compileall.compile_dir(where, quiet=2, workers=os.cpu_count() or 1)
+for name in names:
+    importlib.import_module(name)
+if device == "cuda":
+    import torch
+    torch.zeros(1, device="cuda")
+"""
+
+
+def warm_python(packages: tuple[str, ...], device: str = "cpu", timeout_s: float = 900.0) -> dict[str, Any]:
+    """Before the first engine of a comparison: one throwaway process byte-compiles and imports `packages` (and on
+    "cuda" creates a CUDA context), so the first system measured does not pay alone for what every later one finds
+    done: Python compiling a freshly installed package's modules (about 30 s for vLLM on a fresh GPU machine, whose
+    staged copy has no .pyc), the OS reading the libraries from disk. Returns {"seconds", "packages", "device"} and
+    "error" (the child's last stderr line) if it failed, which does not stop the comparison."""
+    import sys
+
+    t0 = time.monotonic()
+    out: dict[str, Any] = {"packages": list(packages), "device": device}
+    try:
+        done = subprocess.run([sys.executable, "-c", _WARM_CHILD, device, *packages], capture_output=True,
+                              text=True, timeout=timeout_s)
+        if done.returncode:
+            out["error"] = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1][:300]
+    except subprocess.TimeoutExpired:
+        out["error"] = f"not finished in {timeout_s:.0f} s"
+    out["seconds"] = round(time.monotonic() - t0, 1)
+    return out

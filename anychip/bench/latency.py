@@ -29,7 +29,7 @@ from typing import Any
 
 from anychip import envs
 from anychip.bench import gguf_peers, peers, runners
-from anychip.bench.host import machine, wait_for_idle
+from anychip.bench.host import machine, wait_for_idle, warm_python
 from anychip.bench.metrics import MeanSd, RepTiming, mean_sd, ratio, summarize_latency
 from anychip.bench.report import command_line, fmt, markdown_table, now, source_notes, write_outputs
 from anychip.bench.runners import Engine, RunSpec
@@ -727,6 +727,13 @@ def render_markdown(doc: dict[str, Any]) -> str:
     if cold:
         notes.append(f"- engine start: {', '.join(cold)} started with empty compile caches of their own "
                      f"({', '.join(envs.COMPILE_CACHES)}; --compile-cache cold)")
+    warmed = doc.get("warm_python")
+    if warmed:
+        notes.append(f"- before the first engine, one throwaway process byte-compiled and imported "
+                     f"{', '.join(warmed['packages'])}" + (" and created a CUDA context" if warmed["device"] == "cuda"
+                                                           else "") +
+                     f" ({warmed['seconds']} s{'; failed: ' + warmed['error'] if warmed.get('error') else ''}), so "
+                     "the first system's engine start does not include work every later one finds done")
     notes += source_notes(doc["machine"], doc["rows"], "system")
     if notes:
         lines += ["", "## Notes", ""] + notes
@@ -822,11 +829,14 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
     if args.device == "cuda":
         where["gpu"] = _gpu_name()
     earlier = _read_report(Path(args.json)) if args.json and args.append else None  # before this run writes it
+    warmed: dict[str, Any] | None = None
 
     def _report(rows: list[dict[str, Any]]) -> dict[str, Any]:
         doc = {"benchmark": "latency", "created": now(), "machine": where, "model": str(model),
                "threads": args.threads, "device": args.device,
                "requested": {"pp": args.pp, "tg": args.tg, "reps": args.reps}, "rows": list(rows)}
+        if warmed is not None:
+            doc["warm_python"] = warmed
         if earlier is not None:
             doc = merge_into(Path(args.json), doc, earlier)
         doc["commands"] = list(dict.fromkeys(r["command"] for r in doc["rows"] if r.get("command")))
@@ -834,6 +844,10 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
         return doc
 
     _report([])  # --append onto an incompatible report fails now, not after measuring
+    if getattr(args, "warm_python", True) and any(s.engine == "vllm" and not s.skipped for s in systems):
+        print("  warming Python (byte-compiling and importing vLLM in a throwaway process) ", end="", flush=True)
+        warmed = warm_python(("vllm", "anychip"), args.device)
+        print(f"({warmed['seconds']:.0f} s{', ' + warmed['error'] if warmed.get('error') else ''})")
     interleave = getattr(args, "interleave", False)
     if interleave and args.device != "cpu":
         raise AnychipError("--interleave: CPU engines only (on a GPU every engine would have to fit in its memory "
