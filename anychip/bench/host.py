@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -105,8 +106,6 @@ def warm_python(packages: tuple[str, ...], device: str = "cpu", timeout_s: float
     done: Python compiling a freshly installed package's modules (about 30 s for vLLM on a fresh GPU machine, whose
     staged copy has no .pyc), the OS reading the libraries from disk. Returns {"seconds", "packages", "device"} and
     "error" (the child's last stderr line) if it failed, which does not stop the comparison."""
-    import sys
-
     t0 = time.monotonic()
     out: dict[str, Any] = {"packages": list(packages), "device": device}
     try:
