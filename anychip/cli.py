@@ -97,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="verify + profile + vLLM's OpenAI server with anychip; extra flags go to vLLM")
     s.add_argument("model", nargs="?", help="W4A8 (or any) model directory (default: the prepared default model)")
-    s.add_argument("--coverage", help="write the coverage report here (default: MODEL/../coverage.json)")
+    s.add_argument("--coverage", help="write the coverage report here (default: "
+                   "~/.cache/anychip/models/coverage/<model folder name>.json, or under $ANYCHIP_CACHE)")
     s.add_argument("--allow-fallback", action="store_true",
                    help="permit the torch reference route for linears no fast kernel serves (counted in coverage)")
     s.add_argument("--head", choices=["bf16", "int8"], default=None,
@@ -125,7 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     csub = s.add_subparsers(dest="coverage_command", required=True)
     c = csub.add_parser("check", help="validate a coverage.json; non-zero exit with reasons")
     c.add_argument("path")
-    c.add_argument("--expect-linears", type=int, help="number of quantized linears that must be prepared")
+    c.add_argument("--expect-linears", type=int, help="number of quantized linears that must be prepared, as vLLM "
+                   "builds them: q/k/v and gate/up merged, so 4 a Llama-style decoder layer (`anychip verify` "
+                   "counts the checkpoint's 7)")
     c.add_argument("--group-size", type=int, help="every prepared linear must have this group size")
     c.add_argument("--allow-fallback", action="store_true", help="accept reports with reference-route linears")
     c.set_defaults(target="anychip.coverage:cmd_check")

@@ -155,6 +155,32 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout: float, key: str | Non
     return False
 
 
+#: Seconds a stopped server gets before anychip serve signals its whole process group again, then kills it.
+STOP_GRACE_S = 30.0
+
+
+def escalate_stop(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
+    """After a forwarded stop: vLLM's server ignores a SIGTERM that arrives while its engine starts (seen 7-10 s
+    into start-up, with or without anychip), so a server still running `grace_s` later gets SIGTERM again, to its
+    whole process group (the engine core with it), and SIGKILL after another `grace_s`."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            proc.wait(timeout=grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+        print(f"\nanychip serve: the server is still running {grace_s:.0f} s after the stop; sending "
+              f"{signal.Signals(sig).name} to its process group", file=sys.stderr, flush=True)
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+    try:
+        proc.wait(timeout=grace_s)  # reaped
+    except subprocess.TimeoutExpired:
+        pass
+
+
 def cmd_serve(args) -> int:
     report = None
     if args.model:
@@ -165,7 +191,11 @@ def cmd_serve(args) -> int:
         print("anychip serve: no MODEL given, using the embedded default model (anychip prepare)")
         prepared = prepare_default()  # verified as it is prepared or reused
         model, report = prepared.w4a8_dir, prepared.report
-    is_w4a8 = ModelDir.open(model).scheme is not None  # ModelDirError (exit 2) when it is no model directory
+    model_dir = ModelDir.open(model)  # ModelDirError (exit 2) when it is no model directory
+    qc = model_dir.quantization_config
+    # verified: a W4A8 checkpoint, and one anychip made whatever its config now says (the contract error then names
+    # what was changed, instead of vLLM's own routes serving it unchecked)
+    is_w4a8 = model_dir.scheme is not None or (qc is not None and isinstance(qc.get("anychip"), dict))
     secret, secret_source = api_key(args.api_key)
     check_exposure(args.host, secret, args.insecure)
     if is_w4a8 and args.verify == "none":
@@ -177,8 +207,11 @@ def cmd_serve(args) -> int:
         print(f"verified  {model}: {report.num_layers} layers, {report.num_linears} W4A8 linears "
               f"G{report.group_size} {report.format}, {report.total_bytes / 1e6:.0f} MB, checksums OK, "
               + ("values OK" if report.value_bytes is not None else "values not checked (--verify fast)"))
+    elif qc is None:
+        print(f"note      {model} is not quantized (no quantization_config): served by stock vLLM routes")
     else:
-        print(f"note      {model} is not a compressed-tensors checkpoint: served by stock vLLM routes")
+        print(f"note      {model} is quantized as {qc.get('quant_method')!r}, not as anychip's W4A8: served by stock "
+              "vLLM routes; anychip's kernels, strict mode and coverage do not apply to it")
     coverage = Path(args.coverage) if args.coverage else envs.cache_dir() / "coverage" / f"{model.name}.json"
     cmd, env = server_command(model, args.host, args.port, args.extra)
     env[envs.ANYCHIP_COVERAGE] = str(coverage.resolve())
@@ -202,7 +235,8 @@ def cmd_serve(args) -> int:
 
         private_dir(coverage.parent)
     secrets = {"VLLM_API_KEY": secret} if secret else {}
-    proc = subprocess.Popen(cmd, env={**os.environ, **env, **secrets})
+    # its own process group, so that a server that ignores a stop can be stopped with everything it started
+    proc = subprocess.Popen(cmd, env={**os.environ, **env, **secrets}, start_new_session=True)
     url = f"http://{args.host}:{args.port}"
 
     def announce() -> None:
@@ -215,6 +249,8 @@ def cmd_serve(args) -> int:
     def forward(signum: int, frame: object) -> None:  # stopping anychip serve stops the server it started
         stop_requested.append(signum)
         proc.send_signal(signum)
+        if len(stop_requested) == 1:
+            threading.Thread(target=escalate_stop, args=(proc,), daemon=True).start()
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
@@ -231,7 +267,10 @@ def cmd_serve(args) -> int:
                 try:
                     proc.wait(timeout=30)
                 except subprocess.TimeoutExpired:
-                    proc.kill()
+                    try:
+                        os.killpg(proc.pid, signal.SIGKILL)  # the server and what it started
+                    except (ProcessLookupError, PermissionError):
+                        proc.kill()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -85,6 +85,24 @@ def test_missing_manifest(good, copy_dir):
         verify_checkpoint(d)
 
 
+def test_a_bf16_model_is_named_as_unquantized_before_its_missing_checksums(tiny_llama):
+    """A BF16 model directory has no SHA256SUMS to check: verify says it is not a W4A8 checkpoint, not that its
+    checksums are missing (which `--write-sums` could not fix)."""
+    with pytest.raises(ContractError, match="no quantization_config: this is not a W4A8 checkpoint"):
+        verify_checkpoint(tiny_llama())
+
+
+def test_a_strategy_other_than_group_is_named(good, copy_dir):
+    d = copy_dir(good)
+    config = json.loads((d / "config.json").read_text())
+    weights = config["quantization_config"]["config_groups"]["group_0"]["weights"]
+    weights.update(strategy="channel", group_size=None)
+    (d / "config.json").write_text(json.dumps(config))
+    rehash(d)
+    with pytest.raises(ContractError, match=r"weights\.strategy='channel': anychip's checkpoint contract has 'group'"):
+        verify_checkpoint(d)
+
+
 def test_config_from_another_checkpoint(good, copy_dir, tiny_llama, tmp_path):
     other = quantize_checkpoint(tiny_llama(), tmp_path / "other", W4A8Scheme(64))  # hidden 64, not 128
     d = copy_dir(good)

@@ -40,6 +40,71 @@ def test_leaves_other_checkpoints_to_vllm():
     assert claim(other_format, None) is None
 
 
+def test_claims_what_anychip_made_even_after_its_config_was_edited():
+    """A checkpoint with anychip's provenance block whose config was edited (here: asymmetric weights) is the
+    plugin's, so strict mode can refuse it by name, instead of vLLM's own compressed-tensors serving INT4 weights
+    that carry no zero points as asymmetric ones (garbage, seen in a probe)."""
+    claim = config_mod.AnychipW4A8Config.override_quantization_method
+    edited = _qc(symmetric=False)
+    edited["anychip"] = {"method": "rtn"}
+    assert claim(edited, None) == "anychip-w4a8"
+    assert claim(edited, "awq") is None  # the user asked for something else
+
+
+def test_strict_mode_names_what_is_not_w4a8():
+    from types import SimpleNamespace
+
+    from compressed_tensors.quantization import QuantizationArgs
+
+    from anychip.vllm_plugin.recorder import get_recorder
+
+    w = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=64)
+    a = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
+    assert config_mod.w4a8_mismatches(w, a) == [] and config_mod.is_w4a8_int(w.model_dump(), a.model_dump())
+    asym = w.model_copy(update={"symmetric": False})
+    static = a.model_copy(update={"dynamic": False})
+    assert config_mod.w4a8_mismatches(asym, a) == ["weights.symmetric=False (W4A8 has True)"]
+    assert config_mod.w4a8_mismatches(w, static) == ["input_activations.dynamic=False (W4A8 has True)"]
+    assert config_mod.w4a8_mismatches(w.model_copy(update={"num_bits": 8}), None) == [
+        "input_activations are not quantized"]
+    assert get_recorder().coverage.strict
+    fake = SimpleNamespace(quant_format="pack-quantized")
+    with pytest.raises(config_mod.StrictModeError, match=r"model.layers.0.mlp.up_proj.*weights.symmetric=False"):
+        config_mod.AnychipW4A8Config._get_scheme_from_parts(fake, asym, a, layer_name="model.layers.0.mlp.up_proj")
+
+
+def test_damaged_weights_stop_the_engine_whatever_the_fallback_setting(monkeypatch):
+    """A NaN scale is not a missing kernel: the refusal says the checkpoint is damaged and offers no fallback
+    (the reference route could not serve it either)."""
+    from anychip.formats import pack_int4
+    from anychip.vllm_plugin.recorder import get_recorder
+    from anychip.vllm_plugin.scheme import LayerPrepareError
+
+    monkeypatch.setattr(get_recorder().coverage, "strict", False)
+    layer = torch.nn.Module()
+    scheme = _scheme()
+    scheme.create_weights(layer, 48, 256, [48], 256, torch.bfloat16, weight_loader=lambda *a: None)
+    layer.weight_packed.data.copy_(pack_int4(torch.randint(-8, 8, (48, 256), dtype=torch.int8)))
+    scales = torch.full((48, 4), 0.01, dtype=torch.bfloat16)
+    scales[3, 1] = float("nan")
+    layer.weight_scale.data.copy_(scales)
+    with pytest.raises(LayerPrepareError, match=r"model.layers.7.mlp.down_proj.*scale \[3, 1\] is nan.*damaged") as err:
+        scheme.process_weights_after_loading(layer)
+    assert "allow-fallback" not in str(err.value) and "ALLOW_FALLBACK" not in str(err.value)
+
+
+def test_per_channel_scales_with_no_kernel_group_say_so():
+    from anychip.vllm_plugin.scheme import LayerPrepareError
+
+    layer = torch.nn.Module()
+    scheme = _scheme(strategy="channel")
+    scheme.create_weights(layer, 16, 1000, [16], 1000, torch.bfloat16, weight_loader=lambda *a: None)
+    layer.weight_packed.data.zero_()
+    layer.weight_scale.data.fill_(0.01)
+    with pytest.raises(LayerPrepareError, match=r"per-channel scales over K=1000.*none of which divides K"):
+        scheme.process_weights_after_loading(layer)
+
+
 @pytest.fixture(autouse=True)
 def restore_call_observer():
     """The plugin's recorder installs itself as the kernels' call observer and its table as the C++ kernels'

@@ -70,7 +70,7 @@ class FakeProc:
 
     started: list[tuple[list[str], dict[str, str]]] = []
 
-    def __init__(self, cmd, env=None):
+    def __init__(self, cmd, env=None, **kwargs):
         FakeProc.started.append((cmd, env))
         self.returncode = 0
 
@@ -120,6 +120,87 @@ def test_verify_modes(w4a8, tmp_path, capsys):
     assert "values not checked (--verify fast)" in capsys.readouterr().out
     assert main(["serve", str(bad), "--dry-run", "--verify", "none"]) == 0
     assert "verify    skipped (--verify none)" in capsys.readouterr().out
+
+
+def _edited(w4a8: Path, tmp_path: Path, name: str, edit) -> Path:
+    import json
+    import shutil
+
+    d = tmp_path / name
+    shutil.copytree(w4a8, d)
+    config = json.loads((d / "config.json").read_text())
+    edit(config)
+    (d / "config.json").write_text(json.dumps(config))
+    write_manifest(d)  # checksums agree with the edit: only the contract sees it
+    return d
+
+
+def test_an_edited_anychip_checkpoint_is_verified_not_waved_through(w4a8, tmp_path, capsys):
+    """A checkpoint anychip made whose config was edited to something that is not W4A8 is verified (and refused,
+    naming the change), not served by stock vLLM routes as "not a compressed-tensors checkpoint"."""
+    def asymmetric(c):
+        c["quantization_config"]["config_groups"]["group_0"]["weights"]["symmetric"] = False
+
+    def static(c):
+        c["quantization_config"]["config_groups"]["group_0"]["input_activations"]["dynamic"] = False
+
+    assert "anychip" in __import__("json").loads((w4a8 / "config.json").read_text())["quantization_config"]
+    for name, edit, match in (("asym", asymmetric, "symmetric"), ("static", static, "dynamic")):
+        assert main(["serve", str(_edited(w4a8, tmp_path, name, edit)), "--dry-run"]) == 2
+        captured = capsys.readouterr()
+        assert match in captured.err and "stock vLLM" not in captured.out, (name, captured)
+
+
+def test_what_is_not_anychips_is_named_for_what_it_is(bf16, w4a8, tmp_path, capsys):
+    assert main(["serve", str(bf16), "--dry-run"]) == 0
+    assert "is not quantized (no quantization_config): served by stock vLLM routes" in capsys.readouterr().out
+
+    def foreign(c):
+        c["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+
+    assert main(["serve", str(_edited(w4a8, tmp_path, "gptq", foreign)), "--dry-run"]) == 0
+    assert "quantized as 'gptq', not as anychip's W4A8" in capsys.readouterr().out
+
+
+def test_a_server_that_ignores_the_stop_is_stopped_with_its_group(tmp_path):
+    """vLLM's server ignores a SIGTERM during its start-up: escalate_stop signals the whole process group again,
+    then kills it. A stand-in server that ignores SIGTERM and has a child of its own."""
+    import subprocess
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    code = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "c = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)']); "
+            f"open({str(pid_file)!r}, 'w').write(str(c.pid)); time.sleep(600)")
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    try:
+        for _ in range(100):
+            if pid_file.exists() and pid_file.read_text():
+                break
+            time.sleep(0.1)
+        child = int(pid_file.read_text())
+        proc.send_signal(signal.SIGTERM)  # ignored, as vLLM does during start-up
+        t0 = time.monotonic()
+        serve.escalate_stop(proc, grace_s=1.0)
+        assert proc.poll() is not None and time.monotonic() - t0 < 10
+        for _ in range(50):  # the child went with the group (and was reaped by init)
+            try:
+                os_kill(child)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("the server's child outlived the stop")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def os_kill(pid: int) -> None:
+    import os
+
+    os.kill(pid, 0)  # ProcessLookupError once it is gone
 
 
 def test_ready_message_uses_served_model_name_and_key_header():

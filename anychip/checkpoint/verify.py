@@ -287,6 +287,9 @@ def check_quantization_scope(qc: Any, where: str) -> None:
             if not isinstance(group.get(key), dict):
                 raise ContractError(f"{at}.{key} must be an object, got {group.get(key)!r:.80}")
         weights, acts = group["weights"], group["input_activations"]
+        if weights.get("strategy") != "group":
+            raise ContractError(f"{at}.weights.strategy={weights.get('strategy')!r}: anychip's checkpoint contract has "
+                                "'group' (what `anychip quantize` writes); other strategies are not verified")
         size = weights.get("group_size")
         if not isinstance(size, int) or isinstance(size, bool):
             raise ContractError(f"{at}.weights.group_size={size!r} is not an integer")
@@ -334,9 +337,13 @@ def verify_checkpoint(path: Path, expect_sha256: dict[str, str] | None = None, *
     if not path.is_dir():
         raise AnychipError(f"{path} is not a directory (make a W4A8 checkpoint with `anychip prepare` or "
                            "`anychip quantize SRC DST`)")
+    cfg_path = path / "config.json"
+    if cfg_path.is_file() and ModelDir.open(path).quantization_config is None:
+        # before the checksums: a BF16 model directory has none to check, and their absence is not its problem
+        raise ContractError(f"{cfg_path}: no quantization_config: this is not a W4A8 checkpoint (make one with "
+                            "`anychip quantize SRC DST`)")
     if checksums:
         check_manifest(path, expect_sha256)
-    cfg_path = path / "config.json"
     config = _read_config(cfg_path)
     architecture = check_architecture(config, str(cfg_path))
     check_quantization_scope(config.get("quantization_config"), str(cfg_path))

@@ -28,18 +28,28 @@ def _value(x: Any) -> Any:
     return getattr(x, "value", x)
 
 
+def w4a8_mismatches(weight: QuantizationArgs | dict | None, activation: QuantizationArgs | dict | None) -> list[str]:
+    """What keeps a scheme from being W4A8 int (INT4 symmetric group/channel weights with INT8 dynamic symmetric
+    per-token activations), in the checkpoint's words; empty when it is."""
+    if not weight or not activation:
+        return [f"{'weights' if not weight else 'input_activations'} are not quantized"]
+    def get(a: Any, k: str) -> Any:
+        return _value(a.get(k) if isinstance(a, dict) else getattr(a, k, None))
+    wants = [
+        (weight, "weights", "num_bits", 4), (weight, "weights", "type", "int"), (weight, "weights", "symmetric", True),
+        (weight, "weights", "dynamic", False), (activation, "input_activations", "num_bits", 8),
+        (activation, "input_activations", "type", "int"), (activation, "input_activations", "symmetric", True),
+        (activation, "input_activations", "dynamic", True), (activation, "input_activations", "strategy", "token")]
+    found = [f"{where}.{key}={get(args, key)!r} (W4A8 has {want!r})" for args, where, key, want in wants
+             if (bool(get(args, key)) if isinstance(want, bool) else get(args, key)) != want]
+    if get(weight, "strategy") not in ("group", "channel"):
+        found.append(f"weights.strategy={get(weight, 'strategy')!r} (W4A8 has 'group' or 'channel')")
+    return found
+
+
 def is_w4a8_int(weight: QuantizationArgs | dict | None, activation: QuantizationArgs | dict | None) -> bool:
     """INT4 symmetric group/channel weights with INT8 dynamic symmetric per-token activations."""
-    if not weight or not activation:
-        return False
-    get = (lambda a, k: a.get(k)) if isinstance(weight, dict) else (lambda a, k: getattr(a, k, None))
-    return (
-        get(weight, "num_bits") == 4 and _value(get(weight, "type")) == "int" and bool(get(weight, "symmetric"))
-        and _value(get(weight, "strategy")) in ("group", "channel") and not get(weight, "dynamic")
-        and get(activation, "num_bits") == 8 and _value(get(activation, "type")) == "int"
-        and bool(get(activation, "symmetric")) and bool(get(activation, "dynamic"))
-        and _value(get(activation, "strategy")) == "token"
-    )
+    return not w4a8_mismatches(weight, activation)
 
 
 @compat.register_quantization_config(NAME)
@@ -50,11 +60,16 @@ class AnychipW4A8Config(compat.CompressedTensorsConfig):
     @classmethod
     def override_quantization_method(cls, hf_quant_cfg: dict[str, Any], user_quant: str | None,
                                      hf_config: Any = None) -> str | None:
-        """Claim compressed-tensors checkpoints with at least one W4A8 int group; leave the rest to vLLM."""
+        """Claim compressed-tensors checkpoints with at least one W4A8 int group, and those anychip made (their
+        `anychip` provenance block) whatever their groups now say: a layer the scheme no longer matches is then
+        refused by name in strict mode (_get_scheme_from_parts) instead of served by vLLM's own routes from a
+        config edited after anychip wrote it. The rest stays vLLM's."""
         if user_quant not in (None, "compressed-tensors", NAME):
             return None
         if hf_quant_cfg.get("quant_method") != "compressed-tensors":
             return None
+        if isinstance(hf_quant_cfg.get("anychip"), dict):
+            return NAME
         groups = (hf_quant_cfg.get("config_groups") or {}).values()
         fmt = hf_quant_cfg.get("format")
         claimed = any(is_w4a8_int(g.get("weights"), g.get("input_activations"))
@@ -82,10 +97,14 @@ class AnychipW4A8Config(compat.CompressedTensorsConfig):
                                layer_name: str | None = None) -> Any:
         fmt = format if format is not None else self.quant_format
         recorder = get_recorder()
-        if is_w4a8_int(weight_quant, input_quant) and fmt in FORMATS and output_quant is None:
+        mismatches = w4a8_mismatches(weight_quant, input_quant)
+        if fmt not in FORMATS:
+            mismatches.append(f"format={fmt!r} (W4A8 has one of {FORMATS})")
+        if output_quant is not None:
+            mismatches.append("output activations are quantized (W4A8 leaves them)")
+        if not mismatches:
             return AnychipW4A8Scheme(weight_quant, fmt, layer_name or "?", recorder)
-        reason = (f"scheme weights={weight_quant}, input_activations={input_quant}, format={fmt} is not W4A8 int "
-                  f"in {FORMATS}")
+        reason = f"its scheme is not W4A8 int: {'; '.join(mismatches)}"
         if recorder.coverage.strict:
             raise StrictModeError(
                 f"layer {layer_name}: no anychip kernel serves it ({reason}). Strict mode refuses to start rather "

@@ -21,6 +21,7 @@ from anychip.errors import AnychipError
 from anychip.formats import GROUP_SIZES
 from anychip.kernels import ops, routes  # ops registers torch.ops.anychip.*
 from anychip.kernels.prepare import prepare_w4a8
+from anychip.kernels.routes.base import CheckpointDataError
 from anychip.vllm_plugin import compat
 from anychip.vllm_plugin.tensor_parallel import quantize_over_ranks
 
@@ -120,9 +121,13 @@ class AnychipW4A8Scheme(compat.CompressedTensorsScheme):
         wq = (layer.weight_packed if packed else layer.weight).data
         scales = layer.weight_scale.data
         group = self.group_size
+        no_group = None  # why per-channel scales have no kernel group here
         if self.channelwise:
             group = _channel_group(self.k) or self.k
             scales = scales.expand(self.n, self.k // group).contiguous() if group != self.k else scales
+            if _channel_group(self.k) is None:
+                no_group = (f"per-channel scales over K={self.k}: anychip's kernels take them as groups of "
+                            f"{GROUP_SIZES}, none of which divides K")
         fallback_reason = None
         policy = self.recorder.policy
         try:
@@ -131,7 +136,13 @@ class AnychipW4A8Scheme(compat.CompressedTensorsScheme):
                                     policy=replace(policy, allow_fallback=False))
             if prepared.route is routes.REFERENCE:
                 raise LayerPrepareError(f"{envs.ANYCHIP_KERNEL_ISA}={policy.route} forces the reference route")
+        except CheckpointDataError as exc:  # damaged weights: no route serves them, the reference included
+            raise LayerPrepareError(f"layer {self.layer_name} (N={self.n}, K={self.k}, G{group}): {exc}. No route "
+                                    "can serve damaged weights, so the engine does not start whatever the fallback "
+                                    "setting: re-create the checkpoint (anychip quantize) or restore it") from exc
         except AnychipError as exc:
+            if no_group is not None:
+                exc = AnychipError(no_group)
             if self.recorder.coverage.strict:
                 raise LayerPrepareError(
                     f"layer {self.layer_name} (N={self.n}, K={self.k}, G{group}): no fast anychip kernel can serve "

@@ -24,6 +24,11 @@ class NoKernelRoute(AnychipError, ValueError):
     """No route can serve a linear, or the one asked for cannot; the message says why and how to proceed."""
 
 
+class CheckpointDataError(NoKernelRoute):
+    """The weights themselves are damaged (a NaN or non-positive scale, INT4 values out of range): no route, the
+    reference included, can serve them."""
+
+
 @dataclass(frozen=True)
 class LinearProblem:
     """One quantized linear as a route sees it: (N, K) INT4 weights in groups of G, on a device type."""
@@ -59,13 +64,14 @@ class CheckpointWeights:
             raise NoKernelRoute(f"scales must be a float (N={n}, K/G={k // group_size}) tensor, got {scales.dtype} "
                                 f"{tuple(scales.shape)}")
         if not packed and wq.numel() and (int(wq.min()) < -8 or int(wq.max()) > 7):
-            raise NoKernelRoute("int-quantized weights hold values outside [-8, 7]: this is not an INT4 checkpoint")
+            raise CheckpointDataError("int-quantized weights hold values outside [-8, 7]: this is not an INT4 "
+                                      "checkpoint")
         bad = ~(torch.isfinite(scales) & (scales > 0))  # one pass at load: a NaN or <= 0 scale serves garbage
         if bool(bad.any()):
             row, group = (int(i) for i in bad.nonzero()[0])
-            raise NoKernelRoute(f"scale [{row}, {group}] is {scales[row, group].item()}: group scales must be "
-                                "finite and > 0; the checkpoint is damaged (check it with `anychip verify`) or was "
-                                "written by a broken quantizer")
+            raise CheckpointDataError(f"scale [{row}, {group}] is {scales[row, group].item()}: group scales must be "
+                                      "finite and > 0; the checkpoint is damaged (check it with `anychip verify`) or "
+                                      "was written by a broken quantizer")
         self.wq, self.scales, self.group_size, self.packed = wq, scales, group_size, packed
         self.n, self.k = n, k
         self._int8: torch.Tensor | None = None
