@@ -207,3 +207,24 @@ def test_a_difference_that_repeats_fails_and_a_one_off_warns():
         assert_same_bits(lambda key: ({"outputs": [next(once)]}, {}), runs, "a", "b")
     assert runs["b"] == {"outputs": [row]}  # the one-off is gone: a later comparison against b runs nothing again
     assert_same_bits(lambda key: pytest.fail("ran again"), {"c": {"outputs": [row]}, **runs}, "c", "b")
+
+
+@pytest.mark.parametrize("head_size, refused", [(64, False), (128, False), (40, True)])
+def test_a_head_size_vllms_cpu_attention_does_not_take_is_refused_while_the_model_is_built(head_size, refused):
+    """vLLM's CPU attention starts an engine for head dim 40 and fails at its first forward: the plugin refuses
+    it while the model is built, naming the sizes vLLM takes."""
+    from types import SimpleNamespace
+
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    from anychip.vllm_plugin.cpu_attention import AttentionShapeError, check_head_size
+
+    if not current_platform.is_cpu():
+        pytest.skip("vLLM's CPU platform only")
+    layer = SimpleNamespace(attn_backend=CPUAttentionBackend, head_size=head_size)
+    if not refused:
+        check_head_size(layer, "model.layers.0.self_attn.attn")
+        return
+    with pytest.raises(AttentionShapeError, match=r"model.layers.0.self_attn.attn: head dim 40 .*32, 64, 80"):
+        check_head_size(layer, "model.layers.0.self_attn.attn")

@@ -79,6 +79,7 @@ class AnychipW4A8Config(compat.CompressedTensorsConfig):
     def get_quant_method(self, layer: Any, prefix: str) -> Any:
         method = super().get_quant_method(layer, prefix)
         if isinstance(layer, compat.Attention):
+            cpu_attention.check_head_size(layer, prefix)
             cpu_attention.note_attention_layer(layer)
         if isinstance(layer, compat.LinearBase) and isinstance(method, compat.UnquantizedLinearMethod):
             # a linear the checkpoint leaves unquantized: listed too, so the report covers every linear

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from anychip import envs
+from anychip.errors import AnychipError
 from anychip.vllm_plugin import compat
 
 log = logging.getLogger(__name__)
@@ -182,6 +183,28 @@ def prefill_kernel_choice(flags: frozenset[str] | None = None, arch: str | None 
 #: gets exactly what they set.
 CPP_WRAPPER = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
 _wrapper_choice: dict[int, bool | None] = {}  # id(compilation config) -> all attention layers eligible so far
+
+
+class AttentionShapeError(AnychipError, ValueError):
+    """vLLM's CPU attention does not take this model's attention shape."""
+
+
+def check_head_size(layer: Any, prefix: str) -> None:
+    """vLLM's CPU attention accepts a head size its kernels do not take while the engine starts, then fails at the
+    first forward ("Unsupported CPU attention configuration: head_dim=40", seen in a probe) after the whole start-up:
+    refuse while the model is built, naming the sizes it takes. Not a checkpoint problem: the same model serves on
+    a GPU."""
+    from vllm.platforms import current_platform
+
+    backend = getattr(layer, "attn_backend", None)
+    if not current_platform.is_cpu() or backend is None or not hasattr(backend, "supports_head_size"):
+        return
+    if not backend.supports_head_size(int(layer.head_size)):
+        raise AttentionShapeError(
+            f"layer {prefix}: head dim {layer.head_size} is not one that vLLM's CPU attention ({backend.get_name()}) "
+            f"takes ({', '.join(str(s) for s in backend.get_supported_head_sizes())}): the engine would fail at its "
+            "first forward. This is vLLM's CPU limit, not the checkpoint's: serve the model on a GPU, or choose a "
+            "model whose head dim is one of those.")
 
 
 def note_attention_layer(layer: Any) -> None:
