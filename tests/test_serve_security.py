@@ -3,6 +3,7 @@ and what it says when the server dies (a stand-in server process plays the dying
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from pathlib import Path
@@ -144,7 +145,9 @@ def test_an_edited_anychip_checkpoint_is_verified_not_waved_through(w4a8, tmp_pa
     def static(c):
         c["quantization_config"]["config_groups"]["group_0"]["input_activations"]["dynamic"] = False
 
-    assert "anychip" in __import__("json").loads((w4a8 / "config.json").read_text())["quantization_config"]
+    import json
+
+    assert "anychip" in json.loads((w4a8 / "config.json").read_text())["quantization_config"]
     for name, edit, match in (("asym", asymmetric, "symmetric"), ("static", static, "dynamic")):
         assert main(["serve", str(_edited(w4a8, tmp_path, name, edit)), "--dry-run"]) == 2
         captured = capsys.readouterr()
@@ -186,7 +189,7 @@ def test_a_server_that_ignores_the_stop_is_stopped_with_its_group(tmp_path):
         assert proc.poll() is not None and time.monotonic() - t0 < 10
         for _ in range(50):  # the child went with the group (and was reaped by init)
             try:
-                os_kill(child)
+                os.kill(child, 0)  # ProcessLookupError once it is gone
             except ProcessLookupError:
                 break
             time.sleep(0.1)
@@ -195,12 +198,6 @@ def test_a_server_that_ignores_the_stop_is_stopped_with_its_group(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-
-
-def os_kill(pid: int) -> None:
-    import os
-
-    os.kill(pid, 0)  # ProcessLookupError once it is gone
 
 
 def test_ready_message_uses_served_model_name_and_key_header():
