@@ -192,10 +192,9 @@ def cmd_serve(args) -> int:
         prepared = prepare_default()  # verified as it is prepared or reused
         model, report = prepared.w4a8_dir, prepared.report
     model_dir = ModelDir.open(model)  # ModelDirError (exit 2) when it is no model directory
-    qc = model_dir.quantization_config
     # verified: a W4A8 checkpoint, and one anychip made whatever its config now says (the contract error then names
     # what was changed, instead of vLLM's own routes serving it unchecked)
-    is_w4a8 = model_dir.scheme is not None or (qc is not None and isinstance(qc.get("anychip"), dict))
+    is_w4a8 = model_dir.scheme is not None or model_dir.made_by_anychip
     secret, secret_source = api_key(args.api_key)
     check_exposure(args.host, secret, args.insecure)
     if is_w4a8 and args.verify == "none":
@@ -207,10 +206,10 @@ def cmd_serve(args) -> int:
         print(f"verified  {model}: {report.num_layers} layers, {report.num_linears} W4A8 linears "
               f"G{report.group_size} {report.format}, {report.total_bytes / 1e6:.0f} MB, checksums OK, "
               + ("values OK" if report.value_bytes is not None else "values not checked (--verify fast)"))
-    elif qc is None:
+    elif model_dir.quantization_config is None:
         print(f"note      {model} is not quantized (no quantization_config): served by stock vLLM routes")
     else:
-        print(f"note      {model} is quantized as {qc.get('quant_method')!r}, not as anychip's W4A8: served by stock "
+        print(f"note      {model} is quantized as {model_dir.quant_method!r}, not as anychip's W4A8: served by stock "
               "vLLM routes; anychip's kernels, strict mode and coverage do not apply to it")
     coverage = Path(args.coverage) if args.coverage else envs.cache_dir() / "coverage" / f"{model.name}.json"
     cmd, env = server_command(model, args.host, args.port, args.extra)

@@ -81,6 +81,12 @@ class ModelDir:
         return dict(prov) if isinstance(prov, dict) else {}
 
     @property
+    def made_by_anychip(self) -> bool:
+        """config.json carries anychip's provenance block (`anychip quantize` or `prepare` wrote it), whatever the
+        rest of its quantization_config says now."""
+        return isinstance((self.quantization_config or {}).get("anychip"), dict)
+
+    @property
     def is_synthetic(self) -> bool:
         prov = self.provenance
         return SYNTHETIC_MARKER in self.config or prov.get("method") == "random" or prov.get("source") == "synthetic"

@@ -123,9 +123,10 @@ class AnychipW4A8Scheme(compat.CompressedTensorsScheme):
         group = self.group_size
         no_group = None  # why per-channel scales have no kernel group here
         if self.channelwise:
-            group = _channel_group(self.k) or self.k
+            kernel_group = _channel_group(self.k)
+            group = kernel_group or self.k
             scales = scales.expand(self.n, self.k // group).contiguous() if group != self.k else scales
-            if _channel_group(self.k) is None:
+            if kernel_group is None:
                 no_group = (f"per-channel scales over K={self.k}: anychip's kernels take them as groups of "
                             f"{GROUP_SIZES}, none of which divides K")
         fallback_reason = None
