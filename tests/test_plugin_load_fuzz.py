@@ -44,7 +44,10 @@ def _good(fmt: str) -> dict[str, torch.Tensor]:
 @st.composite
 def corruption(draw) -> tuple[str, str, str]:
     fmt = draw(st.sampled_from(["pack-quantized", "int-quantized"]))
-    tensor = draw(st.sampled_from(["weight_packed" if fmt == "pack-quantized" else "weight", "weight_scale"]))
+    tensors = ["weight_packed", "weight_shape"] if fmt == "pack-quantized" else ["weight"]
+    tensor = draw(st.sampled_from(tensors + ["weight_scale"]))
+    if tensor == "weight_shape":
+        return fmt, tensor, draw(st.sampled_from(["n", "k", "swap"]))
     kinds = ["dtype", "rows", "cols", "rank"]
     if tensor == "weight_scale":
         kinds += ["nan", "inf", "zero", "negative"]
@@ -54,6 +57,10 @@ def corruption(draw) -> tuple[str, str, str]:
 
 
 def _corrupt(t: torch.Tensor, kind: str, data) -> torch.Tensor:
+    if t.shape == (2,) and kind in ("n", "k", "swap"):  # weight_shape: [N, K] with a wrong value
+        n, k = t.tolist()
+        delta = data.draw(st.sampled_from([-8, 8, 128]))
+        return torch.tensor({"n": [n + delta, k], "k": [n, k + delta], "swap": [k, n]}[kind])
     if kind == "dtype":
         options = [d for d in (torch.float32, torch.bfloat16, torch.int8, torch.int32, torch.int64, torch.uint8)
                    if d != t.dtype and not (t.is_floating_point() and d.is_floating_point)]

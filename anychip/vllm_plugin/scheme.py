@@ -89,6 +89,9 @@ class AnychipW4A8Scheme(compat.CompressedTensorsScheme):
             layer.register_parameter("weight", weight)
         layer.register_parameter("weight_scale", scale)
         self.n, self.k, self.row_parallel = n, k, row_parallel
+        # what a pack-quantized weight_shape must say: [N, K] of the whole tensor; a merged layer's parts are
+        # loaded into the one parameter in turn, so there only K (the same for every part) is known
+        self._declared_shape = (None if len(output_partition_sizes) > 1 else output_size, input_size)
         packed_k = input_size // 8 if self.format == "pack-quantized" else input_size
         self._full_shapes = {id(weight): (output_size, packed_k),
                              id(scale): (output_size, 1 if self.channelwise else input_size // self.group_size)}
@@ -116,8 +119,22 @@ class AnychipW4A8Scheme(compat.CompressedTensorsScheme):
 
         return load
 
+    def _check_weight_shape(self, stored: torch.Tensor) -> None:
+        """The kernels take N and K from the packed tensors, not from weight_shape; a weight_shape that disagrees
+        with them still means a damaged or hand-edited checkpoint, which strict serving refuses."""
+        said = [int(v) for v in stored.reshape(-1).tolist()]
+        n, k = self._declared_shape
+        if len(said) == 2 and said[1] == k and (n is None or said[0] == n):
+            return
+        want = f"[{n}, {k}]" if n is not None else f"[N, {k}]"
+        raise LayerPrepareError(f"layer {self.layer_name}: its weight_shape tensor says {said} where the packed "
+                                f"weights are {want}: config.json and the weights disagree; check the checkpoint "
+                                "with `anychip verify`")
+
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         packed = self.format == "pack-quantized"
+        if packed:
+            self._check_weight_shape(layer.weight_shape.data)
         wq = (layer.weight_packed if packed else layer.weight).data
         scales = layer.weight_scale.data
         group = self.group_size
