@@ -7,6 +7,7 @@ Each command's work lives in its room; this file only parses flags and imports t
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import sys
 from typing import Callable
@@ -250,6 +251,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+#: OSErrors that say what the machine lets a command do (space, permissions, a read-only mount), reported as
+#: one line naming the file; any other exception keeps its traceback.
+_MACHINE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EISDIR,
+                   errno.ENOTDIR, errno.ENAMETOOLONG}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
@@ -268,6 +275,10 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, AnychipError):
             print(f"anychip {args.command}: error: {exc}", file=sys.stderr)
             return 2
+        if isinstance(exc, OSError) and exc.errno in _MACHINE_ERRNOS:  # the machine's state, not a bug: no trace
+            where = f": {exc.filename}" if exc.filename else ""
+            print(f"anychip {args.command}: error: {exc.strerror}{where}", file=sys.stderr)
+            return 1
         raise
     return int(rc or 0)
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from anychip import __version__
+from anychip.errors import AnychipError
 from anychip.formats import GROUP_SIZES
 
 SCHEMA_VERSION = 1
@@ -267,7 +268,11 @@ def check_ranks(index: dict[str, Any], folder: Path, expect_linears: int | None 
         if not path.is_file():
             problems.append(f"rank {rank}: {path} does not exist (did that rank start?)")
             continue
-        doc = json.loads(path.read_text())
+        try:
+            doc = read_report(path)
+        except CoverageReportError as exc:
+            problems.append(f"rank {rank}: {exc}")
+            continue
         docs.append(doc)
         problems += [f"rank {rank}: {p}" for p in check(doc, expect_linears, group_size, allow_fallback)]
         tp = doc.get("tensor_parallel") or {}
@@ -280,13 +285,30 @@ def check_ranks(index: dict[str, Any], folder: Path, expect_linears: int | None 
     return problems, docs
 
 
+class CoverageReportError(AnychipError, ValueError):
+    """A file given as a coverage report is not one."""
+
+
+def read_report(path: Path) -> dict[str, Any]:
+    """A coverage report (or a tensor-parallel index) as a dict; CoverageReportError when the file is not one."""
+    if path.is_dir():
+        raise CoverageReportError(f"{path} is a folder; pass the report's JSON file (the --coverage path)")
+    try:
+        document = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CoverageReportError(f"{path} is not a coverage report: not JSON ({exc})") from None
+    if not isinstance(document, dict):
+        raise CoverageReportError(f"{path} is not a coverage report: JSON {type(document).__name__}, not an object")
+    return document
+
+
 def cmd_check(args) -> int:
     path = Path(args.path)
     if not path.exists():
         print(f"anychip coverage check: {path} does not exist (serve with `anychip serve --coverage {path}` "
               "or set ANYCHIP_COVERAGE for a plain vllm serve)")
         return 2
-    document = json.loads(path.read_text())
+    document = read_report(path)
     if "ranks" in document:
         problems, docs = check_ranks(document, path.parent, args.expect_linears, args.group_size,
                                      args.allow_fallback)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import subprocess
 import sys
 import types
@@ -224,3 +226,27 @@ def test_rtn_all_zero_group_gets_a_positive_scale():
     w[1, 32:] = 0
     wq, scales = rtn_quantize(w, 32)
     assert (scales > 0).all() and scales[1, 1].item() == 1.0 and not wq[1, 32:].any()
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS, errno.EACCES])
+def test_a_full_or_read_only_disk_is_one_line_not_a_traceback(monkeypatch, capsys, code):
+    import anychip.cli as cli
+
+    def fails(args):
+        raise OSError(code, os.strerror(code), "/data/w4a8/.w4a8.tmp-1/model.safetensors")
+
+    monkeypatch.setattr(cli, "_handler", lambda target: fails)
+    assert cli.main(["verify", "/data/w4a8"]) == 1
+    assert capsys.readouterr().err == (f"anychip verify: error: {os.strerror(code)}: "
+                                       "/data/w4a8/.w4a8.tmp-1/model.safetensors\n")
+
+
+def test_other_os_errors_keep_their_traceback(monkeypatch):
+    import anychip.cli as cli
+
+    def fails(args):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(cli, "_handler", lambda target: fails)
+    with pytest.raises(OSError):
+        cli.main(["verify", "/data/w4a8"])

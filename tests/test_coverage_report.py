@@ -131,3 +131,21 @@ def test_report_names_the_gpu_gemm_of_each_shape_and_bucket() -> None:
         launch.clear_tuning()
     assert got["gemv"].startswith("gemv ") and got["512"].startswith("wgmma WgmmaConfig(")
     assert got["2048"].startswith("gemm GemmConfig(") and set(got) == {"gemv", "512", "2048"}
+
+
+@pytest.mark.parametrize("content, says", [(None, "is a folder"), ("{not json", "not JSON"),
+                                           ("[1, 2]", "JSON list, not an object"), ("\udcff", "not JSON")],
+                         ids=["folder", "broken", "list", "binary"])
+def test_check_names_a_file_that_is_not_a_report(tmp_path, capsys, content, says):
+    from anychip.cli import main
+
+    path = tmp_path / "report.json"
+    if content is None:
+        path.mkdir()
+    elif content == "\udcff":
+        path.write_bytes(b"\xff\xfe\x00garbage")
+    else:
+        path.write_text(content)
+    assert main(["coverage", "check", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("anychip coverage: error: ") and says in err and "Traceback" not in err
