@@ -250,3 +250,13 @@ def test_other_os_errors_keep_their_traceback(monkeypatch):
     monkeypatch.setattr(cli, "_handler", lambda target: fails)
     with pytest.raises(OSError):
         cli.main(["verify", "/data/w4a8"])
+
+
+def test_a_file_or_a_missing_path_given_as_the_model_is_named_as_such(tmp_path, capsys):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    assert main(["quantize", str(tmp_path / "m" / "config.json"), str(tmp_path / "out")]) == 2
+    assert f"is a file; pass the model's directory ({tmp_path / 'm'})" in capsys.readouterr().err
+    assert main(["quantize", str(tmp_path / "nowhere"), str(tmp_path / "out")]) == 2
+    assert f"{tmp_path / 'nowhere'} does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

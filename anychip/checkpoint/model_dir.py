@@ -36,6 +36,12 @@ class ModelDir:
     def open(cls, path: str | Path) -> ModelDir:
         path = Path(path)
         file = path / CONFIG
+        if path.is_file():
+            raise ModelDirError(f"{path} is a file; pass the model's directory"
+                                + (f" ({path.parent})" if path.name == CONFIG else ""))
+        if not path.exists():
+            raise ModelDirError(f"{path} does not exist; pass a Hugging Face model directory (for the default "
+                                "model: `anychip prepare` prints it)")
         if not file.is_file():
             raise ModelDirError(f"{path}: no {CONFIG}; pass a Hugging Face model directory (for the default model: "
                                 "`anychip prepare` prints it)")
