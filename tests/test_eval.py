@@ -73,6 +73,44 @@ def test_bad_items_name_file_and_line(tmp_path):
         parse_item({"context": "c", "choices": [" a"], "label": 3}, "here")
 
 
+def test_data_a_user_gets_wrong_is_named_before_any_engine_starts(tmp_path, monkeypatch, capsys):
+    from anychip.cli import main
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("an engine was started for data that cannot be scored")
+
+    monkeypatch.setattr(runner, "evaluate_all", no_engine)
+    model = tmp_path / "model"  # never opened: every check below comes first
+    cases = {
+        "empty_choice": ('{"context": "c", "choices": [" a", ""], "label": 0}\n'.encode(), "choice 1 is an empty"),
+        "empty_cont": ('{"contexts": ["a", "b"], "continuation": "", "label": 0}\n'.encode(), "'continuation' is"),
+        "latin1": (b'{"context": "caf\xe9", "choices": [" a"], "label": 0}\n', "not UTF-8 text"),
+    }
+    for name, (raw, says) in cases.items():
+        data = tmp_path / name
+        data.mkdir()
+        (data / "t.jsonl").write_bytes(raw)
+        assert main(["eval", str(model), "--data", str(data)]) == 2
+        err = capsys.readouterr().err
+        assert says in err and f"{data / 't.jsonl'}" in err, err
+    (tmp_path / "none").mkdir()
+    assert main(["eval", str(model), "--data", str(tmp_path / "none")]) == 2
+    assert "no *.jsonl task files" in capsys.readouterr().err
+    (tmp_path / "bad.txt").write_bytes(b"abc \xff\xfe")
+    assert main(["eval", str(model), "--tasks", "perplexity", "--text", str(tmp_path / "bad.txt")]) == 2
+    assert "not UTF-8 text" in capsys.readouterr().err
+    assert main(["eval", str(model), "--tasks", "perplexity", "--json", str(tmp_path)]) == 2
+    assert "is a folder" in capsys.readouterr().err
+
+
+def test_a_choice_longer_than_the_window_names_its_task_file(tmp_path, monkeypatch):
+    path = tmp_path / "long.jsonl"
+    path.write_text(json.dumps({"context": "q", "choices": [" a", " " + "z" * 80], "label": 0}) + "\n")
+    monkeypatch.setattr(runner, "make_engine", lambda model_dir, settings: FakeEngine())
+    with pytest.raises(EvalDataError, match=re.escape(f"{path}: a choice of 81 tokens does not fit")):
+        runner.evaluate_model(tmp_path, [path], None, runner.EvalSettings(window=8, stride=4, max_len=64))
+
+
 def test_data_dir_resolution(tmp_path, monkeypatch):
     (tmp_path / "t1.jsonl").write_text('{"context": "c", "choices": [" a", " b"], "label": 0}\n')
     monkeypatch.setenv("ANYCHIP_EVALDATA", str(tmp_path))

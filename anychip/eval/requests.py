@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from anychip.eval.errors import EvalDataError
 from anychip.eval.tasks import Item
 
 Encode = Callable[[str], list[int]]
@@ -45,7 +46,8 @@ class PairEncoder:
         if not ctx:  # a whitespace-only context: score everything after the prefix token
             return (self.prefix_id,), tuple(whole)
         if not cont:
-            raise ValueError(f"continuation {continuation!r} encodes to no tokens after context {context[-40:]!r}")
+            raise EvalDataError(f"continuation {continuation!r} encodes to no tokens after context "
+                                f"{context[-40:]!r} with this model's tokenizer: nothing to score")
         return ctx, cont
 
 
@@ -78,7 +80,8 @@ def pair_sequence(pair: TokenPair, max_len: int) -> tuple[list[int], int]:
     of its last logprobs belong to the continuation."""
     ctx, cont = pair
     if len(cont) >= max_len:
-        raise ValueError(f"continuation of {len(cont)} tokens does not fit the model's {max_len}-token window")
+        raise EvalDataError(f"a choice of {len(cont)} tokens does not fit the model's {max_len}-token window: "
+                            "shorten it (a choice is scored whole; only its context is cut from the left)")
     seq = list(ctx + cont)[-max_len:]
     return seq, len(cont)
 

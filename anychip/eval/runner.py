@@ -10,6 +10,7 @@ import argparse
 import json
 import math
 import multiprocessing
+import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -147,8 +148,11 @@ def evaluate_engine(engine, label: str, task_files: list[Path], text: str | None
     for path in task_files:
         t0 = time.perf_counter()
         task = load_task(path, settings.limit)
-        plan = plan_requests(task.items, PairEncoder(engine.encode, engine.prefix_id))
-        seqs, n_cont = zip(*(pair_sequence(p, settings.max_len) for p in plan.pairs))
+        try:
+            plan = plan_requests(task.items, PairEncoder(engine.encode, engine.prefix_id))
+            seqs, n_cont = zip(*(pair_sequence(p, settings.max_len) for p in plan.pairs))
+        except EvalDataError as exc:
+            raise EvalDataError(f"{path}: {exc}") from None
         lps = engine.token_logprobs(seqs, desc=f"{short} {task.name}")
         pair_ll = [sum(lp[-n:]) for lp, n in zip(lps, n_cont)]
         result.logliks[task.name] = plan.gather(pair_ll)
@@ -397,6 +401,8 @@ def run_eval(model: Path, task_names: list[str] | None, data: str | None, settin
     needs_data = task_names is None or any(n != PERPLEXITY for n in task_names)
     data_dir = resolve_data_dir(data) if needs_data else None
     task_files, want_ppl = select_tasks(task_names, data_dir)
+    for path in task_files:  # every file read once here: bad data is named before any engine starts
+        load_task(path, settings.limit)
     text_file, text = load_text(text_path) if want_ppl else (None, None)
     targets = targets_to_evaluate(model, compare_bf16, head_int8, llama_cpp)
     settings = fit_context(settings, [t.path for t in targets if t.path.is_dir()])
@@ -416,7 +422,22 @@ def run_eval(model: Path, task_names: list[str] | None, data: str | None, settin
     return build_report(results, settings, extra, {t.label: t.baseline for t in targets if t.label not in died})
 
 
+def check_output(path: str | None) -> None:
+    """--json must be writable as a file: checked before the engines run, not after the work is done."""
+    if not path:
+        return
+    out = Path(path)
+    if out.is_dir():
+        raise EvalDataError(f"--json {path}: is a folder; name the report's file (e.g. {out / 'eval.json'})")
+    parent = out.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise EvalDataError(f"--json {path}: {parent} is not a writable folder")
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
+    check_output(args.json)
     settings = EvalSettings(limit=args.limit, threads=getattr(args, "threads", None), jobs=getattr(args, "jobs", 1))
     report = run_eval(Path(args.model), args.tasks, args.data, settings, args.compare_bf16, args.text,
                       head_int8=getattr(args, "head_int8", False), llama_cpp=getattr(args, "llama_cpp", None))

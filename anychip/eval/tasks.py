@@ -74,12 +74,18 @@ def parse_item(obj: object, where: str) -> Item:
         if not isinstance(context, str) or not _strings(choices):
             raise EvalDataError(f"{where}: a standard item needs 'context' (str) and 'choices' (non-empty list of str)")
         contexts, continuations = (context,) * len(choices), tuple(choices)
+        if "" in continuations:
+            raise EvalDataError(f"{where}: choice {continuations.index('')} is an empty string; a choice is scored "
+                                "on its tokens, so it needs at least one character")
     elif "contexts" in obj:
         contexts_raw, cont = obj["contexts"], obj.get("continuation")
         if not _strings(contexts_raw) or not isinstance(cont, str):
             raise EvalDataError(f"{where}: a partial item needs 'contexts' (non-empty list of str) and "
                                 "'continuation' (str)")
         contexts, continuations = tuple(contexts_raw), (cont,) * len(contexts_raw)
+        if cont == "":
+            raise EvalDataError(f"{where}: 'continuation' is an empty string; it is scored on its tokens, so it "
+                                "needs at least one character")
     else:
         raise EvalDataError(f"{where}: item has neither 'choices' (standard shape) nor 'contexts' (partial shape)")
     if not 0 <= label < len(contexts):
@@ -101,17 +107,22 @@ def load_task(path: Path, limit: int | None = None) -> Task:
     if limit is not None and limit < 1:
         raise EvalDataError(f"--limit {limit}: must be at least 1")
     items: list[Item] = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if limit is not None and len(items) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise EvalDataError(f"{path}:{lineno}: not JSON ({exc.msg})") from exc
-            items.append(parse_item(obj, f"{path}:{lineno}"))
+    lineno = 0
+    try:
+        with path.open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if limit is not None and len(items) >= limit:
+                    break
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise EvalDataError(f"{path}:{lineno}: not JSON ({exc.msg})") from exc
+                items.append(parse_item(obj, f"{path}:{lineno}"))
+    except UnicodeDecodeError as exc:
+        raise EvalDataError(f"{path}: not UTF-8 text ({exc.reason}, byte {exc.object[exc.start:exc.start + 1]!r} "
+                            f"after line {lineno}); task files are JSON lines in UTF-8") from None
     if not items:
         raise EvalDataError(f"{path}: no items")
     return Task(path.stem, path, tuple(items))
@@ -146,7 +157,10 @@ def select_tasks(names: list[str] | None, data_dir: Path | None) -> tuple[list[P
     if names is None:
         if data_dir is None:
             return [built_task(n) for n in DEFAULT_TASKS], True
-        return list(available_tasks(data_dir).values()), True
+        if not (files := available_tasks(data_dir)):
+            raise EvalDataError(f"--data {data_dir}: no *.jsonl task files in it (one task per file, one item a "
+                                "line; docs/eval.md)")
+        return list(files.values()), True
     want_ppl = PERPLEXITY in names
     mc = [n for n in names if n != PERPLEXITY]
     if data_dir is None:
@@ -178,7 +192,10 @@ def load_text(path: str | Path | None) -> tuple[Path, str]:
     p = Path(path).expanduser() if path else DEFAULT_TEXT
     if not p.is_file():
         raise EvalDataError(f"--text {p}: no such file")
-    text = p.read_text(encoding="utf-8")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise EvalDataError(f"--text {p}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     if not text.strip():
         raise EvalDataError(f"--text {p}: empty")
     return p, text
