@@ -201,6 +201,15 @@ def check(document: dict[str, Any], expect_linears: int | None = None, group_siz
             problems.append(f"missing field {key!r}")
     if problems:
         return problems
+    for key in ("phases", "route_stats", "layers"):
+        if not isinstance(document[key], dict):
+            problems.append(f"field {key!r} is {type(document[key]).__name__}, not an object")
+    if isinstance(document["layers"], dict) and not all(isinstance(v, dict) for v in document["layers"].values()):
+        problems.append("field 'layers' holds entries that are not objects")
+    if not isinstance(document["head_route"], (dict, type(None))):
+        problems.append(f"field 'head_route' is {type(document['head_route']).__name__}, not an object")
+    if problems:
+        return problems
     if document["schema_version"] != SCHEMA_VERSION:
         problems.append(f"schema_version {document['schema_version']} != {SCHEMA_VERSION}")
     if not allow_fallback:
@@ -208,10 +217,12 @@ def check(document: dict[str, Any], expect_linears: int | None = None, group_siz
             problems.append("strict is not true (the engine ran with fallback permitted)")
         if document["fallback_allowed"] is not False:
             problems.append("fallback_allowed is not false")
-    for phase in PHASES:
-        if not document["phases"].get(phase, {}).get("forward_passes"):
-            problems.append(f"phase {phase!r} was never observed (send at least one request that generates "
-                            "two or more tokens before checking)")
+    head = document.get("head_route") or {}
+    pooling = head.get("head") == UNUSED_HEAD  # embeddings only: every request is one prefill, none decodes
+    for phase in ("prefill",) if pooling else PHASES:
+        if not (document["phases"].get(phase) or {}).get("forward_passes"):
+            problems.append(f"phase {phase!r} was never observed (send at least one request "
+                            + ("before checking)" if pooling else "that generates two or more tokens before checking)"))
     stats = document["route_stats"]
     layers: dict[str, dict[str, Any]] = document["layers"]
     unquantized = {name: layer for name, layer in layers.items() if layer.get("quantized") is False}
@@ -244,11 +255,10 @@ def check(document: dict[str, Any], expect_linears: int | None = None, group_siz
         if str(layer.get("route", "")).startswith("vllm."):
             continue  # served by vLLM's own scheme (fallback allowed): its calls are not observed
         for phase in PHASES:
-            if document["phases"].get(phase) and not layer.get("calls", {}).get(phase):
+            if document["phases"].get(phase) and not (layer.get("calls") or {}).get(phase):
                 problems.append(f"{name} was not called in {phase}")
                 break
-    head = document.get("head_route") or {}
-    if not head.get("route"):
+    if not head.get("route") and not pooling:
         problems.append("head_route names no route for the output head")
     return problems
 
@@ -283,6 +293,10 @@ def check_ranks(index: dict[str, Any], folder: Path, expect_linears: int | None 
         problems.append("the ranks prepared different linears: " + "; ".join(
             f"rank {r}: {len(n)}" for r, n in enumerate(names)))
     return problems, docs
+
+
+#: head_route["head"] of an engine whose output head computes nothing (a pooling runner loads none).
+UNUSED_HEAD = "unused"
 
 
 class CoverageReportError(AnychipError, ValueError):
@@ -324,5 +338,5 @@ def cmd_check(args) -> int:
     ranks = f" on each of {len(docs)} tensor-parallel ranks" if len(docs) > 1 else ""
     print(f"coverage check PASSED for {path}: {stats.get('prepared_linears')} linears{ranks} on "
           f"{', '.join(routes)}; phases {', '.join(sorted(docs[0]['phases']))}; "
-          f"head {docs[0]['head_route'].get('route')}")
+          f"head {docs[0]['head_route'].get('route') or docs[0]['head_route'].get('head')}")
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from anychip.coverage import Coverage, LayerRoute, check
 
@@ -149,3 +150,51 @@ def test_check_names_a_file_that_is_not_a_report(tmp_path, capsys, content, says
     assert main(["coverage", "check", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("anychip coverage: error: ") and says in err and "Traceback" not in err
+
+
+@pytest.mark.slow  # two vLLM engines on a tiny model: about a minute on 2 cores
+def test_a_pooling_runner_embeds_with_the_kernels_and_reports_no_head(tiny_llama, tmp_path):
+    """runner="pooling" loads no output head (vLLM leaves it on the meta device): strict mode serves the linears
+    on anychip's kernels, the report says the head is unused, and the embeddings are the BF16 model's within
+    W4A8's error."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from anychip.checkpoint.quantize import quantize_checkpoint
+    from anychip.checkpoint.scheme import W4A8Scheme
+
+    src = tiny_llama(num_attention_heads=2, num_key_value_heads=1)  # head dim 32: vLLM's CPU attention takes it
+    w4a8 = quantize_checkpoint(src, tmp_path / "w4a8", W4A8Scheme(32))
+    runner = Path(__file__).parent / "vllm_runner.py"
+    got = {}
+    for name, model in (("bf16", src), ("w4a8", w4a8)):
+        cov = tmp_path / f"coverage-{name}.json"
+        proc = subprocess.run([sys.executable, str(runner), str(model), str(tmp_path / f"{name}.json"), "--embed",
+                               "--max-model-len", "256", "--prompt", "w1 w2 w3 w4", "--prompt", "w5 w6"],
+                              env={**os.environ, "ANYCHIP_COVERAGE": str(cov)}, capture_output=True, text=True,
+                              timeout=900)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        got[name] = torch.tensor(json.loads((tmp_path / f"{name}.json").read_text())["embeddings"])
+    doc = json.loads((tmp_path / "coverage-w4a8.json").read_text())
+    assert doc["head_route"]["head"] == "unused" and doc["head_route"]["route"] is None
+    assert doc["route_stats"]["fallback_linears"] == 0 and doc["strict"] is True
+    assert check(doc, expect_linears=8) == []
+    assert got["w4a8"].shape == got["bf16"].shape == (2, 64)
+    assert torch.nn.functional.cosine_similarity(got["w4a8"], got["bf16"]).min() > 0.9
+
+
+def test_a_pooling_report_needs_no_decode_and_no_head_route():
+    cov = Coverage(strict=True, fallback_allowed=False, platform_info={})
+    cov.vllm_version = "test"
+    layer = cov.add_layer(LayerRoute(name="model.layers.0.mlp.down_proj", route="cpu.avx2", kernel="k", isa="avx2",
+                                     group_size=32, n=128, k=256, checkpoint_format="pack-quantized"))
+    cov.record(layer, "prefill", 4, 4)
+    cov.head_route = {"layer": "lm_head", "route": None, "head": "unused"}
+    assert check(cov.snapshot()) == []
+    cov.head_route = {"layer": "lm_head", "route": None, "head": "bf16"}
+    problems = check(cov.snapshot())
+    assert any("phase 'decode' was never observed" in p for p in problems)
+    assert any("names no route" in p for p in problems)

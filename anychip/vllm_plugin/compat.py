@@ -307,6 +307,14 @@ def on_cpu() -> bool:
     return current_platform.is_cpu()
 
 
+def pooling_runner() -> bool:
+    """Whether the engine being built is a pooling runner (`runner="pooling"`: embeddings, no logits)."""
+    from vllm.config import get_current_vllm_config
+
+    model_config = getattr(get_current_vllm_config(), "model_config", None)
+    return getattr(model_config, "runner_type", None) == "pooling"
+
+
 def head_gemm_route(layer: Any) -> str:
     """Which unquantized GEMM vLLM's CPU dispatch chose for a BF16 head (layer.cpu_linear is a closure)."""
     fn = getattr(layer, "cpu_linear", None)

@@ -26,6 +26,8 @@ class AnychipHeadMethod(compat.UnquantizedEmbeddingMethod):
         self.route, self.policy, self.prefix = route, policy, prefix
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        if is_unloaded(layer):  # a pooling runner loads no head: nothing computes logits, nothing to prepare
+            return
         # not vLLM's CPU GEMM dispatch: it would pack a second copy of the weight for a GEMM we never call
         setattr(layer, PREPARED, self.route.prepare(layer.weight.data, self.policy))
 
@@ -35,6 +37,13 @@ class AnychipHeadMethod(compat.UnquantizedEmbeddingMethod):
             raise RuntimeError(f"{self.prefix}: the anychip head was not prepared (process_weights_after_loading "
                                "did not run for it): report this with the model name and vLLM version")
         return head.logits(x, bias)
+
+
+def is_unloaded(layer: Any) -> bool:
+    """The head's weight was never loaded: vLLM's pooling runners (`runner="pooling"`) skip `lm_head` and leave
+    it on the meta device."""
+    weight = getattr(layer, "weight", None)
+    return weight is not None and weight.device.type == "meta"
 
 
 def head_method(layer: Any, prefix: str, policy: KernelPolicy) -> AnychipHeadMethod | None:

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from anychip import envs
-from anychip.coverage import Coverage, LayerRoute, platform_summary, rank_path, write_atomic, write_rank_index
+from anychip.coverage import (UNUSED_HEAD, Coverage, LayerRoute, platform_summary, rank_path, write_atomic,
+                              write_rank_index)
 from anychip.kernels import hooks, machine, routes
 from anychip.kernels.policy import KernelPolicy
 from anychip.vllm_plugin import compat
@@ -56,6 +57,7 @@ class Recorder:
         self._head_name: str | None = None
         # the module vLLM first computed logits with (compat.install_logits_hook), and its name in the model
         self._used_head: weakref.ref | None = None
+        self._pooling = False  # a pooling runner: the model's output head computes nothing
         self._used_name: str | None = None
         self._stop = threading.Event()
         self._tables: dict[torch.device, _DeviceTable] = {}
@@ -113,7 +115,9 @@ class Recorder:
     def note_embedding(self, prefix: str, layer: Any, is_head: bool) -> None:
         """Remember the output head (for its GEMM route) and the input embedding (to report tying)."""
         prefix = prefix or "embed_tokens"  # vLLM's Llama builds its input embedding without a prefix
+        pooling = compat.pooling_runner()
         with self._lock:
+            self._pooling = pooling
             self._embeddings[prefix] = weakref.ref(layer)
             if is_head:
                 self._head_name = prefix
@@ -132,6 +136,9 @@ class Recorder:
             self._used_head = weakref.ref(lm_head)
 
     def head_route(self) -> dict[str, Any] | None:
+        if self._pooling:
+            return {"layer": self._head_name or "lm_head", "dtype": None, "tied_to": None, "quantized": False,
+                    "route": None, "head": UNUSED_HEAD, "reason": "a pooling runner computes no logits"}
         layers = {name: ref() for name, ref in self._embeddings.items()}
         head = layers.get(self._head_name) if self._head_name else None
         others = [(name, layer) for name, layer in layers.items() if layer is not None and name != self._head_name]
