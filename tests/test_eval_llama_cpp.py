@@ -127,7 +127,7 @@ def test_report_pairs_every_variant_with_its_baseline():
     assert "llama.cpp-Q4_0" in text and "(w4a8+head-int8 - w4a8)" in text
 
 
-@pytest.mark.skipif(not HAVE_LLAMA_CPP, reason="llama-cpp-python is not installed: pip install 'anychip[peers]'")
+@pytest.mark.skipif(not HAVE_LLAMA_CPP, reason="llama-cpp-python is not installed: make peers")
 def test_llama_cpp_f32_scores_like_transformers_fp32(default_model):
     """The F32 GGUF through llama.cpp against the BF16 weights through transformers in fp32: the same arithmetic
     up to summation order, so logprobs agree closely (a rotary-order or tokenizer mistake would be off by nats)."""

@@ -809,7 +809,17 @@ def _default_model() -> Path:
 def cmd_bench_latency(args: argparse.Namespace) -> int:
     model = Path(args.model).expanduser().resolve() if args.model else _default_model()
     md = ModelDir.open(model)
+    if args.threads is not None and args.threads < 1:
+        raise runners.BenchArgumentError(f"--threads {args.threads}: must be at least 1 (leave it out for every CPU)")
     args.threads = args.threads or len(os.sched_getaffinity(0))
+    for flag, value in (("--pp", args.pp), ("--tg", args.tg), ("--reps", args.reps)):
+        if value < 1:
+            raise runners.BenchArgumentError(f"{flag} must be at least 1, got {value}")
+    context = md.get("max_position_embeddings")
+    needed = runners.context_needed(args.pp, args.tg, getattr(args, "batch", None) or 0)
+    if isinstance(context, int) and needed > context:
+        raise runners.BenchArgumentError(f"--pp {args.pp} --tg {args.tg} need a {needed}-token context; {model.name} "
+                                         f"takes {context} (max_position_embeddings): choose smaller --pp / --tg")
     args.device = resolve_device(getattr(args, "device", "cpu"))
     batch = getattr(args, "batch", None)
     args.batch = (64 if args.device == "cuda" else 0) if batch is None else batch

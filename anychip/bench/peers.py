@@ -253,11 +253,11 @@ def check_gguf_matches(gguf: Path, config: dict[str, Any]) -> None:
 
 def llama_cpp_available() -> None:
     if importlib.util.find_spec("llama_cpp") is None:
-        raise PeerUnavailable("llama-cpp-python is not installed: pip install 'anychip[peers]' (compiles llama.cpp,"
-                              " about 8 minutes)")
+        raise PeerUnavailable("llama-cpp-python is not installed: `make peers` in a checkout, or pip install "
+                              "llama-cpp-python (compiles llama.cpp, about 8 minutes)")
     if (why := _llama_cpp_import_error()) is not None:
         raise PeerUnavailable(f"llama-cpp-python is installed but does not import ({why}): reinstall it with its "
-                              "dependencies, pip install 'anychip[peers]'")
+                              "dependencies: `make peers`, or pip install llama-cpp-python")
 
 
 @functools.cache

@@ -32,8 +32,18 @@ from anychip import envs
 from anychip.bench.gpu_clocks import ClockSampler
 from anychip.bench.metrics import plan_within_budget
 from anychip.checkpoint.model_dir import ModelDir
+from anychip.errors import AnychipError
 
 Engine = Literal["vllm", "llama.cpp"]
+
+
+class BenchArgumentError(AnychipError, ValueError):
+    """A bench flag out of range, named as the user typed it."""
+
+
+def context_needed(pp: int, tg: int, batch: int) -> int:
+    """The engines' max_model_len: a prefill of pp tokens and a decode of tg (both in one sequence when batched)."""
+    return (pp + tg if batch else max(pp, tg)) + 16
 
 
 @dataclass
@@ -70,13 +80,16 @@ class RunSpec:
     def __post_init__(self) -> None:
         for name in ("pp", "tg", "reps", "threads", "batch_reps"):
             if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+                flag = f"--{name.replace('_', '-')}"
+                raise BenchArgumentError(f"{flag} must be at least 1, got {getattr(self, name)}")
         if self.graph_tokens is not None and (self.graph_tokens < 1 or self.device != "cuda"):
-            raise ValueError(f"--graph-tokens {self.graph_tokens}: a positive number of tokens, for --device cuda")
+            raise BenchArgumentError(f"--graph-tokens {self.graph_tokens}: a positive number of tokens, for "
+                                     "--device cuda")
         if self.batch < 0:
-            raise ValueError(f"--batch must be 0 (off) or a number of requests, got {self.batch}")
+            raise BenchArgumentError(f"--batch must be 0 (off) or a number of requests, got {self.batch}")
         if self.batch and self.engine != "vllm":
-            raise ValueError(f"--batch: {self.system} runs one sequence at a time (llama-cpp-python); leave it out")
+            raise BenchArgumentError(f"--batch: {self.system} runs one sequence at a time (llama-cpp-python); "
+                                     "leave it out")
 
 
 class Timed(Protocol):
@@ -356,7 +369,7 @@ def serve_control(reps: Repetitions, control: Control) -> None:
 
 def run(spec: RunSpec, control: Control | None = None) -> dict[str, Any]:
     """Start the engine and measure it; with `control`, one repetition at a time when the bench asks."""
-    max_len = (spec.pp + spec.tg if spec.batch else max(spec.pp, spec.tg)) + 16
+    max_len = context_needed(spec.pp, spec.tg, spec.batch)
     t0 = time.perf_counter()
     engine: Timed = (VllmTimed if spec.engine == "vllm" else LlamaCppTimed)(spec, max_len)
     start_s = time.perf_counter() - t0

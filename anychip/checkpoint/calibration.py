@@ -12,12 +12,21 @@ import torch
 from anychip.errors import AnychipError
 
 
+#: The share of unknown tokens in a calibration text above which GPTQ refuses it.
+UNKNOWN_LIMIT = 0.5
+
+
 def calibration_batch(tokenizer, text: str, samples: int, seq_len: int, seed: int = 0) -> torch.Tensor:
     """(samples, seq_len) token ids: windows at random offsets (fixed seed) of the tokenized text."""
     ids = torch.tensor(tokenizer.encode(text, add_special_tokens=False), dtype=torch.long)
     if ids.numel() <= seq_len:
         raise AnychipError(f"calibration text has {ids.numel()} tokens, fewer than --seq-len {seq_len}: "
                            "pass a longer --calibration file")
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is not None and (share := float((ids == unk).float().mean())) >= UNKNOWN_LIMIT:
+        raise AnychipError(f"the calibration text is {share:.0%} unknown tokens ({tokenizer.unk_token!r}) to this "
+                           "model's tokenizer: GPTQ would fit the layers to one repeated token. Pass a "
+                           "--calibration text in the model's language and script")
     gen = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, ids.numel() - seq_len, (samples,), generator=gen)
     return torch.stack([ids[s:s + seq_len] for s in starts.tolist()])

@@ -21,6 +21,17 @@ class ModelDirError(ContractError):
     """A folder is not a model directory, or lacks what a command needs; the message says how to fix it."""
 
 
+#: config.json fields that make two models the same shape (a BF16 source must agree with its W4A8 checkpoint).
+SHAPE_KEYS = ("model_type", "architectures", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings")
+
+
+def weight_files_stamp(path: Path) -> list[list[Any]]:
+    """[name, size, mtime_ns] of each *.safetensors file of a model directory: what `anychip quantize` records
+    of its source, so that a later comparison can tell whether the source still holds the same weights."""
+    return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(path.glob("*.safetensors"))]
+
+
 @dataclass(frozen=True, eq=False)
 class ModelDir:
     """A Hugging Face model folder as anychip sees it. Open it with `ModelDir.open(path)`.
@@ -123,6 +134,19 @@ class ModelDir:
         if not (path / CONFIG).is_file():
             raise ModelDirError(f"the BF16 source {path} recorded in {self.path / CONFIG} is gone: re-run "
                                 "`anychip prepare` or `anychip quantize`")
+        source = ModelDir.open(path)
+        differ = [f"{key} {source.get(key)!r} (this checkpoint: {self.get(key)!r})" for key in SHAPE_KEYS
+                  if source.get(key) != self.get(key)]
+        if differ:
+            raise ModelDirError(f"the BF16 source {path} recorded in {self.path / CONFIG} is another model now: "
+                                f"{'; '.join(differ)}. Point quantization_config.anychip.source at the model it "
+                                "was quantized from, or re-quantize")
+        recorded = self.provenance.get("source_files")
+        if recorded is not None and recorded != weight_files_stamp(path):
+            raise ModelDirError(f"the BF16 source {path} recorded in {self.path / CONFIG} has changed since this "
+                                "checkpoint was made (its safetensors files' names, sizes or times differ from the "
+                                "record): a comparison would be against other weights. Re-quantize from it, or "
+                                "restore the source")
         return path
 
     @property

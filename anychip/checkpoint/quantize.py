@@ -32,14 +32,15 @@ from anychip.checkpoint.layout import (
     TensorSpec,
     check_architecture,
     group_size_error,
+    linear_prefix,
     linear_tensor_specs,
     parse_linear_weight,
     tensor_order,
 )
 from anychip.checkpoint.manifest import write_manifest
-from anychip.checkpoint.model_dir import ModelDir
+from anychip.checkpoint.model_dir import ModelDir, weight_files_stamp
 from anychip.checkpoint.rtn import rtn_quantize
-from anychip.checkpoint.scheme import ContractError, W4A8Scheme
+from anychip.checkpoint.scheme import DECODER_LINEARS, ContractError, W4A8Scheme
 from anychip.checkpoint.values import SCALE
 from anychip.errors import AnychipError
 from anychip.formats import GROUP_SIZES, pack_int4
@@ -81,11 +82,27 @@ def check_source(src: Path, scheme: W4A8Scheme) -> tuple[dict[str, Any], list[tu
     size does not divide."""
     config = ModelDir.open(src).config
     check_architecture(config, f"{src}/config.json")
-    DecoderDims.from_config(config, f"{src}/config.json")  # the family's own refusals (e.g. Qwen3 with biases)
+    dims = DecoderDims.from_config(config, f"{src}/config.json")  # the family's refusals (e.g. Qwen3 with biases)
     if config.get("quantization_config"):
         method = config["quantization_config"].get("quant_method")
         raise ContractError(f"{src} is already quantized ({method}): quantize from the BF16 model")
-    return config, _plan(read_tensor_infos(src), scheme)
+    infos = read_tensor_infos(src)
+    _check_linears_present(src, infos, dims.layers)
+    return config, _plan(infos, scheme)
+
+
+def _check_linears_present(src: Path, infos: dict[str, TensorInfo], layers: int) -> None:
+    """Every decoder linear the config implies is in the weights, under the family's own name: a checkpoint
+    with fused projections (Phi-3's qkv_proj / gate_up_proj) relabelled as another architecture is refused here,
+    before any work, naming what its weights hold instead."""
+    for i in range(layers):
+        missing = [name for name in DECODER_LINEARS if f"{linear_prefix(i, name)}.weight" not in infos]
+        if missing:
+            held = sorted(n.removeprefix(f"model.layers.{i}.") for n in infos if n.startswith(f"model.layers.{i}."))
+            raise ContractError(f"{src}: config.json declares {layers} decoder layers with separate "
+                                f"{', '.join(DECODER_LINEARS)}, but layer {i}'s weights have no "
+                                f"{', '.join(missing)} (they hold {', '.join(held) or 'nothing'}): these weights "
+                                "are not of the architecture config.json names")
 
 
 def linear_ks(src: Path) -> dict[str, int]:
@@ -164,8 +181,8 @@ def quantize_checkpoint(src: Path, dst: Path, scheme: W4A8Scheme, quantizer: Wei
     config, plan = check_source(src, scheme)
     quantizer = quantizer or rtn_quantizer(scheme)
     specs = [spec for _, outs in plan for spec in outs]
-    recorded = {"source": str(src), "method": method, "group_size": scheme.group_size,
-                "format": scheme.format, "anychip_version": __version__}
+    recorded = {"source": str(src), "source_files": weight_files_stamp(src), "method": method,
+                "group_size": scheme.group_size, "format": scheme.format, "anychip_version": __version__}
     recipe = getattr(quantizer, "recipe", None)
     if recipe is not None:
         recorded["recipe"] = recipe
@@ -216,6 +233,12 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         raise AnychipError(f"{dst} already exists: remove it or choose another output directory")
     check_source(src, scheme)
     options = {}
+    gptq_only = {"--calibration": args.calibration, "--samples": args.samples, "--seq-len": args.seq_len,
+                 "--damp": args.damp, "--refit": args.refit}
+    given = [f"{flag} {value}" for flag, value in gptq_only.items() if value is not None]
+    if given and args.method != "gptq":
+        raise AnychipError(f"{', '.join(given)}: GPTQ's calibration settings, which --method {args.method} would "
+                           "ignore: add --method gptq, or leave them out")
     if args.tune_steps is not None and args.method != "gptq":
         raise AnychipError(f"--tune-steps {args.tune_steps} tunes GPTQ's result: add --method gptq")
     if args.e2e_steps is not None and args.method != "gptq":

@@ -63,8 +63,10 @@ class EvalSettings:
             raise ValueError(f"need 0 < stride ({self.stride}) <= window ({self.window}) <= max_len ({self.max_len})")
         if self.engine not in ENGINES:
             raise ValueError(f"engine {self.engine!r}: use one of {ENGINES}")
-        if self.threads is not None and self.threads < 1 or self.jobs < 1:
-            raise EvalDataError(f"--threads {self.threads} / --jobs {self.jobs}: each must be at least 1")
+        if self.threads is not None and self.threads < 1:
+            raise EvalDataError(f"--threads {self.threads}: must be at least 1")
+        if self.jobs < 1:
+            raise EvalDataError(f"--jobs {self.jobs}: must be at least 1")
 
 
 @dataclass
@@ -342,8 +344,12 @@ def _pct(x: float) -> str:
 
 
 def models_to_evaluate(model: Path, compare_bf16: bool) -> dict[str, Path]:
-    """{"w4a8" or "bf16": model}, and with compare_bf16 {"bf16": the source it was quantized from} too."""
-    models = {"bf16" if ModelDir.open(model).kind == "bf16" else "w4a8": model}
+    """{"w4a8", "bf16" or another quant_method: model}, and with compare_bf16 {"bf16": the source it was quantized
+    from} too."""
+    md = ModelDir.open(model)
+    label = ("w4a8" if md.made_by_anychip else {"bf16": "bf16", "w4a8": "w4a8", "synthetic": "w4a8"}.get(md.kind)
+             or md.quant_method or "quantized")
+    models = {label: model}  # a model quantized some other way is labelled by its quant_method, not as W4A8
     if compare_bf16:
         models["bf16"] = bf16_source(model)
     return models
@@ -422,6 +428,17 @@ def run_eval(model: Path, task_names: list[str] | None, data: str | None, settin
     return build_report(results, settings, extra, {t.label: t.baseline for t in targets if t.label not in died})
 
 
+def _no_nan(value: Any) -> Any:
+    """The report with every NaN (a stderr of one item, say) as null: NaN is not JSON, and strict parsers refuse it."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _no_nan(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_no_nan(v) for v in value]
+    return value
+
+
 def check_output(path: str | None) -> None:
     """--json must be writable as a file: checked before the engines run, not after the work is done."""
     if not path:
@@ -445,7 +462,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     print(format_report(report))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        Path(args.json).write_text(json.dumps(_no_nan(report), indent=2) + "\n")
         print(f"wrote {args.json}")
     for reason in report.get("failed", {}).values():
         print(f"anychip eval: not in the report: {reason}", file=sys.stderr)

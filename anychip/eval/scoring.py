@@ -96,7 +96,7 @@ def paired_delta(a: Sequence[float], b: Sequence[float]) -> tuple[float, float, 
     m, se = mean(d), stderr(d)
     if math.isnan(se):
         return m, float("nan"), float("nan")
-    return m, m - Z95 * se, m + Z95 * se
+    return m, max(-1.0, m - Z95 * se), min(1.0, m + Z95 * se)  # a difference of accuracies lies in [-1, 1]
 
 
 def compare(quant: TaskScore, base: TaskScore) -> dict[str, float | list[float]]:

@@ -145,7 +145,11 @@ def resolve_data_dir(explicit: str | Path | None = None) -> Path | None:
 
 
 def available_tasks(data_dir: Path) -> dict[str, Path]:
-    return {p.stem: p for p in sorted(data_dir.glob("*.jsonl"))}
+    files = {p.stem: p for p in sorted(data_dir.glob("*.jsonl"))}
+    if PERPLEXITY in files:
+        raise EvalDataError(f"{files[PERPLEXITY]}: '{PERPLEXITY}' is the name of the text perplexity task (--text); "
+                            "rename this multiple-choice file so that its scores are not mixed with it")
+    return files
 
 
 def select_tasks(names: list[str] | None, data_dir: Path | None) -> tuple[list[Path], bool]:
@@ -161,6 +165,8 @@ def select_tasks(names: list[str] | None, data_dir: Path | None) -> tuple[list[P
             raise EvalDataError(f"--data {data_dir}: no *.jsonl task files in it (one task per file, one item a "
                                 "line; docs/eval.md)")
         return list(files.values()), True
+    if not names:
+        raise EvalDataError("--tasks names no task; list them separated by commas (e.g. --tasks hellaswag,perplexity)")
     want_ppl = PERPLEXITY in names
     mc = [n for n in names if n != PERPLEXITY]
     if data_dir is None:

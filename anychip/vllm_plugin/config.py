@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from compressed_tensors.quantization import QuantizationArgs
 
 from anychip.errors import AnychipError
@@ -56,6 +57,12 @@ def is_w4a8_int(weight: QuantizationArgs | dict | None, activation: Quantization
 class AnychipW4A8Config(compat.CompressedTensorsConfig):
     def get_name(self) -> str:
         return NAME
+
+    @classmethod
+    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
+        """BF16 only, the checkpoint's own activation and head dtype: vLLM then refuses float16 / float32 when the
+        engine is configured, instead of after the whole model has loaded (where the head route refused it)."""
+        return [torch.bfloat16]
 
     @classmethod
     def override_quantization_method(cls, hf_quant_cfg: dict[str, Any], user_quant: str | None,

@@ -82,7 +82,7 @@ class AnychipW4A8Scheme(compat.CompressedTensorsScheme):
                 data=torch.empty(n, k // 8, dtype=torch.int32))  # (N, K // 8) int32, 8 nibbles per word
             layer.register_parameter("weight_packed", weight)
             layer.register_parameter("weight_shape", compat.BasevLLMParameter(
-                data=torch.empty(2, dtype=torch.int64), weight_loader=weight_loader))
+                data=torch.zeros(2, dtype=torch.int64), weight_loader=weight_loader))  # [0, 0]: not loaded
         else:
             weight = compat.ModelWeightParameter(input_dim=1, output_dim=0, weight_loader=weight_loader,
                                                  data=torch.empty(n, k, dtype=torch.int8))  # (N, K) int8
@@ -123,6 +123,8 @@ class AnychipW4A8Scheme(compat.CompressedTensorsScheme):
         """The kernels take N and K from the packed tensors, not from weight_shape; a weight_shape that disagrees
         with them still means a damaged or hand-edited checkpoint, which strict serving refuses."""
         said = [int(v) for v in stored.reshape(-1).tolist()]
+        if not any(said):  # never loaded (vLLM's loaders need not fill a tensor the kernels never read)
+            return
         n, k = self._declared_shape
         if len(said) == 2 and said[1] == k and (n is None or said[0] == n):
             return

@@ -29,7 +29,7 @@ INT8; SimulatedW4A8Linear) and, where smoothing changed them, its RMSNorm weight
     any of these + -wonly         activations left in float (INT4 weights alone)
     llama.cpp-TYPE                the peer: llama.cpp's own GGUF of the BF16 source (TYPE Q4_0, Q8_0 or F32, made
                                   by llama.cpp's quantizer) scored through llama-cpp-python on the CPU, on the
-                                  same requests (needs `pip install 'anychip[peers]'`; --threads)
+                                  same requests (needs `make peers`; --threads)
 
 Unnamed options take GPTQConfig's field defaults (the smoothing search on 2048 tokens; `default` uses
 DEFAULT_GPTQ's 512), and every flag left out is off: `gptq-g32-s32-clip` is the recipe before act-order and
