@@ -130,10 +130,13 @@ _MID = ((64, 64, 128, False, 4, 4, 2), (32, 64, 256, False, 4, 4, 2),  # 64x128 
         # three stages: the two of a 72-tile sweep at M = 64 that the re-tune then picked, 1.00-1.17x faster on
         # 11 of the 14 shipped shapes (docs/gpu-notes.md, session 15)
         (32, 64, 128, False, 4, 3, 2), (64, 64, 256, False, 4, 3, 1))
-_PREFILL = ((128, 64, 128, False, 4, 4, 1), (128, 128, 128, False, 8, 3, 1), (128, 128, 128, True, 8, 3, 1),
-            (64, 128, 128, False, 4, 4, 1), (128, 64, 256, False, 4, 3, 1), (128, 128, 256, True, 8, 3, 1),
+_PREFILL = ((128, 64, 128, False, 4, 4, 1), (128, 128, 128, False, 8, 3, 1), (128, 128, 128, True, 8, 3, 1, "c"),
+            (64, 128, 128, False, 4, 4, 1), (128, 64, 256, False, 4, 3, 1), (128, 128, 256, True, 8, 3, 1, "c"),
             (128, 64, 128, False, 4, 4, 1, "p"), (128, 128, 128, False, 8, 3, 1, "p"),
-            (128, 128, 128, True, 8, 3, 1, "p"))
+            (128, 128, 128, True, 8, 3, 1, "p", "c"), (128, 64, 128, True, 4, 4, 1, "c"))
+# "c" (GemmConfig.cat): the swap tiles read split-order activations. On an H100 (session 44, docs/gpu-notes.md)
+# swap 128 x 64 on split order was the fastest tile at all seven shapes timed (M 512 to 4,096, K 2,048 / 6,144),
+# 1.18-1.28x the 128 x 64 tile the tables picked most, and swap 128 x 128 went 1.13-1.18x faster with it.
 # No prefill candidate takes GemmConfig.fcvt: on an H100 (session 34, docs/gpu-notes.md) it made the fastest tile
 # (128 x 64, pipe) 0.91-1.01x as fast at 31 shapes, so it would only lengthen tuning at a first start.
 
@@ -193,7 +196,7 @@ def candidates(m: int, n: int, k: int, g: int, sms: int = 132, wgmma: bool = Fal
     for bm, bn, bk, swap, warps, stages, per_sm, *flags in table:
         bk = max(bk, g)
         split = split_for(m, n, k, g, bm, bn, bk, per_sm, sms, streaming="s" in flags)
-        out.append(GemmConfig(bm, bn, bk, swap, split, warps, stages, pipe="p" in flags))
+        out.append(GemmConfig(bm, bn, bk, swap, split, warps, stages, pipe="p" in flags, cat="c" in flags))
     if wgmma and regime(m) == "prefill" and gw.wgmma_fits(m, n, k, g) is None:
         out += [WgmmaConfig(bm, bn, warps, stages) for bm, bn, warps, stages in _WGMMA]
     return list(dict.fromkeys(out))  # two table rows can give one config at a shape (split-K capped): time it once
