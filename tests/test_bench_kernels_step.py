@@ -56,3 +56,25 @@ def test_model_without_a_config_is_a_clear_error(tmp_path) -> None:
     assert main(["bench", "kernels", "--decode-only", "--model", str(tmp_path)]) == 2
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
     assert main(["bench", "kernels", "--decode-only", "--model", str(tmp_path)]) == 2
+
+
+def test_a_model_of_another_architecture_is_not_timed_as_a_dense_llama(tmp_path) -> None:
+    config = {"architectures": ["MixtralForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(AnychipError, match=r"architectures \['MixtralForCausalLM'\]"):
+        kernels.DecodeStep.of_model(tmp_path)
+
+
+def test_a_k_no_group_size_divides_says_so() -> None:
+    import torch
+
+    from anychip.kernels.prepare import prepare_w4a8
+
+    wq = torch.zeros(16, 200, dtype=torch.int8)
+    with pytest.raises(AnychipError, match=r"no supported group size \(32, 64, 128\) divides K=200"):
+        prepare_w4a8(wq, torch.ones(16, 6, dtype=torch.bfloat16), 32, packed=False)
+    with pytest.raises(AnychipError, match=r"K=192 is not divisible by group size 128: quantize with group size "
+                                           r"32 or 64"):
+        prepare_w4a8(torch.zeros(16, 192, dtype=torch.int8), torch.ones(16, 1, dtype=torch.bfloat16), 128,
+                     packed=False)

@@ -253,6 +253,9 @@ class DecodeStep:
             config = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
             raise AnychipError(f"--model {model}: cannot read {path}: {exc}") from exc
+        from anychip.checkpoint.layout import check_architecture
+
+        check_architecture(config, str(path))  # an MoE or fused-projection model is not timed as a dense Llama
         return cls.of_config(config, Path(model).name)
 
     def decode_shapes(self) -> tuple[tuple[str, str, int, int], ...]:

@@ -319,21 +319,22 @@ def format_report(report: dict[str, Any]) -> str:
     """A plain-text table of the report (accuracies in percent)."""
     labels = list(report["models"])
     w = max(6, *(len(label) for label in labels))
-    lines = [f"{'task':<18} {'model':<{w}} {'acc':>7} {'acc_norm':>9} {'n':>6}   delta acc_norm [95% CI]"]
+    t = max([18, *(len(name) for name in report["tasks"])])  # the task column fits the longest name
+    lines = [f"{'task':<{t}} {'model':<{w}} {'acc':>7} {'acc_norm':>9} {'n':>6}   delta acc_norm [95% CI]"]
     for name, entry in report["tasks"].items():
         for label in [x for x in entry if x not in _NOT_MODELS]:
             m = entry[label]
             if name == PERPLEXITY:
-                lines.append(f"{name:<18} {label:<{w}} ppl {m['ppl']:.4f} over {m['tokens']} tokens")
+                lines.append(f"{name:<{t}} {label:<{w}} ppl {m['ppl']:.4f} over {m['tokens']} tokens")
                 continue
-            lines.append(f"{name:<18} {label:<{w}} {100 * m['acc']:7.2f} {100 * m['acc_norm']:9.2f} {m['n']:>6}")
+            lines.append(f"{name:<{t}} {label:<{w}} {100 * m['acc']:7.2f} {100 * m['acc_norm']:9.2f} {m['n']:>6}")
         deltas = entry.get("deltas") or ({"w4a8 - bf16": entry["delta"]} if "delta" in entry else {})
         for pair, d in deltas.items():
             if name == PERPLEXITY:
-                lines.append(f"{'':<18} {'delta':<{w}} ppl {d['ppl_increase_pct']:+.2f}%  ({pair})")
+                lines.append(f"{'':<{t}} {'delta':<{w}} ppl {d['ppl_increase_pct']:+.2f}%  ({pair})")
                 continue
             lo, hi = d["acc_norm_ci95"]
-            lines.append(f"{'':<18} {'delta':<{w}} {100 * d['acc']:+7.2f} {100 * d['acc_norm']:+9.2f}"
+            lines.append(f"{'':<{t}} {'delta':<{w}} {100 * d['acc']:+7.2f} {100 * d['acc_norm']:+9.2f}"
                          f"          [{_pct(lo)}, {_pct(hi)}]  ({pair})")
     lines += [f"not evaluated: {reason}" for reason in report.get("failed", {}).values()]
     return "\n".join(lines)

@@ -58,8 +58,11 @@ class CheckpointWeights:
         n = wq.shape[0]
         k = wq.shape[1] * PACK_FACTOR if packed else wq.shape[1]
         if group_size <= 0 or k % group_size:
-            raise NoKernelRoute(f"K={k} is not divisible by group size {group_size}: quantize with a group size "
-                                f"from {GROUP_SIZES} that divides K")
+            fits = [g for g in GROUP_SIZES if k % g == 0]
+            fix = (f"quantize with group size {' or '.join(map(str, fits))}" if fits else
+                   f"no supported group size ({', '.join(map(str, GROUP_SIZES))}) divides K={k}: pad the layer's K "
+                   f"to a multiple of {min(GROUP_SIZES)} or leave it unquantized")
+            raise NoKernelRoute(f"K={k} is not divisible by group size {group_size}: {fix}")
         if scales.dim() != 2 or tuple(scales.shape) != (n, k // group_size) or not scales.is_floating_point():
             raise NoKernelRoute(f"scales must be a float (N={n}, K/G={k // group_size}) tensor, got {scales.dtype} "
                                 f"{tuple(scales.shape)}")
