@@ -73,6 +73,9 @@ def test_quantize_cli_rotate(tmp_path, method: str) -> None:
     prov = config["quantization_config"]["anychip"]
     assert config["tie_word_embeddings"] is False and prov["rotation"]["seed"] == 7
     assert prov["source"] == str(src.resolve())
+    from anychip.checkpoint.model_dir import ModelDir
+
+    assert ModelDir.open(dst).bf16_source() == src.resolve()  # the untied head and the record of the source agree
     if method == "gptq":
         assert prov["recipe"]["gptq"]["smooth"] == []
     assert [p.name for p in dst.parent.iterdir()] == [dst.name]

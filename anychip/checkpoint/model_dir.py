@@ -21,9 +21,10 @@ class ModelDirError(ContractError):
     """A folder is not a model directory, or lacks what a command needs; the message says how to fix it."""
 
 
-#: config.json fields that make two models the same shape (a BF16 source must agree with its W4A8 checkpoint).
+#: config.json fields that make two models the same shape (a BF16 source must agree with its W4A8 checkpoint;
+#: not tie_word_embeddings, which `quantize --rotate` turns off).
 SHAPE_KEYS = ("model_type", "architectures", "hidden_size", "intermediate_size", "num_hidden_layers",
-              "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings")
+              "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")
 
 
 def weight_files_stamp(path: Path) -> list[list[Any]]:

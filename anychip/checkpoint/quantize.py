@@ -283,4 +283,6 @@ def _quantize_rotated(src: Path, dst: Path, scheme: W4A8Scheme, method: str, see
                                     "untied) are rotated: the BF16 tensors differ from the source's; the function "
                                     "is the source's up to their BF16 rounding"}
         return quantize_checkpoint(rotated, dst, scheme, quantizer, method=method,
-                                   provenance={"source": str(Path(src).resolve()), "rotation": rotation})
+                                   provenance={"source": str(Path(src).resolve()),
+                                               "source_files": weight_files_stamp(Path(src).resolve()),
+                                               "rotation": rotation})
