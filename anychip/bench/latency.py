@@ -812,9 +812,7 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
     if args.threads is not None and args.threads < 1:
         raise runners.BenchArgumentError(f"--threads {args.threads}: must be at least 1 (leave it out for every CPU)")
     args.threads = args.threads or len(os.sched_getaffinity(0))
-    for flag, value in (("--pp", args.pp), ("--tg", args.tg), ("--reps", args.reps)):
-        if value < 1:
-            raise runners.BenchArgumentError(f"{flag} must be at least 1, got {value}")
+    runners.require_at_least_one(pp=args.pp, tg=args.tg, reps=args.reps)  # before any engine, as RunSpec would
     context = md.get("max_position_embeddings")
     needed = runners.context_needed(args.pp, args.tg, getattr(args, "batch", None) or 0)
     if isinstance(context, int) and needed > context:

@@ -41,6 +41,13 @@ class BenchArgumentError(AnychipError, ValueError):
     """A bench flag out of range, named as the user typed it."""
 
 
+def require_at_least_one(**counts: int) -> None:
+    """BenchArgumentError naming the first flag (its keyword, underscores as dashes) whose count is below 1."""
+    for name, value in counts.items():
+        if value < 1:
+            raise BenchArgumentError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+
+
 def context_needed(pp: int, tg: int, batch: int) -> int:
     """The engines' max_model_len: a prefill of pp tokens and a decode of tg (both in one sequence when batched)."""
     return (pp + tg if batch else max(pp, tg)) + 16
@@ -78,10 +85,8 @@ class RunSpec:
     graph_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("pp", "tg", "reps", "threads", "batch_reps"):
-            if getattr(self, name) < 1:
-                flag = f"--{name.replace('_', '-')}"
-                raise BenchArgumentError(f"{flag} must be at least 1, got {getattr(self, name)}")
+        require_at_least_one(pp=self.pp, tg=self.tg, reps=self.reps, threads=self.threads,
+                             batch_reps=self.batch_reps)
         if self.graph_tokens is not None and (self.graph_tokens < 1 or self.device != "cuda"):
             raise BenchArgumentError(f"--graph-tokens {self.graph_tokens}: a positive number of tokens, for "
                                      "--device cuda")
