@@ -110,7 +110,11 @@ def test_concurrent_streams_all_complete(server):
           f"failed {len(records) - len(answered)} in {wall:.1f} s")
     assert len(records) == CLIENTS and not failed, failed
     assert {r.output_tokens for r in answered} == {ANSWER_TOKENS}
-    assert all(len(r.chunk_times) == ANSWER_TOKENS for r in answered)  # streamed, one chunk a token
+    # Streamed: more than one chunk per answer, never more chunks than tokens. Not one chunk a token: when the API
+    # server's reader lags behind the engine (64 streams on 2 cores), vLLM's output collector merges the deltas that
+    # wait into one chunk (vllm/v1/engine/output_processor.py, RequestOutputCollector.put).
+    chunks = sorted(len(r.chunk_times) for r in answered)
+    assert chunks[0] > 1 and chunks[-1] <= ANSWER_TOKENS, chunks
     # the server generated what the clients counted: the answers were not served from elsewhere
     assert metrics(server)["vllm:generation_tokens_total"] - before == CLIENTS * ANSWER_TOKENS
 
