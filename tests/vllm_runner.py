@@ -33,6 +33,10 @@ def main() -> None:  # a function: vLLM's worker processes re-import this file u
     p.add_argument("--prompt-logprobs", action="store_true", help="record the logprob of every prompt token")
     p.add_argument("--alone", action="store_true", help="after the batched run, generate each prompt again in a "
                    "call of its own (rows under \"alone\")")
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024, help="the step's token budget: a longer "
+                   "prompt is prefilled in chunks")
+    p.add_argument("--sample-seed", type=int, default=None, help="sample at temperature 1 with this seed instead "
+                   "of greedy decoding")
     p.add_argument("--embed", action="store_true", help="a pooling runner (runner=\"pooling\"): the prompts' "
                    "embeddings instead of generated tokens")
     a = p.parse_args()
@@ -42,7 +46,8 @@ def main() -> None:  # a function: vLLM's worker processes re-import this file u
     tp = a.tensor_parallel_size
     llm = LLM(model=a.model, dtype="bfloat16", enforce_eager=not a.compile,
               distributed_executor_backend="uni" if tp == 1 else "mp", tensor_parallel_size=tp,
-              max_model_len=a.max_model_len, max_num_batched_tokens=1024, gpu_memory_utilization=0.5, seed=0,
+              max_model_len=a.max_model_len, max_num_batched_tokens=a.max_num_batched_tokens,
+              gpu_memory_utilization=0.5, seed=0,
               **({"runner": "pooling"} if a.embed else {}))
     start_s = time.time() - t0
     if a.embed:
@@ -51,7 +56,8 @@ def main() -> None:  # a function: vLLM's worker processes re-import this file u
             json.dump({"embeddings": embeddings, "quantization": llm.llm_engine.vllm_config.model_config.quantization,
                        "engine_start_s": start_s}, f)
         return
-    params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True,
+    sampling = {"temperature": 0.0} if a.sample_seed is None else {"temperature": 1.0, "seed": a.sample_seed}
+    params = SamplingParams(**sampling, max_tokens=a.max_tokens, ignore_eos=True,
                             logprobs=a.logprobs or None, prompt_logprobs=0 if a.prompt_logprobs else None)
     prompts = a.prompt + [{"prompt_token_ids": [int(t) for t in ids.split(",")]} for ids in a.prompt_ids]
     rows = [row(o, a) for o in llm.generate(prompts, params)]

@@ -36,7 +36,7 @@ def register() -> None:
     if _registered:
         return
     from anychip.kernels.machine import request_amx_tiles
-    from anychip.vllm_plugin import cpu_attention, fusion, graphs
+    from anychip.vllm_plugin import compat, cpu_attention, fusion, graphs
     from anychip.vllm_plugin.config import AnychipW4A8Config  # registers on import
 
     request_amx_tiles()  # before any attention runs: see there
@@ -48,4 +48,5 @@ def register() -> None:
 
     cpu_attention.install(serves)  # vLLM's CPU attention from C++
     graphs.install(serves)  # on a GPU, CUDA graphs for prefill steps too
+    compat.install_cpu_seeded_sampling_fix()  # any model: vLLM's CPU runner dies on a seeded chunked prompt
     _registered = True

@@ -82,8 +82,8 @@ __all__ = [
     "GroupQuantScaleParameter", "ModelWeightParameter", "PackedvLLMParameter", "VocabParallelEmbedding",
     "get_forward_context", "is_forward_context_available", "register_quantization_config",
     "verify_group_size_divides_partition", "vllm_version", "current_phase", "attention_backend_name",
-    "head_gemm_route", "install_cpu_model_hook", "install_logits_hook", "install_step_hook", "on_cpu",
-    "release_cpu_gemm", "runner_model",
+    "head_gemm_route", "install_cpu_model_hook", "install_cpu_seeded_sampling_fix", "install_logits_hook",
+    "install_step_hook", "on_cpu", "release_cpu_gemm", "runner_model",
     "ParallelLMHead", "UnquantizedEmbeddingMethod", "step_phase",
     "tensor_parallel", "tp_device_group", "LinearBase", "UnquantizedLinearMethod", "should_ignore_layer",
 ]
@@ -223,6 +223,89 @@ def install_cpu_model_hook(on_model: Callable[[Any, Any], None]) -> bool:
 
 
 _model_hook: Callable[[Any, Any], None] | None = None
+
+
+def install_cpu_seeded_sampling_fix() -> bool:
+    """Keep a seeded sampling request from killing a CPU engine when its prompt is prefilled in chunks.
+
+    vLLM 0.32's CPU model runner inherits the GPU runner's way of undoing a sample it throws away (the token drawn
+    after a prompt chunk that is not the last): `gen.set_offset(gen.get_offset() - 4)` in `_bookkeeping_sync`,
+    which relies on CUDA's Philox generator. A CPU torch.Generator refuses it ("CPU Generator does not use
+    offset"), the engine dies and every request in flight fails (stock vLLM on a BF16 model too: any `seed` with
+    temperature > 0 and a prompt longer than the step's token budget, or a busy step). On a CPU the plugin keeps
+    each such request's generator state from just before the sampler and puts it back at that rewind, so a chunked
+    prompt samples from the same random stream as an unchunked one. Once a process; False where this is not vLLM's
+    CPU platform or its V1 CPU runner lacks the methods wrapped (another layout: nothing to fix or nothing known)."""
+    global _seed_fix_installed
+    if _seed_fix_installed:
+        return True
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    runners = [r for r in _classes("CPUModelRunner", "vllm.v1.worker.cpu_model_runner")
+               if hasattr(r, "_sample") and hasattr(r, "_bookkeeping_sync")]
+    for runner in runners:
+        sample, bookkeeping = runner._sample, runner._bookkeeping_sync
+
+        def _sample(self: Any, *args: Any, _original: Callable = sample, **kwargs: Any) -> Any:
+            self._anychip_discarded_states = _discarded_generator_states(self)
+            return _original(self, *args, **kwargs)
+
+        def _bookkeeping_sync(self: Any, *args: Any, _original: Callable = bookkeeping, **kwargs: Any) -> Any:
+            states = getattr(self, "_anychip_discarded_states", None) or {}
+            self._anychip_discarded_states = None
+            batch = self.input_batch
+            generators = batch.generators
+            batch.generators = _RewindByState(generators, states)
+            try:
+                return _original(self, *args, **kwargs)
+            finally:
+                batch.generators = generators
+
+        runner._sample = functools.wraps(sample)(_sample)
+        runner._bookkeeping_sync = functools.wraps(bookkeeping)(_bookkeeping_sync)
+    _seed_fix_installed = bool(runners)
+    return _seed_fix_installed
+
+
+_seed_fix_installed = False
+
+
+def _discarded_generator_states(runner: Any) -> dict[int, Any]:
+    """{batch row: generator state} of the seeded requests whose sample this step throws away."""
+    batch = runner.input_batch
+    generators = getattr(batch, "generators", None) or {}
+    mask = getattr(getattr(runner, "discard_request_mask", None), "np", None)
+    if not generators or mask is None:
+        return {}
+    return {int(i): generators[int(i)].get_state() for i in mask[:batch.num_reqs].nonzero()[0]
+            if int(i) in generators}
+
+
+class _RewindByState(dict):
+    """The batch's {row: torch.Generator} while vLLM rewinds the generators of discarded samples: `get(row)` hands
+    out an object whose set_offset restores the state kept before sampling (a CPU generator has no offset)."""
+
+    def __init__(self, generators: dict[int, Any], states: dict[int, Any]) -> None:
+        super().__init__(generators)
+        self._states = states
+
+    def get(self, row: Any, default: Any = None) -> Any:
+        gen = super().get(row, default)
+        return _StateRewind(gen, self._states.get(int(row))) if gen is not None else gen
+
+
+class _StateRewind:
+    def __init__(self, gen: Any, state: Any) -> None:
+        self._gen, self._state = gen, state
+
+    def get_offset(self) -> int:
+        return 0
+
+    def set_offset(self, offset: int) -> None:  # vLLM's "as if the token was not sampled"
+        if self._state is not None:
+            self._gen.set_state(self._state)
 
 
 def _classes(name: str, *modules: str) -> list[type]:
