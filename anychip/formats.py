@@ -16,6 +16,10 @@ GROUP_SIZES: tuple[int, ...] = (32, 64, 128)
 #: compressed-tensors formats of the INT4 weights: int32 words of 8 nibbles, or one int8 per weight.
 FORMATS: tuple[str, ...] = ("pack-quantized", "int-quantized")
 PACK_FACTOR = 8  # int4 values per int32 word
+#: The group scales the contract allows: normal (a subnormal scale is a zeroed group wherever the hardware flushes
+#: denormals, and a damaged one anyway) and small enough that the group's weights, up to 8 s, stay finite.
+SCALE_MIN = torch.finfo(torch.float32).tiny  # 2^-126, also BF16's smallest normal
+SCALE_MAX = torch.finfo(torch.float32).max / 8  # just under 2^125
 _SHIFTS = torch.arange(PACK_FACTOR, dtype=torch.int32) * 4
 
 
@@ -44,3 +48,9 @@ def unpack_int4(packed: torch.Tensor, k: int | None = None) -> torch.Tensor:
             raise ValueError(f"unpack_int4: K={k} exceeds the {words * PACK_FACTOR} values stored")
         q = q[:, :k]
     return q
+
+
+def bad_scales(scales: torch.Tensor) -> torch.Tensor:
+    """True where a float scale (any dtype) breaks the contract's rule: not in [SCALE_MIN, SCALE_MAX], NaN included."""
+    f = scales.float()
+    return ~((f >= SCALE_MIN) & (f <= SCALE_MAX))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -84,10 +85,9 @@ def test_damaged_weights_stop_the_engine_whatever_the_fallback_setting(monkeypat
     layer = torch.nn.Module()
     scheme = _scheme()
     scheme.create_weights(layer, 48, 256, [48], 256, torch.bfloat16, weight_loader=lambda *a: None)
-    layer.weight_packed.data.copy_(pack_int4(torch.randint(-8, 8, (48, 256), dtype=torch.int8)))
     scales = torch.full((48, 4), 0.01, dtype=torch.bfloat16)
     scales[3, 1] = float("nan")
-    layer.weight_scale.data.copy_(scales)
+    load(layer, weight_packed=pack_int4(torch.randint(-8, 8, (48, 256), dtype=torch.int8)), weight_scale=scales)
     with pytest.raises(LayerPrepareError, match=r"model.layers.7.mlp.down_proj.*scale \[3, 1\] is nan.*damaged") as err:
         scheme.process_weights_after_loading(layer)
     assert "allow-fallback" not in str(err.value) and "ALLOW_FALLBACK" not in str(err.value)
@@ -99,8 +99,8 @@ def test_per_channel_scales_with_no_kernel_group_say_so():
     layer = torch.nn.Module()
     scheme = _scheme(strategy="channel")
     scheme.create_weights(layer, 16, 1000, [16], 1000, torch.bfloat16, weight_loader=lambda *a: None)
-    layer.weight_packed.data.zero_()
-    layer.weight_scale.data.fill_(0.01)
+    load(layer, weight_packed=torch.zeros(16, 1000 // 8, dtype=torch.int32),
+         weight_scale=torch.full((16, 1), 0.01, dtype=torch.bfloat16))
     with pytest.raises(LayerPrepareError, match=r"per-channel scales over K=1000.*none of which divides K"):
         scheme.process_weights_after_loading(layer)
 
@@ -164,13 +164,21 @@ def test_channelwise_scales_are_served_as_repeated_groups():
 
     wq = torch.randint(-8, 8, (48, 256), dtype=torch.int8)
     scale = torch.rand(48, 1, dtype=torch.bfloat16) + 0.01  # bf16 rand can be exactly 0: not a valid scale
-    layer.weight_packed.data.copy_(pack_int4(wq))
-    layer.weight_scale.data.copy_(scale)
+    load(layer, weight_packed=pack_int4(wq), weight_scale=scale)
     scheme.process_weights_after_loading(layer)
     x = torch.randn(3, 256, dtype=torch.float32)
     y = scheme.apply_weights(layer, x)
     ref = w4a8_linear_dynamic_ref(x, wq, scale.float().expand(48, 2).contiguous())
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
+
+
+def load(layer: torch.nn.Module, **tensors: torch.Tensor) -> None:
+    """Load checkpoint tensors into the scheme's parameters the way vLLM does: through each parameter's weight
+    loader (the scheme's checked loader, which records what was loaded), here around a loader that only copies."""
+    for name, value in tensors.items():
+        param = getattr(layer, name)
+        param.data.copy_(value)
+        param.weight_loader(param, value)
 
 
 def _prepared_g64_layer(recorder, name: str):
@@ -184,8 +192,8 @@ def _prepared_g64_layer(recorder, name: str):
     scheme = AnychipW4A8Scheme(args, "pack-quantized", name, recorder)
     layer = torch.nn.Module()
     scheme.create_weights(layer, 48, 256, [48], 256, torch.bfloat16, weight_loader=lambda *a: None)
-    layer.weight_packed.data.copy_(pack_int4(torch.randint(-8, 8, (48, 256), dtype=torch.int8)))
-    layer.weight_scale.data.copy_(torch.rand(48, 4, dtype=torch.bfloat16) + 0.01)
+    load(layer, weight_packed=pack_int4(torch.randint(-8, 8, (48, 256), dtype=torch.int8)),
+         weight_scale=torch.rand(48, 4, dtype=torch.bfloat16) + 0.01)
     scheme.process_weights_after_loading(layer)
     return scheme, layer
 
@@ -540,3 +548,64 @@ def test_inductor_simd_reports_the_probed_isa_and_starts_no_probe(monkeypatch):
     assert recorder_mod.Recorder(None, KernelPolicy()).document()["platform"]["inductor_simd"] == "avx2"
     monkeypatch.setattr(machine, "inductor_simd", lambda: None)
     assert "inductor_simd" not in recorder_mod.Recorder(None, KernelPolicy()).document()["platform"]
+
+
+@pytest.mark.parametrize("missing", ["weight_packed", "weight_scale"])
+def test_a_tensor_missing_from_the_checkpoint_stops_the_engine(missing):
+    """vLLM 0.32 does not track unloaded weights of quantized models: the scheme does, and refuses a layer whose
+    files lack its packed weight or its scales instead of serving what torch.empty left in the parameter."""
+    from anychip.formats import pack_int4
+    from anychip.vllm_plugin.scheme import LayerPrepareError
+
+    layer = torch.nn.Module()
+    scheme = _scheme()
+    scheme.create_weights(layer, 48, 256, [48], 256, torch.bfloat16, weight_loader=lambda *a: None)
+    tensors = {"weight_packed": pack_int4(torch.randint(-8, 8, (48, 256), dtype=torch.int8)),
+               "weight_scale": torch.full((48, 4), 0.01, dtype=torch.bfloat16)}
+    del tensors[missing]
+    load(layer, **tensors)
+    with pytest.raises(LayerPrepareError, match=rf"model.layers.7.mlp.down_proj: the checkpoint has no {missing} "
+                                                r"for it \(it was never loaded\).*anychip verify"):
+        scheme.process_weights_after_loading(layer)
+
+
+def test_a_merged_layer_missing_one_part_stops_the_engine():
+    from anychip.vllm_plugin.scheme import LayerPrepareError
+
+    parts = [64, 32, 32]  # q, k, v merged into one qkv parameter
+    layer = torch.nn.Module()
+    scheme = _scheme(group_size=32)
+    scheme.create_weights(layer, sum(parts), 128, parts, 128, torch.bfloat16, weight_loader=lambda *a: None)
+    for shard in ("q", "v"):  # k's tensors are not in the files
+        for name in ("weight_packed", "weight_scale"):
+            param = getattr(layer, name)
+            param.weight_loader(param, torch.ones(1, 1, dtype=param.dtype), shard)
+    with pytest.raises(LayerPrepareError, match=r"no weight_packed for it \(only parts \['q', 'v'\] of the 3"):
+        scheme.process_weights_after_loading(layer)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_group_scales_of_another_dtype_are_refused_not_converted(dtype):
+    """The contract stores BF16 scales (`anychip verify` refuses others); converting them would serve other numbers
+    than the checkpoint declares."""
+    from anychip.vllm_plugin.scheme import LayerPrepareError
+
+    layer = torch.nn.Module()
+    _scheme().create_weights(layer, 48, 256, [48], 256, torch.bfloat16, weight_loader=lambda *a: None)
+    with pytest.raises(LayerPrepareError, match=re.escape(f"{dtype} group scales where the contract has BF16")):
+        load(layer, weight_scale=torch.full((48, 4), 0.01, dtype=dtype))
+
+
+@pytest.mark.parametrize("bad", [1e-40, 3.3895e38])  # a subnormal (a zeroed group); 8 s overflows
+def test_subnormal_and_huge_scales_stop_the_engine(bad):
+    from anychip.formats import pack_int4
+    from anychip.vllm_plugin.scheme import LayerPrepareError
+
+    layer = torch.nn.Module()
+    scheme = _scheme()
+    scheme.create_weights(layer, 48, 256, [48], 256, torch.bfloat16, weight_loader=lambda *a: None)
+    scales = torch.full((48, 4), 0.01, dtype=torch.bfloat16)
+    scales[5, 2] = bad
+    load(layer, weight_packed=pack_int4(torch.randint(-8, 8, (48, 256), dtype=torch.int8)), weight_scale=scales)
+    with pytest.raises(LayerPrepareError, match=r"scale \[5, 2\] is .*positive normal numbers"):
+        scheme.process_weights_after_loading(layer)

@@ -16,6 +16,7 @@ from anychip.checkpoint.manifest import write_manifest
 from anychip.checkpoint.quantize import quantize_checkpoint
 from anychip.checkpoint.scheme import ContractError, W4A8Scheme
 from anychip.checkpoint.values import check_values, rule_for
+from anychip.formats import bad_scales
 from anychip.checkpoint.verify import verify_checkpoint
 from anychip.cli import main
 
@@ -73,13 +74,14 @@ def test_good_checkpoints_pass_with_values_read(packed, unpacked):
     for d in (packed, unpacked):
         report = verify_checkpoint(d)
         assert report.value_bytes and report.value_bytes < report.total_bytes
-        assert "scales finite and > 0" in report.summary()
+        assert "scales normal, > 0 and 8 s finite" in report.summary()
     # int-quantized weights are read (one int8 per weight), pack-quantized words are not: the byte counts say so
     assert verify_checkpoint(unpacked).value_bytes > verify_checkpoint(packed).value_bytes
     assert verify_checkpoint(packed, values=False).value_bytes is None
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), 0.0, -0.0, -0.01])
+# NaN, inf, zero, negative; a subnormal (a zeroed group) and BF16's largest finite value (8 s overflows)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), 0.0, -0.0, -0.01, 1e-40, 3.3895e38])
 def test_bad_group_scale(packed, copy_dir, bad):
     d = copy_dir(packed)
     poke(d, SCALE, (77, 2), bad)
@@ -88,7 +90,7 @@ def test_bad_group_scale(packed, copy_dir, bad):
         verify_checkpoint(d)
     msg = str(exc.value)
     assert str(d / "model.safetensors") in msg and f"{SCALE}[77, 2]" in msg
-    assert "finite and > 0" in msg and "anychip quantize" in msg
+    assert "positive normal numbers" in msg and "anychip quantize" in msg
 
 
 def test_int_quantized_weight_out_of_range(unpacked, copy_dir):
@@ -153,7 +155,9 @@ def test_bf16_rules_match_their_float_definitions_on_every_bit_pattern():
     x = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     f = x.float()
     assert torch.equal(values.FINITE.bad(x), ~torch.isfinite(f))
-    assert torch.equal(values.SCALE.bad(x), ~(torch.isfinite(f) & (f > 0)))
+    assert torch.equal(values.SCALE.bad(x), ~(torch.isfinite(f) & (f >= torch.finfo(torch.float32).tiny)
+                                              & torch.isfinite(8 * f)))
+    assert torch.equal(values.SCALE.bad(x), bad_scales(x))  # the kernels' prepare applies the same rule
     q = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8)
     assert torch.equal(values.INT4.bad(q), (q.int() < -8) | (q.int() > 7))
     # The reduction-only fast path agrees with the mask, chunk by chunk (one bad entry or none).

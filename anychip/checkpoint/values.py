@@ -3,7 +3,7 @@
 SHA256SUMS proves that the files are the ones the writer wrote, not that the writer wrote sense: a buggy
 quantizer or a hand edit followed by a rehash leaves NaN scales that checksums cannot see. The rules, by role:
 
-    *.weight_scale (BF16)          finite and > 0
+    *.weight_scale (BF16)          positive normal numbers whose weights 8 s stay finite (SCALE_MIN..SCALE_MAX)
     int-quantized *.weight (I8)    in [-8, 7]
     every other BF16 tensor        finite (embedding, norms, lm_head, biases)
     pack-quantized words (I32)     not read: every bit pattern is eight valid nibbles
@@ -22,6 +22,7 @@ import torch
 
 from anychip.checkpoint.io import ST_CODES, CheckpointFileError, TensorInfo
 from anychip.checkpoint.scheme import ContractError
+from anychip.formats import SCALE_MAX
 
 CHUNK_BYTES = 16 << 20
 _REQUANTIZE = "re-quantize from the BF16 model (`anychip quantize SRC DST`, or `anychip prepare --force`)"
@@ -53,12 +54,20 @@ def _bf16_any_nonfinite(x: torch.Tensor) -> bool:
     return int((x.view(torch.int16) & _EXPONENT).max()) == _EXPONENT
 
 
+# The scales the contract allows (formats.SCALE_MIN..SCALE_MAX), as BF16 bits (int16): positive, exponent 1..251 (2^-126 <= s < 2^125); zero, subnormals, negatives, the
+# exponents 252..254 (8 s overflows), inf and NaN all fall outside.
+_SCALE_BITS = (0x0080, 0x7DFF)
+
+
 def _bf16_bad_scale(x: torch.Tensor) -> torch.Tensor:
-    return (x.view(torch.int16) <= 0) | _bf16_nonfinite(x)
+    bits = x.view(torch.int16)
+    return (bits < _SCALE_BITS[0]) | (bits > _SCALE_BITS[1])
 
 
 def _bf16_any_bad_scale(x: torch.Tensor) -> bool:
-    return int(x.view(torch.int16).min()) <= 0 or _bf16_any_nonfinite(x)
+    lo, hi = torch.aminmax(x.view(torch.int16))
+    return int(lo) < _SCALE_BITS[0] or int(hi) > _SCALE_BITS[1]
+
 
 
 def _int4_any_out_of_range(x: torch.Tensor) -> bool:
@@ -66,9 +75,10 @@ def _int4_any_out_of_range(x: torch.Tensor) -> bool:
     return int(lo) < -8 or int(hi) > 7
 
 
-SCALE = ValueRule("group scales must be finite and > 0", torch.bfloat16, _bf16_bad_scale, _bf16_any_bad_scale,
-                  "a zero, negative or non-finite scale turns its whole group of weights into 0, sign-flipped or "
-                  f"NaN; {_REQUANTIZE}")
+SCALE = ValueRule(f"group scales must be positive normal numbers up to {SCALE_MAX:.3g} (finite, > 0, not "
+                  "subnormal, 8 s finite)", torch.bfloat16, _bf16_bad_scale, _bf16_any_bad_scale,
+                  "a zero, negative, subnormal, huge or non-finite scale turns its whole group of weights into 0, "
+                  f"sign-flipped, inf or NaN; {_REQUANTIZE}")
 INT4 = ValueRule("int-quantized weights must lie in [-8, 7]", torch.int8, lambda x: (x < -8) | (x > 7),
                  _int4_any_out_of_range,
                  f"INT4 values are stored one per int8 and the kernels read only the low nibble; {_REQUANTIZE}")

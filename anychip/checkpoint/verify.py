@@ -93,7 +93,7 @@ class VerifyReport:
         lines.append(f"total            {_mb(self.total_bytes)} in {self.files} files; "
                      + ("every sha256 matches SHA256SUMS" if self.checksums_verified else "checksums not checked"))
         lines.append("values           " + ("not checked (--fast)" if self.value_bytes is None else
-                                            f"scales finite and > 0, INT4 in range, BF16 finite "
+                                            f"scales normal, > 0 and 8 s finite, INT4 in range, BF16 finite "
                                             f"({_mb(self.value_bytes)} read)"))
         return "\n".join(lines)
 

@@ -89,6 +89,13 @@ class AnychipW4A8Scheme(compat.CompressedTensorsScheme):
             layer.register_parameter("weight", weight)
         layer.register_parameter("weight_scale", scale)
         self.n, self.k, self.row_parallel = n, k, row_parallel
+        # the tensors every part of the layer must load (checked after loading: vLLM 0.32 tracks unloaded weights of
+        # unquantized models only, so a tensor missing from the files would serve what torch.empty left)
+        self._parts = len(output_partition_sizes)
+        self._must_load = {id(weight): "weight_packed" if self.format == "pack-quantized" else "weight",
+                           id(scale): "weight_scale"}
+        self._scale_id = id(scale)
+        self._loaded: dict[int, set] = {}
         # what a pack-quantized weight_shape must say: [N, K] of the whole tensor; a merged layer's parts are
         # loaded into the one parameter in turn, so there only K (the same for every part) is known
         self._declared_shape = (None if len(output_partition_sizes) > 1 else output_size, input_size)
@@ -105,12 +112,18 @@ class AnychipW4A8Scheme(compat.CompressedTensorsScheme):
             fits = (loaded.is_floating_point() if want.is_floating_point else
                     loaded.dtype in (torch.int32, torch.int64) if want == torch.int64 else loaded.dtype == want)
             problem = None if fits else f"dtype {loaded.dtype} where the {self.format} contract has {want}"
+            if problem is None and id(param) == self._scale_id and loaded.dtype != torch.bfloat16:
+                problem = (f"{loaded.dtype} group scales where the contract has BF16 (converting them would serve "
+                           "other numbers than the checkpoint declares)")
             full = self._full_shapes.get(id(param))  # a whole (unmerged) tensor: vLLM would narrow a larger one
             if problem is None and full is not None and not args and not kwargs and tuple(loaded.shape) != full:
                 problem = f"shape {tuple(loaded.shape)} where the layer's config implies {full}"
             if problem is None:
                 try:
-                    return loader(param, loaded, *args, **kwargs)
+                    result = loader(param, loaded, *args, **kwargs)
+                    part = args[0] if args else kwargs.get("loaded_shard_id")
+                    self._loaded.setdefault(id(param), set()).add(part)
+                    return result
                 except (AssertionError, RuntimeError, ValueError, IndexError) as exc:
                     why = str(exc) or type(exc).__name__
                     problem = f"shape {tuple(loaded.shape)} that does not fit {tuple(param.data.shape)} ({why})"
@@ -133,7 +146,23 @@ class AnychipW4A8Scheme(compat.CompressedTensorsScheme):
                                 f"weights are {want}: config.json and the weights disagree; check the checkpoint "
                                 "with `anychip verify`")
 
+    def _check_loaded(self, layer: torch.nn.Module) -> None:
+        """Every part of the quantized weight and its scales came from the checkpoint: refuse a layer whose files
+        lack one (its parameter still holds what torch.empty left there)."""
+        for param in layer.parameters(recurse=False):
+            name = self._must_load.get(id(param))
+            if name is None:
+                continue
+            parts = self._loaded.get(id(param), set())
+            if None in parts or len(parts) >= self._parts:
+                continue
+            which = (f"only parts {sorted(map(str, parts))} of the {self._parts} merged into it were loaded"
+                     if parts else "it was never loaded")
+            raise LayerPrepareError(f"layer {self.layer_name}: the checkpoint has no {name} for it ({which}): the "
+                                    "checkpoint is incomplete; check it with `anychip verify`")
+
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        self._check_loaded(layer)
         packed = self.format == "pack-quantized"
         if packed:
             self._check_weight_shape(layer.weight_shape.data)

@@ -16,7 +16,7 @@ from typing import ClassVar
 import torch
 
 from anychip.errors import AnychipError
-from anychip.formats import GROUP_SIZES, PACK_FACTOR, unpack_int4
+from anychip.formats import GROUP_SIZES, PACK_FACTOR, SCALE_MAX, bad_scales, unpack_int4
 from anychip.kernels.policy import KernelPolicy
 
 
@@ -69,12 +69,13 @@ class CheckpointWeights:
         if not packed and wq.numel() and (int(wq.min()) < -8 or int(wq.max()) > 7):
             raise CheckpointDataError("int-quantized weights hold values outside [-8, 7]: this is not an INT4 "
                                       "checkpoint")
-        bad = ~(torch.isfinite(scales) & (scales > 0))  # one pass at load: a NaN or <= 0 scale serves garbage
+        bad = bad_scales(scales)  # one pass at load: a NaN, <= 0, subnormal or huge scale serves garbage
         if bool(bad.any()):
             row, group = (int(i) for i in bad.nonzero()[0])
             raise CheckpointDataError(f"scale [{row}, {group}] is {scales[row, group].item()}: group scales must be "
-                                      "finite and > 0; the checkpoint is damaged (check it with `anychip verify`) or "
-                                      "was written by a broken quantizer")
+                                      f"positive normal numbers up to {SCALE_MAX:.3g} (8 s finite); the checkpoint "
+                                      "is damaged (check it with `anychip verify`) or was written by a broken "
+                                      "quantizer")
         self.wq, self.scales, self.group_size, self.packed = wq, scales, group_size, packed
         self.n, self.k = n, k
         self._int8: torch.Tensor | None = None
