@@ -78,6 +78,49 @@ def test_unlisted_file(good, copy_dir):
         verify_checkpoint(d)
 
 
+
+def test_download_and_vcs_metadata_is_neither_listed_nor_required(good, copy_dir):
+    """`hf download --local-dir` writes .cache/huggingface/, the Hub adds .gitattributes to every repo, a git clone
+    has .git/, Finder leaves .DS_Store: a pristine checkpoint fetched those ways still verifies."""
+    d = copy_dir(good)
+    for rel in (".cache/huggingface/.gitignore", ".cache/huggingface/download/config.json.metadata",
+                ".gitattributes", ".git/HEAD", ".DS_Store"):
+        (d / rel).parent.mkdir(parents=True, exist_ok=True)
+        (d / rel).write_text("tool metadata\n")
+    verify_checkpoint(d)
+    write_manifest(d)
+    assert ".gitattributes" not in (d / MANIFEST).read_text()
+    verify_checkpoint(d)
+
+
+def test_a_listed_gitattributes_is_still_checked(good, copy_dir):
+    d = copy_dir(good)
+    (d / ".gitattributes").write_text("*.safetensors filter=lfs\n")
+    digest = sha256_file(d / ".gitattributes")
+    with open(d / MANIFEST, "a") as f:
+        f.write(f"{digest}  .gitattributes\n")
+    verify_checkpoint(d)
+    (d / ".gitattributes").write_text("changed\n")
+    with pytest.raises(ManifestError, match=r"\.gitattributes: sha256 .* does not match"):
+        verify_checkpoint(d)
+    (d / ".gitattributes").unlink()
+    with pytest.raises(ManifestError, match=r"\.gitattributes is listed in SHA256SUMS but missing"):
+        verify_checkpoint(d)
+
+
+def test_sha256sum_formats_that_sha256sum_accepts(good, copy_dir):
+    """Blank lines, # comments and ./ names (`find . -type f -exec sha256sum {} +`) pass `sha256sum -c`: verify
+    accepts them too. Two lines for one file do not: sha256sum fails if either is wrong, verify refuses both."""
+    d = copy_dir(good)
+    lines = (d / MANIFEST).read_text().splitlines()
+    (d / MANIFEST).write_text("# checksums of this release\n\n"
+                              + "".join(f"{h}  ./{name}\n" for h, _, name in (ln.partition("  ") for ln in lines)))
+    assert subprocess.run(["sha256sum", "-c", MANIFEST], cwd=d, capture_output=True).returncode == 0
+    verify_checkpoint(d)
+    (d / MANIFEST).write_text(f"{'f' * 64}  {lines[0].partition('  ')[2]}\n" + "\n".join(lines) + "\n")
+    with pytest.raises(ManifestError, match=r"SHA256SUMS:2: .* is listed twice"):
+        verify_checkpoint(d)
+
 def test_missing_manifest(good, copy_dir):
     d = copy_dir(good)
     (d / MANIFEST).unlink()

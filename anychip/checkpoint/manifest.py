@@ -25,12 +25,25 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def listed_files(directory: Path) -> list[str]:
-    """Every regular file under `directory` except SHA256SUMS, as sorted POSIX relative paths."""
+#: What tools put beside a checkpoint's files, never read by anychip or vLLM, so neither listed nor required:
+#: `hf download --local-dir`'s metadata, a git clone's (the Hub adds .gitattributes to every uploaded repo), and
+#: macOS Finder's. A SHA256SUMS that does list one of them is still checked against it.
+IGNORED_DIRS = (".cache/huggingface/", ".git/")
+IGNORED_NAMES = (".gitattributes", ".DS_Store")
+
+
+def ignored(rel: str) -> bool:
+    """Whether the relative POSIX path `rel` is tool metadata (IGNORED_DIRS, IGNORED_NAMES)."""
+    return rel.startswith(IGNORED_DIRS) or rel.rsplit("/", 1)[-1] in IGNORED_NAMES
+
+
+def listed_files(directory: Path, with_ignored: bool = False) -> list[str]:
+    """Every regular file under `directory` except SHA256SUMS (and, unless with_ignored, the tool metadata
+    `ignored` names), as sorted POSIX relative paths."""
     names = []
     for path in directory.rglob("*"):
         rel = path.relative_to(directory).as_posix()
-        if path.is_file() and rel != MANIFEST:
+        if path.is_file() and rel != MANIFEST and (with_ignored or not ignored(rel)):
             if any(c in rel for c in "\n\\"):
                 raise ManifestError(f"{path}: file names with newlines or backslashes cannot go in {MANIFEST}")
             names.append(rel)
@@ -66,13 +79,19 @@ def read_manifest(directory: Path) -> dict[str, str]:
         text = path.read_text()
     except UnicodeDecodeError as exc:
         raise ManifestError(f"{path}: not a text file ({exc}): re-create it (`sha256sum` lines)") from exc
-    entries = {}
+    entries: dict[str, str] = {}
     for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip() or line.startswith("#"):  # blank lines and comments, as `sha256sum -c` skips them
+            continue
         hexd, sep, name = line.partition("  ")
         if not sep:
             hexd, sep, name = line.partition(" *")  # sha256sum's binary-mode marker
         if not sep or len(hexd) != 64 or any(c not in "0123456789abcdef" for c in hexd.lower()) or not name:
             raise ManifestError(f"{path}:{lineno}: not a `sha256sum` line: {line[:80]!r}")
+        name = name.removeprefix("./")  # `find . -type f -exec sha256sum {} +` writes ./name
+        if name in entries:
+            raise ManifestError(f"{path}:{lineno}: {name} is listed twice: a SHA256SUMS with two checksums for "
+                                "one file cannot vouch for it (re-create it: `anychip verify --write-sums`)")
         entries[name] = hexd.lower()
     return entries
 
@@ -85,7 +104,7 @@ def check_manifest(directory: Path, expect: dict[str, str] | None = None) -> dic
     if unlisted:
         raise ManifestError(f"{directory / unlisted[0]} is not listed in {MANIFEST}: a file was added after the "
                             "checkpoint was written (remove it, or re-create the checkpoint)")
-    missing = sorted(set(entries) - set(present))
+    missing = sorted(set(entries) - set(listed_files(directory, with_ignored=True)))
     if missing:
         raise ManifestError(f"{directory / missing[0]} is listed in {MANIFEST} but missing: re-create the checkpoint")
     for name, want in (expect or {}).items():
