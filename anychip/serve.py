@@ -7,10 +7,12 @@ profile's choice for the same flag.
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +24,7 @@ from anychip import envs
 from anychip.checkpoint.model_dir import ModelDir
 from anychip.errors import AnychipError
 from anychip.profile import build_profile
+from anychip.vllm_plugin.guard import OPEN
 
 
 def _user_flags(extra: list[str]) -> set[str]:
@@ -72,6 +75,27 @@ def server_command(model: Path, host: str, port: int, extra: list[str]) -> tuple
     cmd += extra
     env = {k: v for k, v in profile.env().items() if k not in os.environ}  # the user's environment wins too
     return cmd, env
+
+
+GUARD = "anychip.vllm_plugin.guard.KeyOnEveryRoute"  # vLLM --middleware: the API key on every route
+
+
+def port_free(host: str, port: int) -> None:
+    """Refuse at once a port something already listens on: the server would fail to bind only after loading the
+    model, and until then another server's answers would pass for this one's readiness."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise AnychipError(f"--host {host}: cannot resolve it ({exc})") from exc
+    for family, kind, proto, _, address in infos[:1]:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
+            try:
+                s.bind(address)
+            except OSError as exc:
+                why = "already in use (another server?)" if exc.errno == errno.EADDRINUSE else exc.strerror
+                raise AnychipError(f"port {port} on {host} is {why}: stop what holds it or pass --port with a "
+                                   "free one") from exc
 
 
 def is_loopback(host: str) -> bool:
@@ -211,8 +235,12 @@ def cmd_serve(args) -> int:
     else:
         print(f"note      {model} is quantized as {model_dir.quant_method!r}, not as anychip's W4A8: served by stock "
               "vLLM routes; anychip's kernels, strict mode and coverage do not apply to it")
-    coverage = Path(args.coverage) if args.coverage else envs.cache_dir() / "coverage" / f"{model.name}.json"
+    # the port in the default name: two servers of one model, or of two folders of one name, keep two reports
+    coverage = (Path(args.coverage) if args.coverage else
+                envs.cache_dir() / "coverage" / f"{model.name}-{args.port}.json")
     cmd, env = server_command(model, args.host, args.port, args.extra)
+    if secret:  # vLLM guards /v1, /v2, /inference and /cohere only: the key on every other route too
+        cmd += ["--middleware", GUARD]
     env[envs.ANYCHIP_COVERAGE] = str(coverage.resolve())
     env[envs.ANYCHIP_ALLOW_FALLBACK] = "1" if args.allow_fallback else os.environ.get(envs.ANYCHIP_ALLOW_FALLBACK, "0")
     strict = env[envs.ANYCHIP_ALLOW_FALLBACK] in ("0", "")
@@ -223,12 +251,14 @@ def cmd_serve(args) -> int:
     print(f"strict    {'on: the engine refuses to start if any quantized linear lacks a fast kernel' if strict else 'off: reference route allowed, counted in coverage'}")
     print(f"coverage  {coverage}")
     if secret:  # vLLM reads VLLM_API_KEY itself: the key stays out of the process list and of this output
-        print(f"api key   required on /v1 routes (from {secret_source}; passed to vLLM as VLLM_API_KEY)")
+        print(f"api key   required on every route but {' and '.join(OPEN)} (from {secret_source}; passed to vLLM "
+              "as VLLM_API_KEY)")
     elif not is_loopback(args.host):
         print(f"api key   NONE on {args.host} (--insecure): anyone who can reach port {args.port} can use it")
     print(f"command   {shlex.join(cmd)}")
     if args.dry_run:
         return 0
+    port_free(args.host, args.port)
     if not args.coverage:  # the default report goes into the user's cache: user-only, like the models there
         from anychip.checkpoint.cache import private_dir
 

@@ -1,5 +1,5 @@
 """`anychip serve` as a subprocess for the slow tests: started through the front door in its own process group,
-ready once /v1/models answers, stopped with SIGTERM (then SIGKILL) to the group whatever the test did."""
+ready once /v1/models (or `ready_path`) answers, stopped with SIGTERM (then SIGKILL) to the group whatever the test did."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from pathlib import Path
 
 
 @contextmanager
-def anychip_serve(model: Path, port: int, args: list[str], log: Path, ready_s: float) -> Iterator[subprocess.Popen]:
+def anychip_serve(model: Path, port: int, args: list[str], log: Path, ready_s: float,
+                  ready_path: str = "/v1/models") -> Iterator[subprocess.Popen]:
     cmd = [sys.executable, "-m", "anychip.cli", "serve", str(model), "--port", str(port), *args]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -25,7 +26,7 @@ def anychip_serve(model: Path, port: int, args: list[str], log: Path, ready_s: f
             assert proc.poll() is None, f"anychip serve exited {proc.returncode}:\n{log.read_text()[-4000:]}"
             assert time.monotonic() < deadline, f"anychip serve not ready in {ready_s} s:\n{log.read_text()[-4000:]}"
             try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5).read()
+                urllib.request.urlopen(f"http://127.0.0.1:{port}{ready_path}", timeout=5).read()
                 break
             except OSError:
                 time.sleep(2)

@@ -63,7 +63,8 @@ def test_key_allows_any_host_and_never_prints(bf16, capsys, monkeypatch, how):
         monkeypatch.setenv(envs.ANYCHIP_API_KEY if how == "anychip-env" else "VLLM_API_KEY", KEY)
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "api key   required on /v1 routes" in out and KEY not in out
+    assert "api key   required on every route but /health and /ping" in out and KEY not in out
+    assert f"--middleware {serve.GUARD}" in out  # vLLM itself guards /v1, /v2, /inference and /cohere only
 
 
 class FakeProc:
@@ -247,3 +248,64 @@ def test_cache_directories_are_user_only(bf16, tmp_path, monkeypatch):
     assert {d.name for d in dirs} >= {".cache", "anychip", "models", "some-model", "coverage"}
     assert all(d.stat().st_mode & 0o777 == 0o700 for d in dirs), {str(d): oct(d.stat().st_mode) for d in dirs}
     assert (tmp_path / "home").stat().st_mode & 0o777 == 0o755  # an existing directory is left as it was
+
+
+def test_no_key_no_guard(bf16, capsys):
+    assert main(["serve", str(bf16), "--dry-run"]) == 0
+    assert "--middleware" not in capsys.readouterr().out
+
+
+def test_a_port_in_use_is_refused_before_anything_starts(bf16, monkeypatch, capsys):
+    import socket
+
+    monkeypatch.setattr(serve.subprocess, "Popen", lambda *a, **k: pytest.fail("started a server"))
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        assert main(["serve", str(bf16), "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"port {port} on 127.0.0.1 is already in use" in err and "--port" in err
+
+
+def test_the_default_coverage_report_is_named_by_model_and_port(bf16, capsys):
+    assert main(["serve", str(bf16), "--port", "18123", "--dry-run"]) == 0
+    assert f"coverage/{bf16.name}-18123.json" in capsys.readouterr().out
+
+
+def _asgi(guard, path: str, method: str = "GET", headers: tuple = ()) -> int:
+    """The status the guard answers `path` with (200: passed on to the app)."""
+    import asyncio
+
+    sent: list[dict] = []
+
+    async def run() -> None:
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "method": method, "path": path, "root_path": "", "headers": list(headers)}
+        await guard(scope, None, send)
+
+    asyncio.run(run())
+    return sent[0]["status"]
+
+
+def test_the_guard_asks_every_route_but_the_health_probes_for_the_key(monkeypatch):
+    from anychip.vllm_plugin.guard import KeyOnEveryRoute
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
+    monkeypatch.setenv("VLLM_API_KEY", KEY)
+    guard = KeyOnEveryRoute(app)
+    good = ((b"authorization", f"Bearer {KEY}".encode()),)
+    for path in ("/invocations", "/tokenize", "/detokenize", "/metrics", "/v1/completions", "/anything"):
+        assert _asgi(guard, path) == 401, path
+        assert _asgi(guard, path, headers=((b"authorization", b"Bearer wrong"),)) == 401, path
+        assert _asgi(guard, path, headers=((b"Authorization", f"bearer {KEY}".encode()),)) == 200, path
+        assert _asgi(guard, path, headers=good) == 200, path
+    for path in ("/health", "/ping", "/health/"):
+        assert _asgi(guard, path) == 200, path
+    assert _asgi(guard, "/invocations", method="OPTIONS") == 200  # CORS preflights carry no credentials
+    monkeypatch.delenv("VLLM_API_KEY")
+    assert _asgi(KeyOnEveryRoute(app), "/invocations") == 200  # no key configured: nothing to guard
