@@ -222,7 +222,8 @@ def check(document: dict[str, Any], expect_linears: int | None = None, group_siz
     for phase in ("prefill",) if pooling else PHASES:
         if not (document["phases"].get(phase) or {}).get("forward_passes"):
             problems.append(f"phase {phase!r} was never observed (send at least one request "
-                            + ("before checking)" if pooling else "that generates two or more tokens before checking)"))
+                            + ("that generates two or more tokens before checking)" if phase == "decode" else
+                               "before checking)"))
     stats = document["route_stats"]
     layers: dict[str, dict[str, Any]] = document["layers"]
     unquantized = {name: layer for name, layer in layers.items() if layer.get("quantized") is False}

@@ -609,3 +609,29 @@ def test_subnormal_and_huge_scales_stop_the_engine(bad):
     load(layer, weight_packed=pack_int4(torch.randint(-8, 8, (48, 256), dtype=torch.int8)), weight_scale=scales)
     with pytest.raises(LayerPrepareError, match=r"scale \[5, 2\] is .*positive normal numbers"):
         scheme.process_weights_after_loading(layer)
+
+
+def test_step_phase_counts_a_request_start_as_prefill_and_skips_idle_steps():
+    """A one-token prompt (or a one-token embedding input) starts its request: prefill, not decode; a step with
+    nothing scheduled runs no model and is not counted; vLLM's warm-up requests ("_...") are warmup."""
+    from types import SimpleNamespace
+
+    from anychip.kernels.policy import KernelPolicy
+    from anychip.vllm_plugin.compat import step_phase
+    from anychip.vllm_plugin.recorder import Recorder
+
+    def out(scheduled: dict[str, int], new: tuple[str, ...] = ()) -> SimpleNamespace:
+        return SimpleNamespace(num_scheduled_tokens=scheduled, total_num_scheduled_tokens=sum(scheduled.values()),
+                               scheduled_new_reqs=[SimpleNamespace(req_id=r) for r in new])
+
+    assert step_phase(out({"a": 1}, new=("a",)), False) == ("prefill", 1)
+    assert step_phase(out({"a": 1, "b": 1}, new=("b",)), False) == ("prefill", 2)
+    assert step_phase(out({"a": 1, "b": 1}), False) == ("decode", 2)
+    assert step_phase(out({"a": 5}), False) == ("prefill", 5)  # a later chunk of a prompt
+    assert step_phase(out({}), False) == ("idle", 0)
+    assert step_phase(out({"_warmup_0_": 8}, new=("_warmup_0_",)), False) == ("warmup", 8)
+    recorder = Recorder(None, KernelPolicy())
+    _prepared_g64_layer(recorder, "model.layers.0.mlp.down_proj")  # a layer its kernels count: phases reported
+    recorder.on_step("idle", 0)
+    recorder.on_step("prefill", 1)
+    assert recorder.document()["phases"] == {"prefill": {"forward_passes": 1, "tokens": 1}}

@@ -113,7 +113,9 @@ def current_phase() -> tuple[str, int | None]:
     """("prefill" | "decode" | "warmup", tokens in this forward pass or None), from the forward context.
 
     A pass whose longest query is one token is decode; any longer query makes it prefill (mixed batches count
-    as prefill). Profile and dummy runs have no attention metadata: "warmup".
+    as prefill). Profile and dummy runs have no attention metadata: "warmup". Only the routes counted in Python
+    use this (the forward context cannot tell a one-token prompt from a decode step: it counts as decode there);
+    the kernels that count themselves take the step hook's phase (step_phase).
     """
     if not is_forward_context_available():
         return "warmup", None
@@ -132,17 +134,24 @@ def current_phase() -> tuple[str, int | None]:
 
 
 def step_phase(scheduler_output: Any, dummy: bool) -> tuple[str, int]:
-    """("prefill" | "decode" | "warmup", tokens scheduled) of one model-runner step, from the scheduler's output.
+    """("prefill" | "decode" | "warmup" | "idle", tokens scheduled) of one model-runner step, from the scheduler's
+    output.
 
-    Same rule as current_phase: a step whose longest query is one token is decode. vLLM's own warm-up and dummy
-    steps (engine start, CUDA-graph capture) run through the same path with request ids that start with "_"
-    ("_warmup_0_", "_dummy_req_0"): "warmup".
+    A step that starts a request (its prompt, however short: a one-token prompt or embedding input is a prefill
+    too) or runs more than one token of one is prefill; a step where every request adds one token is decode.
+    vLLM's own warm-up and dummy steps (engine start, CUDA-graph capture) run through the same path with request
+    ids that start with "_" ("_warmup_0_", "_dummy_req_0"): "warmup". A step with nothing scheduled (the engine
+    polls between requests) runs no model: "idle", which the recorder does not count.
     """
     scheduled: dict[str, int] = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
     tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or sum(scheduled.values()))
-    if dummy or not scheduled or all(str(req).startswith("_") for req in scheduled):
+    if not dummy and (not scheduled or tokens == 0):
+        return "idle", 0
+    if dummy or all(str(req).startswith("_") for req in scheduled):
         return "warmup", tokens
-    return ("decode" if max(scheduled.values()) <= 1 else "prefill"), tokens
+    new = getattr(scheduler_output, "scheduled_new_reqs", None) or ()
+    starts = any(not str(getattr(req, "req_id", "_")).startswith("_") for req in new)
+    return ("prefill" if starts or max(scheduled.values()) > 1 else "decode"), tokens
 
 
 def install_config_hook(on_config: Callable[[Any], None]) -> bool:

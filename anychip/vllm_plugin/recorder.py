@@ -231,7 +231,10 @@ class Recorder:
             return counter
 
     def on_step(self, phase: str, tokens: int, runner: Any = None) -> None:
-        """Before every model-runner step (compat.install_step_hook): the phase slot the kernels count at."""
+        """Before every model-runner step (compat.install_step_hook): the phase slot the kernels count at. An
+        "idle" step (nothing scheduled: no forward pass) is not counted."""
+        if phase == "idle":
+            return
         counts = self._steps.get(phase)
         if counts is None:  # a new key: not while document() iterates the dict
             with self._lock:
