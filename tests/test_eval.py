@@ -243,13 +243,13 @@ def test_report_names_the_models_that_died(tmp_path, monkeypatch, capsys):
         runner.Target("w4a8", tmp_path), runner.Target("llama.cpp-Q4_0", tmp_path, engine="llama.cpp",
                                                        baseline="bf16")])
     monkeypatch.setattr(runner, "evaluate_all", lambda targets, *a, **k: [ok, died])
-    report = runner.run_eval(tmp_path, None, str(tmp_path), runner.EvalSettings(), False, None)
+    report = runner.run_eval(tmp_path, None, str(tmp_path), runner.EvalSettings(), False, None, verify="none")
     assert list(report["models"]) == ["w4a8"] and report["failed"] == {"llama.cpp-Q4_0": str(died)}
     assert "not evaluated: llama.cpp-Q4_0" in runner.format_report(report)
     # the model under evaluation itself dying is an error, not a report
     monkeypatch.setattr(runner, "evaluate_all", lambda targets, *a, **k: [died, ok])
     with pytest.raises(runner.ModelProcessDied):
-        runner.run_eval(tmp_path, None, str(tmp_path), runner.EvalSettings(), False, None)
+        runner.run_eval(tmp_path, None, str(tmp_path), runner.EvalSettings(), False, None, verify="none")
 
 
 def test_compare_bf16_reads_the_recorded_source(tmp_path):
@@ -412,3 +412,29 @@ def test_cli_eval_w4a8_with_compare_bf16(default_model, tmp_path, capsys):
     assert set(entry["delta"]) >= {"acc", "acc_norm", "acc_norm_ci95"}
     assert report["models"] == {"w4a8": str(default_model.w4a8_dir), "bf16": str(default_model.bf16_dir)}
     assert "delta" in capsys.readouterr().out
+
+
+def test_eval_and_bench_check_a_w4a8_checkpoint_before_any_engine(tiny_llama, tmp_path, monkeypatch, capsys):
+    """A W4A8 checkpoint whose files no longer match SHA256SUMS is refused by eval and bench latency as by serve
+    (--verify fast by default), naming the file and the way around it; --verify none runs it, saying so."""
+    from anychip.checkpoint.quantize import quantize_checkpoint
+    from anychip.checkpoint.scheme import W4A8Scheme
+    from anychip.cli import main
+
+    d = quantize_checkpoint(tiny_llama(), tmp_path / "w4a8", W4A8Scheme(64))
+    with open(d / "model.safetensors", "r+b") as f:
+        f.seek(-3, 2)
+        byte = f.read(1)
+        f.seek(-3, 2)
+        f.write(bytes([byte[0] ^ 0x40]))
+    monkeypatch.setattr(runner, "evaluate_all", lambda *a, **k: pytest.fail("an engine was started"))
+    text = tmp_path / "t.txt"
+    text.write_text("w1 w2 w3 " * 50)
+    for argv in (["eval", str(d), "--tasks", "perplexity", "--text", str(text)],
+                 ["bench", "latency", str(d), "--pp", "8", "--tg", "2", "--reps", "1"]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert "model.safetensors: sha256" in err and "--verify none skips that" in err, err
+    with pytest.raises(BaseException, match="an engine was started"):
+        main(["eval", str(d), "--tasks", "perplexity", "--text", str(text), "--verify", "none"])
+    assert "verify    skipped (--verify none)" in capsys.readouterr().out

@@ -34,6 +34,7 @@ from anychip.bench.metrics import MeanSd, RepTiming, mean_sd, ratio, summarize_l
 from anychip.bench.report import command_line, fmt, markdown_table, now, source_notes, write_outputs
 from anychip.bench.runners import Engine, RunSpec
 from anychip.checkpoint.model_dir import ModelDir, ModelDirError
+from anychip.checkpoint.verify import verify_before_use
 from anychip.errors import AnychipError
 
 OURS = "anychip-w4a8"
@@ -809,6 +810,9 @@ def _default_model() -> Path:
 def cmd_bench_latency(args: argparse.Namespace) -> int:
     model = Path(args.model).expanduser().resolve() if args.model else _default_model()
     md = ModelDir.open(model)
+    said = verify_before_use(model, getattr(args, "verify", "fast"), "bench latency")
+    if said:
+        print(said, flush=True)
     if args.threads is not None and args.threads < 1:
         raise runners.BenchArgumentError(f"--threads {args.threads}: must be at least 1 (leave it out for every CPU)")
     args.threads = args.threads or len(os.sched_getaffinity(0))

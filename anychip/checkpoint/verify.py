@@ -418,3 +418,27 @@ def cmd_verify(args: argparse.Namespace) -> int:
     report = verify_checkpoint(Path(args.dir), _parse_expect(args.expect_sha256), values=not args.fast)
     print(report.summary())
     return 0
+
+
+VERIFY_MODES = ("full", "fast", "none")
+
+
+def verify_before_use(model: Path, mode: str, command: str) -> str | None:
+    """What `anychip eval` and `bench latency` run first, as `serve` does: a W4A8 checkpoint (or one anychip made,
+    whatever its config now says) is verified, `mode` "full" with the value pass, "fast" without it (checksums,
+    headers, contract), "none" not at all. Returns the line to print (None for a model that is not W4A8, which has
+    nothing to check); raises ManifestError / ContractError naming the problem, with the way around it."""
+    if mode not in VERIFY_MODES:
+        raise AnychipError(f"--verify {mode}: use one of {', '.join(VERIFY_MODES)}")
+    if mode == "none":
+        return f"verify    skipped (--verify none): anychip {command} runs {model} unchecked"
+    md = ModelDir.open(model)
+    if md.scheme is None and not md.made_by_anychip:
+        return None
+    try:
+        report = verify_checkpoint(model, values=mode == "full")
+    except (ManifestError, ContractError) as exc:
+        raise type(exc)(f"{exc} (anychip {command} checks a W4A8 checkpoint first; --verify none skips that)"
+                        ) from exc
+    return (f"verified  {model}: checksums OK, "
+            + ("values OK" if report.value_bytes is not None else "values not checked (--verify fast)"))

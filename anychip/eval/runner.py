@@ -400,9 +400,18 @@ def fit_context(settings: EvalSettings, model_dirs: list[Path]) -> EvalSettings:
     return replace(settings, max_len=max_len, window=window, stride=stride)
 
 
+def verify_model(model: Path, mode: str) -> None:
+    """Verify a W4A8 model before scoring it (checkpoint.verify.verify_before_use), saying so."""
+    from anychip.checkpoint.verify import verify_before_use
+
+    said = verify_before_use(model, mode, "eval")
+    if said:
+        print(said, flush=True)
+
+
 def run_eval(model: Path, task_names: list[str] | None, data: str | None, settings: EvalSettings,
              compare_bf16: bool, text_path: str | None, head_int8: bool = False,
-             llama_cpp: list[str] | None = None) -> dict[str, Any]:
+             llama_cpp: list[str] | None = None, verify: str = "fast") -> dict[str, Any]:
     """Resolve data, evaluate the model (its BF16 source, its INT8-head variant, llama.cpp peers), return the
     report."""
     needs_data = task_names is None or any(n != PERPLEXITY for n in task_names)
@@ -411,6 +420,7 @@ def run_eval(model: Path, task_names: list[str] | None, data: str | None, settin
     for path in task_files:  # every file read once here: bad data is named before any engine starts
         load_task(path, settings.limit)
     text_file, text = load_text(text_path) if want_ppl else (None, None)
+    verify_model(model, verify)  # after the data (named first), before any engine
     targets = targets_to_evaluate(model, compare_bf16, head_int8, llama_cpp)
     settings = fit_context(settings, [t.path for t in targets if t.path.is_dir()])
     # round-robin over engines, so that with --jobs 2 a vLLM model and a llama.cpp one share the machine
@@ -458,7 +468,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     check_output(args.json)
     settings = EvalSettings(limit=args.limit, threads=getattr(args, "threads", None), jobs=getattr(args, "jobs", 1))
     report = run_eval(Path(args.model), args.tasks, args.data, settings, args.compare_bf16, args.text,
-                      head_int8=getattr(args, "head_int8", False), llama_cpp=getattr(args, "llama_cpp", None))
+                      head_int8=getattr(args, "head_int8", False), llama_cpp=getattr(args, "llama_cpp", None),
+                      verify=getattr(args, "verify", "fast"))
     report["command"] = "anychip " + " ".join(getattr(args, "argv", None) or sys.argv[1:])
     print(format_report(report))
     if args.json:
