@@ -1,6 +1,6 @@
 """`anychip routes [MODEL] [--json]`: every kernel route, whether it can serve on this machine (and why not),
 whether it is bit-exact with the reference; with MODEL, the route each quantized linear would get in strict mode,
-from the checkpoint's headers alone (no vLLM, no weights read)."""
+from the checkpoint's headers alone (no vLLM, no weights read), and what the checkpoint contract finds wrong there."""
 
 from __future__ import annotations
 
@@ -70,7 +70,22 @@ def report(model: Path | None, policy: KernelPolicy, device: str) -> dict[str, A
         md = ModelDir.open(model)
         doc["model"] = {"path": str(md.path), "kind": md.kind, "device": device}
         doc["layers"] = plan_layers(md, policy, device)
+        doc["model"]["contract"] = contract_problem(md.path)
     return doc
+
+
+def contract_problem(path: Path) -> str | None:
+    """What the checkpoint contract finds wrong from the headers and config alone (None: nothing), as `anychip
+    verify --fast` would without reading the files' data or checksums: the engine refuses such a checkpoint
+    whatever routes its linears would get."""
+    from anychip.checkpoint.verify import verify_checkpoint
+    from anychip.errors import AnychipError
+
+    try:
+        verify_checkpoint(path, checksums=False, values=False)
+    except AnychipError as exc:
+        return str(exc)
+    return None
 
 
 def format_text(doc: dict[str, Any]) -> str:
@@ -93,6 +108,9 @@ def format_text(doc: dict[str, Any]) -> str:
         lines.append(f"the BF16 output head ({doc['head']['kind']} on the CPU) gets {doc['head']['route']}")
     if "layers" in doc:
         layers = doc["layers"]
+        problem = doc["model"].get("contract")
+        lines.append(f"\ncheckpoint contract (headers and config; checksums and values: `anychip verify`): "
+                     + (f"REFUSED: {problem}" if problem else "ok"))
         counts = Counter(layer["route"] or "NONE" for layer in layers)
         lines.append(f"\n{doc['model']['path']} ({doc['model']['kind']}), strict mode on {doc['model']['device']}: "
                      f"{len(layers)} quantized linears: "
@@ -106,4 +124,5 @@ def format_text(doc: dict[str, Any]) -> str:
 def cmd_routes(args: argparse.Namespace) -> int:
     doc = report(Path(args.model) if args.model else None, envs.kernel_policy(allow_fallback=False), args.device)
     print(json.dumps(doc, indent=1) if args.json else format_text(doc))
-    return 1 if any(layer["route"] is None for layer in doc.get("layers", [])) else 0
+    refused = bool((doc.get("model") or {}).get("contract"))
+    return 1 if refused or any(layer["route"] is None for layer in doc.get("layers", [])) else 0

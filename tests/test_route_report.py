@@ -42,7 +42,7 @@ def test_routes_for_a_model_follow_strict_selection(capsys, monkeypatch, w4a8):
     monkeypatch.delenv("ANYCHIP_KERNEL_ISA", raising=False)
     rc, doc = _json(capsys, str(w4a8))
     best = routes.available("cpu")[0].id
-    assert rc == 0 and doc["model"]["kind"] == "w4a8"
+    assert rc == 0 and doc["model"]["kind"] == "w4a8" and doc["model"]["contract"] is None
     assert len(doc["layers"]) == 2 * 7  # tiny: 2 layers, 7 linears each as the checkpoint stores them
     assert {layer["route"] for layer in doc["layers"]} == {best}
     assert doc["layers"][0]["name"].startswith("model.layers.") and doc["layers"][0]["group_size"] == 32
@@ -63,3 +63,20 @@ def test_routes_cuda_device_without_a_gpu(capsys, monkeypatch, w4a8):
         pytest.skip("this machine has a GPU")
     rc, doc = _json(capsys, str(w4a8), "--device", "cuda")
     assert rc == 1 and all("no CUDA device" in layer["reason"] for layer in doc["layers"])
+
+
+def test_routes_say_when_the_checkpoint_contract_refuses_what_the_headers_show(capsys, monkeypatch, w4a8, tmp_path):
+    """Routes exist for every linear, but config.json declares G64 over G32 scales: the engine would refuse it, so
+    `routes MODEL` says so and fails instead of listing routes as if it would serve."""
+    import shutil
+
+    monkeypatch.delenv("ANYCHIP_KERNEL_ISA", raising=False)
+    d = shutil.copytree(w4a8, tmp_path / "g64-declared")
+    config = json.loads((d / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 64
+    (d / "config.json").write_text(json.dumps(config))
+    rc, doc = _json(capsys, str(d))
+    assert rc == 1 and "group size" in doc["model"]["contract"]
+    assert main(["routes", str(d)]) == 1
+    assert "checkpoint contract (headers and config; checksums and values: `anychip verify`): REFUSED" in \
+        capsys.readouterr().out
