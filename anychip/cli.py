@@ -50,9 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
                                         "Granite, Gemma 1-3) to W4A8 (compressed-tensors)")
     s.add_argument("src", help="BF16 Hugging Face model directory")
     s.add_argument("dst", help="output directory (written atomically)")
-    s.add_argument("--group-size", type=int, default=128, choices=[128, 64, 32])
-    s.add_argument("--format", default="pack-quantized", choices=["pack-quantized", "int-quantized"])
-    s.add_argument("--method", default="rtn", choices=["rtn", "gptq"])
+    s.add_argument("--group-size", type=int, default=128, choices=[128, 64, 32],
+                   help="input channels per BF16 scale (default 128; it must divide every linear's K)")
+    s.add_argument("--format", default="pack-quantized", choices=["pack-quantized", "int-quantized"],
+                   help="INT4 storage: eight a int32 word, or one an int8 (default pack-quantized)")
+    s.add_argument("--method", default="rtn", choices=["rtn", "gptq"],
+                   help="round to nearest with a scale search (default), or GPTQ on calibration text")
     s.add_argument("--calibration", help="GPTQ: calibration text file (default: the text shipped with anychip), "
                                          "'generated' (sampled from the model) or 'prose' (English Wikipedia "
                                          "passages from the eval extra; docs/bench/accuracy.md)")
