@@ -158,9 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--systems", type=_csv, help="only these systems (names as in the JSON)")
     b.add_argument("--json", help="write JSON here (Markdown and PNG beside it)")
     b.add_argument("--eager", action="store_true", help="vLLM enforce_eager (faster start; default: compiled)")
-    b.add_argument("--verify", choices=["full", "fast", "none"], default="fast",
-                   help="check a W4A8 model first, as serve does: checksums, headers and contract (fast, the "
-                        "default), also every value (full), or nothing (none)")
+    b.add_argument("--verify", choices=["full", "fast", "none"], default="full",
+                   help="check a W4A8 model first, as serve does: everything (full, the default), checksums, "
+                        "headers and contract without the value pass (fast), or nothing (none)")
     b.add_argument("--graph-tokens", type=int, default=None, metavar="N",
                    help="cuda: every vLLM engine captures CUDA graphs at vLLM's dense sizes up to N tokens "
                         "(default: vLLM's own, twice the engine's max_num_seqs, at most 512), then at four sizes "
@@ -250,9 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--jobs", type=int, default=1, help="models evaluated at a time, each in its own process")
     s.add_argument("--text", help="perplexity text file")
     s.add_argument("--json", help="write results here")
-    s.add_argument("--verify", choices=["full", "fast", "none"], default="fast",
-                   help="check a W4A8 model first, as serve does: checksums, headers and contract (fast, the "
-                        "default), also every value (full), or nothing (none)")
+    s.add_argument("--verify", choices=["full", "fast", "none"], default="full",
+                   help="check a W4A8 model first, as serve does: everything (full, the default), checksums, "
+                        "headers and contract without the value pass (fast), or nothing (none)")
     s.add_argument("--harness", choices=["anychip", "lm-eval"], default="anychip",
                    help="who scores the tasks: anychip's scorer, or lm-evaluation-harness's own vllm backend on "
                         "the same local data (needs `pip install 'anychip[lmeval]'`; docs/eval.md)")

@@ -810,7 +810,7 @@ def _default_model() -> Path:
 def cmd_bench_latency(args: argparse.Namespace) -> int:
     model = Path(args.model).expanduser().resolve() if args.model else _default_model()
     md = ModelDir.open(model)
-    said = verify_before_use(model, getattr(args, "verify", "fast"), "bench latency")
+    said = verify_before_use(model, getattr(args, "verify", "full"), "bench latency")
     if said:
         print(said, flush=True)
     if args.threads is not None and args.threads < 1:

@@ -203,7 +203,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if getattr(args, "head_int8", False) or getattr(args, "llama_cpp", None):
         raise EvalDataError("--harness lm-eval scores the model through vLLM only: drop --head-int8 / --llama-cpp "
                             "(anychip's scorer runs them)")
-    runner.verify_model(Path(args.model), getattr(args, "verify", "fast"))
+    runner.verify_model(Path(args.model), getattr(args, "verify", "full"))
     report = run_lm_eval(Path(args.model), args.tasks, runner.EvalSettings(limit=args.limit), args.compare_bf16)
     report["command"] = "anychip " + " ".join(getattr(args, "argv", None) or sys.argv[1:])
     print(runner.format_report(report))

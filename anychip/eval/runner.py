@@ -411,7 +411,7 @@ def verify_model(model: Path, mode: str) -> None:
 
 def run_eval(model: Path, task_names: list[str] | None, data: str | None, settings: EvalSettings,
              compare_bf16: bool, text_path: str | None, head_int8: bool = False,
-             llama_cpp: list[str] | None = None, verify: str = "fast") -> dict[str, Any]:
+             llama_cpp: list[str] | None = None, verify: str = "full") -> dict[str, Any]:
     """Resolve data, evaluate the model (its BF16 source, its INT8-head variant, llama.cpp peers), return the
     report."""
     needs_data = task_names is None or any(n != PERPLEXITY for n in task_names)
@@ -469,7 +469,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     settings = EvalSettings(limit=args.limit, threads=getattr(args, "threads", None), jobs=getattr(args, "jobs", 1))
     report = run_eval(Path(args.model), args.tasks, args.data, settings, args.compare_bf16, args.text,
                       head_int8=getattr(args, "head_int8", False), llama_cpp=getattr(args, "llama_cpp", None),
-                      verify=getattr(args, "verify", "fast"))
+                      verify=getattr(args, "verify", "full"))
     report["command"] = "anychip " + " ".join(getattr(args, "argv", None) or sys.argv[1:])
     print(format_report(report))
     if args.json:
