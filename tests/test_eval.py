@@ -416,7 +416,7 @@ def test_cli_eval_w4a8_with_compare_bf16(default_model, tmp_path, capsys):
 
 def test_eval_and_bench_check_a_w4a8_checkpoint_before_any_engine(tiny_llama, tmp_path, monkeypatch, capsys):
     """A W4A8 checkpoint whose files no longer match SHA256SUMS is refused by eval and bench latency as by serve
-    (--verify fast by default), naming the file and the way around it; --verify none runs it, saying so."""
+    (--verify full by default), naming the file and the way around it; --verify none runs it, saying so."""
     from anychip.checkpoint.quantize import quantize_checkpoint
     from anychip.checkpoint.scheme import W4A8Scheme
     from anychip.cli import main
