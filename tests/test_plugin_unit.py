@@ -635,3 +635,14 @@ def test_step_phase_counts_a_request_start_as_prefill_and_skips_idle_steps():
     recorder.on_step("idle", 0)
     recorder.on_step("prefill", 1)
     assert recorder.document()["phases"] == {"prefill": {"forward_passes": 1, "tokens": 1}}
+
+
+def test_a_nan_float_weight_stops_the_engine():
+    from anychip.vllm_plugin.scheme import LayerPrepareError, check_float_weights
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)).to(torch.bfloat16)
+    check_float_weights(model)
+    with torch.no_grad():
+        model[1].weight[2] = float("nan")
+    with pytest.raises(LayerPrepareError, match=r"^1\.weight holds NaN or inf"):
+        check_float_weights(model)

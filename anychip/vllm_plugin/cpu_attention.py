@@ -83,6 +83,9 @@ def install(serves: Callable[[Any], bool]) -> bool:
 
     def on_model(model: torch.nn.Module, vllm_config: Any) -> None:
         if serves(vllm_config):
+            from anychip.vllm_plugin.scheme import check_float_weights
+
+            check_float_weights(model)
             adopt(model, vllm_config)
 
     _model_hook = compat.install_cpu_model_hook(on_model)
