@@ -88,8 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--expect-sha256", action="append", default=[], metavar="FILE=HEX",
                    help="also require FILE to have this digest (repeatable)")
     s.add_argument("--fast", action="store_true",
-                   help="skip the value pass (scales normal, > 0 and 8 s finite, INT4 in range, BF16 finite): checksums and "
-                        "headers only")
+                   help="skip the value pass (scales normal, > 0 and 8 s finite, INT4 in range, BF16 finite): "
+                        "checksums and headers only")
     s.add_argument("--write-sums", action="store_true",
                    help="for a W4A8 checkpoint made by another tool (llm-compressor, compressed-tensors) that has no "
                         "SHA256SUMS: check the contract and every value, then write SHA256SUMS over its files")

@@ -54,8 +54,9 @@ def _bf16_any_nonfinite(x: torch.Tensor) -> bool:
     return int((x.view(torch.int16) & _EXPONENT).max()) == _EXPONENT
 
 
-# The scales the contract allows (formats.SCALE_MIN..SCALE_MAX), as BF16 bits (int16): positive, exponent 1..251 (2^-126 <= s < 2^125); zero, subnormals, negatives, the
-# exponents 252..254 (8 s overflows), inf and NaN all fall outside.
+# The scales the contract allows (formats.SCALE_MIN..SCALE_MAX), as BF16 bits (int16): positive, exponent 1..251
+# (2^-126 <= s < 2^125); zero, subnormals, negatives, the exponents 252..254 (8 s overflows), inf and NaN all fall
+# outside.
 _SCALE_BITS = (0x0080, 0x7DFF)
 
 
