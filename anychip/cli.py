@@ -29,6 +29,13 @@ def _handler(target: str) -> Callable[[argparse.Namespace], int | None]:
     return getattr(importlib.import_module(module), func)
 
 
+def _add_verify(p: argparse.ArgumentParser) -> None:
+    """serve's, eval's and bench latency's --verify (checkpoint.verify.VERIFY_MODES)."""
+    p.add_argument("--verify", choices=["full", "fast", "none"], default="full",
+                   help="check a W4A8 model first: everything (full, the default), checksums, headers and contract "
+                        "without the value pass (fast), or nothing (none)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="anychip", description=__doc__.splitlines()[0])
     from anychip import __version__
@@ -111,11 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--dry-run", action="store_true", help="print the vLLM command and settings, start nothing")
-    s.add_argument("--verify", choices=["full", "fast", "none"], default="full",
-                   help="check a W4A8 MODEL first: full (checksums, contract, every value; default), fast (no value "
-                        "pass), none")
-    s.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1 routes (default: "
-                   "$ANYCHIP_API_KEY); given to vLLM in its environment, not on its command line")
+    _add_verify(s)
+    s.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on every route but /health "
+                   "and /ping (default: $ANYCHIP_API_KEY); given to vLLM in its environment, not on its command line")
     s.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without an API key")
     s.set_defaults(target="anychip.serve:cmd_serve", passthrough=True)
 
@@ -158,9 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--systems", type=_csv, help="only these systems (names as in the JSON)")
     b.add_argument("--json", help="write JSON here (Markdown and PNG beside it)")
     b.add_argument("--eager", action="store_true", help="vLLM enforce_eager (faster start; default: compiled)")
-    b.add_argument("--verify", choices=["full", "fast", "none"], default="full",
-                   help="check a W4A8 model first, as serve does: everything (full, the default), checksums, "
-                        "headers and contract without the value pass (fast), or nothing (none)")
+    _add_verify(b)
     b.add_argument("--graph-tokens", type=int, default=None, metavar="N",
                    help="cuda: every vLLM engine captures CUDA graphs at vLLM's dense sizes up to N tokens "
                         "(default: vLLM's own, twice the engine's max_num_seqs, at most 512), then at four sizes "
@@ -250,9 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--jobs", type=int, default=1, help="models evaluated at a time, each in its own process")
     s.add_argument("--text", help="perplexity text file")
     s.add_argument("--json", help="write results here")
-    s.add_argument("--verify", choices=["full", "fast", "none"], default="full",
-                   help="check a W4A8 model first, as serve does: everything (full, the default), checksums, "
-                        "headers and contract without the value pass (fast), or nothing (none)")
+    _add_verify(s)
     s.add_argument("--harness", choices=["anychip", "lm-eval"], default="anychip",
                    help="who scores the tasks: anychip's scorer, or lm-evaluation-harness's own vllm backend on "
                         "the same local data (needs `pip install 'anychip[lmeval]'`; docs/eval.md)")

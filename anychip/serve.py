@@ -218,7 +218,7 @@ def cmd_serve(args) -> int:
     model_dir = ModelDir.open(model)  # ModelDirError (exit 2) when it is no model directory
     # verified: a W4A8 checkpoint, and one anychip made whatever its config now says (the contract error then names
     # what was changed, instead of vLLM's own routes serving it unchecked)
-    is_w4a8 = model_dir.scheme is not None or model_dir.made_by_anychip
+    is_w4a8 = model_dir.verifiable
     secret, secret_source = api_key(args.api_key)
     check_exposure(args.host, secret, args.insecure)
     if is_w4a8 and args.verify == "none":
@@ -227,9 +227,7 @@ def cmd_serve(args) -> int:
         from anychip.checkpoint.verify import verify_checkpoint
 
         report = report or verify_checkpoint(model, values=args.verify == "full")
-        print(f"verified  {model}: {report.num_layers} layers, {report.num_linears} W4A8 linears "
-              f"G{report.group_size} {report.format}, {report.total_bytes / 1e6:.0f} MB, checksums OK, "
-              + ("values OK" if report.value_bytes is not None else "values not checked (--verify fast)"))
+        print(report.one_line())
     elif model_dir.quantization_config is None:
         print(f"note      {model} is not quantized (no quantization_config): served by stock vLLM routes")
     else:

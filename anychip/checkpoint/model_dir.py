@@ -105,6 +105,12 @@ class ModelDir:
         return isinstance((self.quantization_config or {}).get("anychip"), dict)
 
     @property
+    def verifiable(self) -> bool:
+        """A W4A8 checkpoint, or one anychip made whatever its config now says (the contract then names what was
+        changed): what serve, eval and bench verify before they run it."""
+        return self.scheme is not None or self.made_by_anychip
+
+    @property
     def is_synthetic(self) -> bool:
         prov = self.provenance
         return SYNTHETIC_MARKER in self.config or prov.get("method") == "random" or prov.get("source") == "synthetic"

@@ -70,6 +70,12 @@ class VerifyReport:
     def num_linears(self) -> int:
         return sum(self.linears_by_group_size.values())
 
+    def one_line(self) -> str:
+        """The line serve, eval and bench print once the checkpoint they are about to run is verified."""
+        return (f"verified  {self.path}: {self.num_layers} layers, {self.num_linears} W4A8 linears G{self.group_size} "
+                f"{self.format}, {self.total_bytes / 1e6:.0f} MB, checksums OK, "
+                + ("values OK" if self.value_bytes is not None else "values not checked (--verify fast)"))
+
     def summary(self) -> str:
         d = self.dims
         lines = [
@@ -432,13 +438,10 @@ def verify_before_use(model: Path, mode: str, command: str) -> str | None:
         raise AnychipError(f"--verify {mode}: use one of {', '.join(VERIFY_MODES)}")
     if mode == "none":
         return f"verify    skipped (--verify none): anychip {command} runs {model} unchecked"
-    md = ModelDir.open(model)
-    if md.scheme is None and not md.made_by_anychip:
+    if not ModelDir.open(model).verifiable:
         return None
     try:
-        report = verify_checkpoint(model, values=mode == "full")
+        return verify_checkpoint(model, values=mode == "full").one_line()
     except (ManifestError, ContractError) as exc:
         raise type(exc)(f"{exc} (anychip {command} checks a W4A8 checkpoint first; --verify none skips that)"
                         ) from exc
-    return (f"verified  {model}: checksums OK, "
-            + ("values OK" if report.value_bytes is not None else "values not checked (--verify fast)"))

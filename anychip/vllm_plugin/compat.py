@@ -262,11 +262,13 @@ def install_cpu_seeded_sampling_fix() -> bool:
             return _original(self, *args, **kwargs)
 
         def _bookkeeping_sync(self: Any, *args: Any, _original: Callable = bookkeeping, **kwargs: Any) -> Any:
-            states = getattr(self, "_anychip_discarded_states", None) or {}
+            states = getattr(self, "_anychip_discarded_states", None)
             self._anychip_discarded_states = None
+            if states == {}:  # the sampler ran and threw no seeded sample away: vLLM's rewind loop finds nothing
+                return _original(self, *args, **kwargs)
             batch = self.input_batch
             generators = batch.generators
-            batch.generators = _RewindByState(generators, states)
+            batch.generators = _RewindByState(generators, states or {})  # None: no sampler ran, nothing to restore
             try:
                 return _original(self, *args, **kwargs)
             finally:

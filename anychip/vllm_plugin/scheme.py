@@ -107,7 +107,6 @@ class AnychipW4A8Scheme(compat.CompressedTensorsScheme):
         self._parts = len(output_partition_sizes)
         self._must_load = {id(weight): "weight_packed" if self.format == "pack-quantized" else "weight",
                            id(scale): "weight_scale"}
-        self._scale_id = id(scale)
         self._loaded: dict[int, set] = {}
         # what a pack-quantized weight_shape must say: [N, K] of the whole tensor; a merged layer's parts are
         # loaded into the one parameter in turn, so there only K (the same for every part) is known
@@ -125,7 +124,8 @@ class AnychipW4A8Scheme(compat.CompressedTensorsScheme):
             fits = (loaded.is_floating_point() if want.is_floating_point else
                     loaded.dtype in (torch.int32, torch.int64) if want == torch.int64 else loaded.dtype == want)
             problem = None if fits else f"dtype {loaded.dtype} where the {self.format} contract has {want}"
-            if problem is None and id(param) == self._scale_id and loaded.dtype != torch.bfloat16:
+            is_scale = self._must_load.get(id(param)) == "weight_scale"
+            if problem is None and is_scale and loaded.dtype != torch.bfloat16:
                 problem = (f"{loaded.dtype} group scales where the contract has BF16 (converting them would serve "
                            "other numbers than the checkpoint declares)")
             full = self._full_shapes.get(id(param))  # a whole (unmerged) tensor: vLLM would narrow a larger one
