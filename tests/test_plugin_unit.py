@@ -263,6 +263,35 @@ def test_a_head_that_is_the_input_embedding_is_reported_tied():
     assert route["quantized"] is False and route["dtype"] == "bfloat16"
 
 
+def test_a_head_tied_to_an_embedding_the_config_never_saw_is_reported_tied():
+    """vLLM 0.32's Gemma builds its input embedding with no quantization config (never noted) and its head with one,
+    tied by sharing the embedding's weight: the report names the embedding, found in the served model."""
+    from types import SimpleNamespace
+
+    from anychip.kernels.policy import KernelPolicy
+    from anychip.vllm_plugin.recorder import Recorder
+
+    recorder = Recorder(None, KernelPolicy())
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    embed = model.model.embed_tokens = torch.nn.Module()
+    embed.weight = torch.nn.Parameter(torch.zeros(8, 4, dtype=torch.bfloat16), requires_grad=False)
+    head = model.lm_head = torch.nn.Module()
+    head.weight = embed.weight
+    recorder.note_embedding("lm_head", head, is_head=True)
+    recorder.on_logits(head)
+    recorder.coverage.attention_backend = "CPUAttentionBackend"  # the stub runner has no vLLM config to read
+    recorder.on_step("prefill", 3, SimpleNamespace(get_model=lambda: model))
+    assert recorder.document()["head_route"]["tied_to"] == "model.embed_tokens"
+    head.weight = torch.nn.Parameter(torch.zeros(8, 4, dtype=torch.bfloat16), requires_grad=False)  # untied
+    other = Recorder(None, KernelPolicy())
+    other.note_embedding("lm_head", head, is_head=True)
+    other.on_logits(head)
+    other.coverage.attention_backend = "CPUAttentionBackend"
+    other.on_step("prefill", 3, SimpleNamespace(get_model=lambda: model))
+    assert other.document()["head_route"]["tied_to"] is None
+
+
 def test_a_head_built_without_the_quantization_config_is_served_and_reported():
     """vLLM 0.32's Gemma 2 computes its logits with an input embedding built with no quantization config, so the
     plugin never sees it while the model is built. At the first logits (compat.install_logits_hook) the plugin

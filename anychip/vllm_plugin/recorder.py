@@ -59,6 +59,9 @@ class Recorder:
         self._used_head: weakref.ref | None = None
         self._pooling = False  # a pooling runner: the model's output head computes nothing
         self._used_name: str | None = None
+        # the served model's module, other than the head, that holds the head's weight: a tied input embedding that
+        # the quantization config never saw (vLLM 0.32's Gemma builds it without one); "" when none
+        self._tied_name = ""
         self._stop = threading.Event()
         self._tables: dict[torch.device, _DeviceTable] = {}
         self._counters: dict[int, hooks.DeviceCounter | None] = {}  # layer id -> its row (None: counted here)
@@ -154,7 +157,7 @@ class Recorder:
             # quantization config (vLLM 0.32's Gemma 2); it is known from the logits it computed
             head = used
             if isinstance(used, compat.ParallelLMHead):
-                layer_name, tied_to = self._used_name or layer_name, None
+                layer_name, tied_to = self._used_name or layer_name, self._tied_name or None
             else:  # the input embedding itself
                 tied_to = self._used_name or "embed_tokens"
         elif head is None:
@@ -163,6 +166,8 @@ class Recorder:
             weight = getattr(head, "weight", None)
             tied_to = next((name for name, other in others
                             if weight is not None and getattr(other, "weight", None) is weight), None)
+            if tied_to is None and head is used:  # the embedding was built without the quantization config
+                tied_to = self._tied_name or None
         weight = getattr(head, "weight", None)
         prepared = getattr(head, PREPARED, None)  # vllm_plugin/head.py: an anychip head route serves it
         route = prepared.route.id if prepared is not None else compat.head_gemm_route(head)
@@ -196,9 +201,14 @@ class Recorder:
     def _name_used_head(self, runner: Any) -> None:
         """The name in the served model of the module logits were computed with (once; "" when not found)."""
         used, model = self._used_head(), compat.runner_model(runner)
-        name = next((n for n, m in model.named_modules() if m is used), "") if used is not None and model else ""
+        modules = list(model.named_modules()) if used is not None and model is not None else []
+        name = next((n for n, m in modules if m is used), "")
+        weight = getattr(used, "weight", None)
+        tied = next((n for n, m in modules if m is not used and weight is not None
+                     and getattr(m, "weight", None) is weight), "")
         with self._lock:
             self._used_name = name
+            self._tied_name = tied
             self.coverage.head_route = None  # read again, with the name
 
     def _remember_head(self) -> None:
