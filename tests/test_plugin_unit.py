@@ -675,3 +675,38 @@ def test_a_nan_float_weight_stops_the_engine():
         model[1].weight[2] = float("nan")
     with pytest.raises(LayerPrepareError, match=r"^1\.weight holds NaN or inf"):
         check_float_weights(model)
+
+
+def test_a_nan_past_the_first_slice_and_the_gpu_load_hook(monkeypatch):
+    """The check reads a weight slice by slice (a GPU keeps no weight-sized temporary): an inf in a later slice is
+    found. vLLM's GPU model runners run it through the load hook (here a stub runner on a stub GPU platform), with
+    the model taken out of its CUDA-graph wrapper."""
+    from types import SimpleNamespace
+
+    from vllm.platforms import current_platform
+
+    from anychip.vllm_plugin import compat, scheme
+
+    monkeypatch.setattr(scheme, "CHECK_SLICE", 5)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4)).to(torch.bfloat16)
+    with torch.no_grad():
+        model[0].weight[3, 1] = float("inf")  # element 13: the third slice
+    with pytest.raises(scheme.LayerPrepareError, match=r"^0\.weight holds NaN or inf"):
+        scheme.check_float_weights(model)
+
+    class Runner:
+        vllm_config = "config"
+
+        def load_model(self) -> str:
+            self.model = SimpleNamespace(unwrap=lambda: model)  # as vLLM's CUDAGraphWrapper
+            return "loaded"
+
+    seen = []
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    monkeypatch.setattr(compat, "_classes", lambda name, *modules: [Runner] if name == "GPUModelRunner" else [])
+    monkeypatch.setattr(compat, "_gpu_model_hook", None)
+    assert compat.install_gpu_model_hook(lambda m, config: seen.append((m, config)))
+    assert Runner().load_model() == "loaded" and seen == [(model, "config")]
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: True)
+    monkeypatch.setattr(compat, "_gpu_model_hook", None)
+    assert not compat.install_gpu_model_hook(lambda m, config: None)  # a CPU engine has its own hook

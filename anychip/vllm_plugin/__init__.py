@@ -46,7 +46,15 @@ def register() -> None:
     def serves(config) -> bool:  # the models this plugin's quantization config serves
         return isinstance(getattr(config, "quant_config", None), AnychipW4A8Config)
 
-    cpu_attention.install(serves)  # vLLM's CPU attention from C++
+    cpu_attention.install(serves)  # vLLM's CPU attention from C++; checks the float weights of a CPU engine
+
+    def check_gpu_model(model, vllm_config) -> None:  # what cpu_attention's load hook checks on a CPU
+        if serves(vllm_config):
+            from anychip.vllm_plugin.scheme import check_float_weights
+
+            check_float_weights(model)
+
+    compat.install_gpu_model_hook(check_gpu_model)
     graphs.install(serves)  # on a GPU, CUDA graphs for prefill steps too
     compat.install_cpu_seeded_sampling_fix()  # any model: vLLM's CPU runner dies on a seeded chunked prompt
     _registered = True

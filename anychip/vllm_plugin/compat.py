@@ -234,6 +234,38 @@ def install_cpu_model_hook(on_model: Callable[[Any, Any], None]) -> bool:
 _model_hook: Callable[[Any, Any], None] | None = None
 
 
+def install_gpu_model_hook(on_model: Callable[[Any, Any], None]) -> bool:
+    """Call on_model(model, vllm_config) when one of vLLM's GPU model runners (V1 and V2) has loaded its model,
+    before engine start profiles, compiles or captures it (the module without CUDA-graph wrappers). Once a process,
+    as install_cpu_model_hook; False on vLLM's CPU platform (its own hook) or when this vLLM has no GPU runner."""
+    global _gpu_model_hook
+    if _gpu_model_hook is not None:
+        _gpu_model_hook = on_model
+        return True
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return False
+    runners = _classes("GPUModelRunner", "vllm.v1.worker.gpu.model_runner", "vllm.v1.worker.gpu_model_runner")
+    for runner in runners:
+        original = runner.load_model
+
+        def load_model(self: Any, *args: Any, _original: Callable = original, **kwargs: Any) -> Any:
+            result = _original(self, *args, **kwargs)
+            model = runner_model(self)
+            if _gpu_model_hook is not None and model is not None:
+                _gpu_model_hook(model, self.vllm_config)
+            return result
+
+        runner.load_model = functools.wraps(original)(load_model)
+    if runners:
+        _gpu_model_hook = on_model
+    return bool(runners)
+
+
+_gpu_model_hook: Callable[[Any, Any], None] | None = None
+
+
 def install_cpu_seeded_sampling_fix() -> bool:
     """Keep a seeded sampling request from killing a CPU engine when its prompt is prefilled in chunks.
 

@@ -37,14 +37,19 @@ def _channel_group(k: int) -> int | None:
     return next((g for g in sorted(GROUP_SIZES, reverse=True) if k % g == 0), None)
 
 
+CHECK_SLICE = 1 << 24  # elements of a weight checked at a time: a 16 MB temporary
+
+
 def check_float_weights(model: torch.nn.Module) -> None:
     """Every floating-point weight of a loaded W4A8 model is finite (embedding, norms, biases, a BF16 head; the
     scales were checked when their layers were prepared): one NaN in a norm weight is laundered by the INT8
     activations into plausible wrong tokens, not NaN output. What `anychip verify`'s value pass checks in the files,
-    checked here for a plain `vllm serve` or `LLM(...)` that never ran it (vLLM's CPU model runners; a few hundred
-    ms for a 1B model)."""
+    checked here for a plain `vllm serve` or `LLM(...)` that never ran it (the load hooks of vLLM's CPU and GPU
+    model runners; a few hundred ms for a 1B model on a CPU; in slices, so that the check leaves no large temporary in the allocator's cache)."""
     for name, param in model.named_parameters():
-        if param.is_floating_point() and param.numel() and not bool(torch.isfinite(param).all()):
+        flat = param.detach().reshape(-1)
+        if param.is_floating_point() and any(not bool(torch.isfinite(flat[i:i + CHECK_SLICE]).all())
+                                             for i in range(0, flat.numel(), CHECK_SLICE)):
             raise LayerPrepareError(f"{name} holds NaN or inf: one such weight poisons every token that reaches it; "
                                     "the checkpoint is damaged (check it with `anychip verify`) or its BF16 source "
                                     "was; fix the source and re-quantize")
