@@ -10,3 +10,6 @@ timeout 250 python3 docs/gpu-runs/session46/b64split.py $M anychip-w4a8 $OUT/spl
   | grep -vE "INFO|WARNING|it/s" | tail -70
 timeout 220 python3 docs/gpu-runs/session46/b64split.py $M-dequant-bf16 vllm-bf16 $OUT/split-bf16.json 2>&1 \
   | grep -vE "INFO|WARNING|it/s" | tail -70
+python3 -m anychip.cli prepare --synthetic tiny --tokenizer .gpu/tok --cache /root/keep/cache 2>&1 | tail -1
+T=$(ls -d /root/keep/cache/synthetic/tiny-w4a8* | grep -v dequant | head -1)
+timeout 100 python3 docs/gpu-runs/session46/nan_gpu.py $T /root/keep 2>&1 | grep -E "poisoned|NAN CHECK|holds NaN" | head -5
