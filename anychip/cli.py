@@ -237,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("eval", help="multiple-choice accuracy (acc, acc_norm) and perplexity through vLLM")
     s.add_argument("model")
-    s.add_argument("--tasks", type=_csv,
+    s.add_argument("--tasks", type=_csv, action="extend",
                    help="comma-separated built-in tasks (docs/eval.md lists them; default: hellaswag,truthfulqa_mc1,"
                         "winogrande,commonsense_qa,perplexity), files in --data, or 'perplexity'")
     s.add_argument("--data", help="directory of *.jsonl tasks instead of the built-in ones (built on first use "

@@ -73,6 +73,22 @@ def test_bad_items_name_file_and_line(tmp_path):
         parse_item({"context": "c", "choices": [" a"], "label": 3}, "here")
 
 
+def test_task_files_as_editors_write_them(tmp_path):
+    """A byte-order mark and old-Mac CR line ends are read; U+2028 inside a string does not split its line; a bad
+    byte names its own line; a bad line after --limit's items is still named (before any engine starts)."""
+    item = '{"context": "c\u2028d", "choices": [" a", " b"], "label": 0}'
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + (item + "\r" + item + "\r\n").encode())
+    task = load_task(path)
+    assert len(task.items) == 2 and task.items[0].requests()[0][0] == "c\u2028d"
+    path.write_bytes((item + "\n" + item + "\n").encode() + b'{"context": "caf\xe9"}\n')
+    with pytest.raises(EvalDataError, match=re.escape(f"{path}:3: not UTF-8 text")):
+        load_task(path)
+    path.write_text(item + "\n" + '{"id": "y", "label": 0}\n')
+    with pytest.raises(EvalDataError, match=re.escape(f"{path}:2")):
+        load_task(path, limit=1)
+
+
 def test_data_a_user_gets_wrong_is_named_before_any_engine_starts(tmp_path, monkeypatch, capsys):
     from anychip.cli import main
 
@@ -309,6 +325,62 @@ def test_the_json_report_has_no_nan_and_cis_stay_within_accuracy_bounds():
     assert runner._no_nan({"a": float("nan"), "b": [1.0, float("nan")]}) == {"a": None, "b": [1.0, None]}
     m, lo, hi = paired_delta([1.0, 1.0, 0.0], [0.0, 0.0, 1.0])  # n = 3: the normal interval passes +-1
     assert -1.0 <= lo <= m <= hi <= 1.0
+
+
+def test_eval_flags_that_would_be_lost_are_refused_or_merged(tmp_path, monkeypatch, capsys):
+    """--text without the perplexity task is refused; repeated --tasks flags add up and a name given twice is
+    scored once; --harness lm-eval checks --json before any engine, refuses an empty --tasks, and writes null
+    where lm-eval reports NaN (one item's stderr)."""
+    from anychip.cli import main
+    from anychip.eval import harness
+
+    model = tmp_path / "model"
+    assert main(["eval", str(model), "--tasks", "copa", "--text", str(tmp_path / "x.txt")]) == 2
+    assert "add 'perplexity' to --tasks" in capsys.readouterr().err
+    seen = {}
+
+    def fake_cmd_eval(args):
+        seen["tasks"] = args.tasks
+        return 0
+
+    monkeypatch.setattr(runner, "cmd_eval", fake_cmd_eval)
+    assert main(["eval", str(model), "--tasks", "piqa,copa", "--tasks", "piqa", "--tasks", "boolq"]) == 0
+    assert seen["tasks"] == ["piqa", "copa", "boolq"]
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("an engine was started")
+
+    run_lm_eval = harness.run_lm_eval
+    monkeypatch.setattr(harness, "run_lm_eval", no_engine)
+    assert main(["eval", str(model), "--harness", "lm-eval", "--tasks", "copa", "--json", str(tmp_path)]) == 2
+    assert "is a folder" in capsys.readouterr().err
+    with pytest.raises(EvalDataError, match="--tasks names no task"):
+        run_lm_eval(model, [], runner.EvalSettings(), False)
+    report = {"models": {"w4a8": str(model)}, "tasks": {"copa": {"w4a8": {"acc": 1.0, "acc_norm": 1.0, "n": 1,
+                                                                           "acc_stderr": float("nan")}}}}
+    monkeypatch.setattr(harness, "run_lm_eval", lambda *args, **kwargs: report)
+    monkeypatch.setattr(runner, "verify_model", lambda *args: None)
+    out = tmp_path / "lm.json"
+    assert main(["eval", str(model), "--harness", "lm-eval", "--tasks", "copa", "--json", str(out)]) == 0
+    saved = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in the JSON report"))
+    assert saved["tasks"]["copa"]["w4a8"]["acc_stderr"] is None
+
+
+def test_the_table_gives_both_paired_cis_and_says_when_no_item_differs():
+    from anychip.eval.scoring import TaskScore, compare
+
+    a = TaskScore((True, False, True, True), (True, True, False, True))
+    b = TaskScore((True, True, False, True), (True, True, False, True))
+    d = compare(a, b)
+    assert d["acc_discordant"] == 2 and d["acc_norm_discordant"] == 0
+    report = {"models": {"w4a8": "w", "bf16": "b"}, "tasks": {"boolq": {
+        "w4a8": {"acc": 0.75, "acc_norm": 0.75, "n": 4}, "bf16": {"acc": 0.75, "acc_norm": 0.75, "n": 4},
+        "deltas": {"w4a8 - bf16": d}}}}
+    line = runner.format_report(report).splitlines()[-1]
+    assert line.count("[") == 2 and "no item scored differently" not in line
+    same = compare(b, b)
+    report["tasks"]["boolq"]["deltas"]["w4a8 - bf16"] = same
+    assert "no item scored differently" in runner.format_report(report)
 
 
 def test_settings_fit_the_shortest_model_context(tmp_path):

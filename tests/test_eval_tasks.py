@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import json
+import os
 
 import pytest
 
@@ -163,6 +164,21 @@ def test_cache_rebuilds_a_file_that_does_not_match(tmp_path, capsys):
     meta_path.write_text(json.dumps({**meta, "recipe_version": 0}))  # an older recipe's build
     datasets.built_task("copa", tmp_path)
     assert "built task copa" in capsys.readouterr().err and json.loads(meta_path.read_text()) == meta
+
+
+@needs_package
+def test_a_cache_that_cannot_be_written_is_named_and_built_files_are_readable_by_all(tmp_path):
+    """A file where the cache folder should be is named with $ANYCHIP_CACHE as the way out; built files get the
+    umask's permissions (mkstemp's 0600 kept other users of a shared cache out)."""
+    (tmp_path / "tasks").write_text("x")
+    with pytest.raises(EvalDataError, match=r"cannot write the built-task cache .*ANYCHIP_CACHE"):
+        datasets.built_task("copa", tmp_path / "tasks")
+    mask = os.umask(0o022)
+    try:
+        path = datasets.built_task("copa", tmp_path / "ok")
+    finally:
+        os.umask(mask)
+    assert path.stat().st_mode & 0o777 == 0o644 and (tmp_path / "ok" / "copa.json").stat().st_mode & 0o777 == 0o644
 
 
 @needs_package

@@ -121,8 +121,13 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
+    """Write `path` whole or not at all, readable as the umask allows (mkstemp's files are the owner's only, and a
+    cache shared between users must be readable by all of them)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
+        mask = os.umask(0)
+        os.umask(mask)
+        os.fchmod(fd, 0o666 & ~mask)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
@@ -152,10 +157,15 @@ def built_task(name: str, cache: Path | None = None) -> Path:
         return path
     items = build_items(recipe, files)
     data = "".join(json.dumps(it, ensure_ascii=False) + "\n" for it in items).encode("utf-8")
-    cache.mkdir(parents=True, exist_ok=True)
-    _write_atomic(path, data)
     meta = {**want, "items": len(items), "sha256": hashlib.sha256(data).hexdigest(), "file": path.name}
-    _write_atomic(meta_path, (json.dumps(meta, indent=2) + "\n").encode())
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        _write_atomic(path, data)
+        _write_atomic(meta_path, (json.dumps(meta, indent=2) + "\n").encode())
+    except OSError as exc:
+        raise EvalDataError(f"task {name}: cannot write the built-task cache {cache} ({exc.strerror or exc}): make "
+                            "it a writable folder, or point $ANYCHIP_CACHE elsewhere (the tasks go to its parent's "
+                            "tasks/ folder)") from None
     print(f"built task {name}: {len(items)} items from {recipe.package} -> {path}", file=sys.stderr)
     return path
 

@@ -180,7 +180,9 @@ def evaluate_lm_eval_isolated(model_dir: Path, names: list[str], settings: runne
 def run_lm_eval(model: Path, task_names: list[str] | None, settings: runner.EvalSettings,
                 compare_bf16: bool) -> dict[str, Any]:
     """The report of `anychip eval --harness lm-eval`, in the shape runner.run_eval's has."""
-    names = list(task_names) if task_names else list(DEFAULT_TASKS)
+    names = list(task_names) if task_names is not None else list(DEFAULT_TASKS)
+    if not names:
+        raise EvalDataError("--tasks names no task; list them separated by commas (e.g. --tasks hellaswag,piqa)")
     if PERPLEXITY in names:
         raise EvalDataError("--harness lm-eval scores multiple-choice tasks only: drop 'perplexity' from --tasks "
                             "(anychip's own harness measures it)")
@@ -196,6 +198,11 @@ def run_lm_eval(model: Path, task_names: list[str] | None, settings: runner.Eval
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """`anychip eval`: anychip's own scorer (runner.cmd_eval), or lm-eval's with --harness lm-eval."""
+    if args.tasks is not None:  # --tasks a,b --tasks c: all of them, each once, in the order given
+        args.tasks = list(dict.fromkeys(args.tasks))
+    if args.text and args.tasks is not None and PERPLEXITY not in args.tasks:
+        raise EvalDataError(f"--text {args.text} is the perplexity task's text: add 'perplexity' to --tasks, or "
+                            "drop --text")
     if args.harness == "anychip":
         return runner.cmd_eval(args)
     if args.data or args.text:
@@ -203,12 +210,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if getattr(args, "head_int8", False) or getattr(args, "llama_cpp", None):
         raise EvalDataError("--harness lm-eval scores the model through vLLM only: drop --head-int8 / --llama-cpp "
                             "(anychip's scorer runs them)")
+    runner.check_output(args.json)
     runner.verify_model(Path(args.model), getattr(args, "verify", "full"))
     report = run_lm_eval(Path(args.model), args.tasks, runner.EvalSettings(limit=args.limit), args.compare_bf16)
     report["command"] = "anychip " + " ".join(getattr(args, "argv", None) or sys.argv[1:])
     print(runner.format_report(report))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    runner.write_report(args.json, report)
     return 0

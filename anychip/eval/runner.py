@@ -320,7 +320,8 @@ def format_report(report: dict[str, Any]) -> str:
     labels = list(report["models"])
     w = max(6, *(len(label) for label in labels))
     t = max([18, *(len(name) for name in report["tasks"])])  # the task column fits the longest name
-    lines = [f"{'task':<{t}} {'model':<{w}} {'acc':>7} {'acc_norm':>9} {'n':>6}   delta acc_norm [95% CI]"]
+    lines = [f"{'task':<{t}} {'model':<{w}} {'acc':>7} {'acc_norm':>9} {'n':>6}   delta's paired 95% CI: acc, "
+             "acc_norm"]
     for name, entry in report["tasks"].items():
         for label in [x for x in entry if x not in _NOT_MODELS]:
             m = entry[label]
@@ -333,9 +334,12 @@ def format_report(report: dict[str, Any]) -> str:
             if name == PERPLEXITY:
                 lines.append(f"{'':<{t}} {'delta':<{w}} ppl {d['ppl_increase_pct']:+.2f}%  ({pair})")
                 continue
-            lo, hi = d["acc_norm_ci95"]
+            cis = "  ".join(f"[{_pct(lo)}, {_pct(hi)}]" for lo, hi in (d.get("acc_ci95", (math.nan,) * 2),
+                                                                         d["acc_norm_ci95"]))
+            flat = (" (no item scored differently: a CI of zero width)"
+                    if d.get("acc_discordant") == 0 and d.get("acc_norm_discordant") == 0 else "")
             lines.append(f"{'':<{t}} {'delta':<{w}} {100 * d['acc']:+7.2f} {100 * d['acc_norm']:+9.2f}"
-                         f"          [{_pct(lo)}, {_pct(hi)}]  ({pair})")
+                         f"          {cis}  ({pair}){flat}")
     lines += [f"not evaluated: {reason}" for reason in report.get("failed", {}).values()]
     return "\n".join(lines)
 
@@ -464,6 +468,14 @@ def check_output(path: str | None) -> None:
         raise EvalDataError(f"--json {path}: {parent} is not a writable folder")
 
 
+def write_report(path: str | None, report: dict[str, Any]) -> None:
+    """The report as JSON at --json (checked first by check_output), NaN written as null."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(_no_nan(report), indent=2) + "\n")
+        print(f"wrote {path}")
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     check_output(args.json)
     settings = EvalSettings(limit=args.limit, threads=getattr(args, "threads", None), jobs=getattr(args, "jobs", 1))
@@ -472,10 +484,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
                       verify=getattr(args, "verify", "full"))
     report["command"] = "anychip " + " ".join(getattr(args, "argv", None) or sys.argv[1:])
     print(format_report(report))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(_no_nan(report), indent=2) + "\n")
-        print(f"wrote {args.json}")
+    write_report(args.json, report)
     for reason in report.get("failed", {}).values():
         print(f"anychip eval: not in the report: {reason}", file=sys.stderr)
     return 1 if report.get("failed") else 0

@@ -100,10 +100,14 @@ def paired_delta(a: Sequence[float], b: Sequence[float]) -> tuple[float, float, 
 
 
 def compare(quant: TaskScore, base: TaskScore) -> dict[str, float | list[float]]:
-    """Delta (quant - base) of acc and acc_norm with paired 95% CIs, in accuracy units (not points)."""
+    """Delta (quant - base) of acc and acc_norm with paired 95% CIs, in accuracy units (not points), and how many
+    items each metric scores differently."""
     acc, acc_lo, acc_hi = paired_delta(quant.acc_items, base.acc_items)
     norm, norm_lo, norm_hi = paired_delta(quant.acc_norm_items, base.acc_norm_items)
-    return {"acc": acc, "acc_ci95": [acc_lo, acc_hi], "acc_norm": norm, "acc_norm_ci95": [norm_lo, norm_hi]}
+    return {"acc": acc, "acc_ci95": [acc_lo, acc_hi], "acc_norm": norm, "acc_norm_ci95": [norm_lo, norm_hi],
+            # items the two models score differently: with none, the paired CI is [0, 0] by construction
+            "acc_discordant": sum(x != y for x, y in zip(quant.acc_items, base.acc_items)),
+            "acc_norm_discordant": sum(x != y for x, y in zip(quant.acc_norm_items, base.acc_norm_items))}
 
 
 def perplexity(total_logprob: float, n_tokens: int) -> float:

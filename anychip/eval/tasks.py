@@ -102,27 +102,34 @@ def _strings(value: object) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(v, str) for v in value)
 
 
+BOM = b"\xef\xbb\xbf"  # UTF-8's byte-order mark
+
+
 def load_task(path: Path, limit: int | None = None) -> Task:
-    """The first `limit` items (all when None) of a *.jsonl task file, as lm-eval's --limit takes them."""
+    """The first `limit` items (all when None) of a *.jsonl task file, as lm-eval's --limit takes them. Every line
+    is checked whatever the limit, so that bad data is named before any engine starts; a UTF-8 byte-order mark (as
+    some Windows editors write) is accepted."""
     if limit is not None and limit < 1:
         raise EvalDataError(f"--limit {limit}: must be at least 1")
-    items: list[Item] = []
-    lineno = 0
+    raw = path.read_bytes()
+    raw = raw[len(BOM):] if raw.startswith(BOM) else raw
     try:
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if limit is not None and len(items) >= limit:
-                    break
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise EvalDataError(f"{path}:{lineno}: not JSON ({exc.msg})") from exc
-                items.append(parse_item(obj, f"{path}:{lineno}"))
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise EvalDataError(f"{path}: not UTF-8 text ({exc.reason}, byte {exc.object[exc.start:exc.start + 1]!r} "
-                            f"after line {lineno}); task files are JSON lines in UTF-8") from None
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise EvalDataError(f"{path}:{line}: not UTF-8 text ({exc.reason}, byte {raw[exc.start:exc.start + 1]!r}); "
+                            "task files are JSON lines in UTF-8") from None
+    items: list[Item] = []
+    # not splitlines(): U+2028 may sit inside a JSON string; a raw CR may not, so it ends a line (old Mac files)
+    for lineno, line in enumerate(text.replace("\r\n", "\n").replace("\r", "\n").split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise EvalDataError(f"{path}:{lineno}: not JSON ({exc.msg})") from exc
+        items.append(parse_item(obj, f"{path}:{lineno}"))
+    items = items[:limit] if limit is not None else items
     if not items:
         raise EvalDataError(f"{path}: no items")
     return Task(path.stem, path, tuple(items))
