@@ -5,9 +5,11 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +24,7 @@ from anychip.checkpoint.model_dir import weight_files_stamp
 from anychip.checkpoint.quantize import choose_group_size, quantize_checkpoint
 from anychip.checkpoint.rtn import rtn_quantize
 from anychip.checkpoint.scheme import DECODER_LINEARS, ContractError, W4A8Scheme, scheme_from_config
+from anychip.checkpoint.verify import verify_checkpoint
 from anychip.cli import main
 from anychip.errors import AnychipError
 from anychip.formats import pack_int4, unpack_int4
@@ -203,6 +206,57 @@ def test_cli_quantize(tiny_llama, tmp_path, capsys):
     assert main(["quantize", str(tiny_llama()), str(tmp_path / "g128")]) == 2
     assert capsys.readouterr().err.strip() == ("anychip quantize: error: model.layers.0.self_attn.q_proj: K=64 is not "
                                                "divisible by group size 128: quantize with --group-size 64 (or 32)")
+
+
+def test_an_fp16_source_gives_a_checkpoint_that_declares_bf16(tiny_llama, copy_dir, tmp_path):
+    """Every float tensor of the output is BF16, so config.json says so (vLLM refuses float16 for the scheme: a
+    probe's FP16 source quantized and verified, then plain LLM(...) refused it); verify names a float16 one."""
+    import transformers
+
+    src = copy_dir(tiny_llama())
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float16)
+    model.save_pretrained(src)
+    config = json.loads((src / "config.json").read_text())
+    assert "float16" in (config.get("dtype"), config.get("torch_dtype"))
+    dst = quantize_checkpoint(src, tmp_path / "w4a8", W4A8Scheme(group_size=32))
+    out = json.loads((dst / "config.json").read_text())
+    assert out["torch_dtype"] == "bfloat16" and out.get("dtype", "bfloat16") == "bfloat16"
+    assert {info.dtype for info in read_tensor_infos(dst).values()} <= {"BF16", "I32", "I64"}
+    (dst / "config.json").write_text(json.dumps(dict(out, torch_dtype="float16")))
+    with pytest.raises(ContractError, match="declares dtype float16, which vLLM refuses"):
+        verify_checkpoint(dst, checksums=False)
+
+
+def test_quantize_refuses_before_any_work_what_it_could_only_fail_on_later(tiny_llama, copy_dir, tmp_path, capsys):
+    """An output path under a file, or where no folder can be made, and a source with no tokenizer or a
+    non-float tensor are refused at once naming the path (they failed after calibration, or named a deleted
+    temporary folder); archives and backup copies of weights are not carried into the output."""
+    from safetensors.torch import save_file
+
+    src = tiny_llama()
+    (tmp_path / "afile").write_text("x")
+    assert main(["quantize", str(src), str(tmp_path / "afile" / "w4a8")]) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err
+    assert main(["quantize", str(src), "/proc/anychip-w4a8"]) == 2
+    assert "cannot create a folder in /proc" in capsys.readouterr().err
+    notok = copy_dir(src)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (notok / name).unlink(missing_ok=True)
+    assert main(["quantize", str(notok), str(tmp_path / "n"), "--group-size", "32"]) == 2
+    assert f"{notok}: no tokenizer" in capsys.readouterr().err and not (tmp_path / "n").exists()
+    ints = Path(shutil.copytree(src, tmp_path / "ints"))
+    tensors = load_file(ints / "model.safetensors")
+    tensors["model.norm.weight"] = torch.ones(64, dtype=torch.int8)
+    save_file(tensors, ints / "model.safetensors", metadata={"format": "pt"})
+    assert main(["quantize", str(ints), str(tmp_path / "i"), "--group-size", "32"]) == 2
+    assert "model.norm.weight is I8, where a BF16, FP16 or FP32 decoder's tensors are floating point" in \
+        capsys.readouterr().err
+    extras = Path(shutil.copytree(src, tmp_path / "extras"))
+    for name in ("pytorch_model.bin.bak", "model.safetensors.old", "weights.zip", "notes~"):
+        (extras / name).write_bytes(b"x")
+    dst = quantize_checkpoint(extras, tmp_path / "e", W4A8Scheme(group_size=32))
+    assert not {"pytorch_model.bin.bak", "model.safetensors.old", "weights.zip", "notes~"} & {
+        p.name for p in dst.iterdir()}
 
 
 def test_cli_gptq_dispatches_to_gptq_quantizer(tiny_llama, tmp_path, monkeypatch, capsys):

@@ -296,18 +296,24 @@ def atomic_directory(dst: Path, overwrite: bool = False) -> Iterator[Path]:
 
 
 #: Files of a model directory that a converted checkpoint must not inherit (weights, config, manifests).
-_NOT_COPIED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt", ".onnx", ".tflite",
+                    ".npz", ".npy", ".pkl", ".pickle")
+#: ... nor archives and backup copies (a `pytorch_model.bin.bak` of the BF16 weights doubled a probe's W4A8 folder)
+_NOT_COPIED_SUFFIXES = _WEIGHT_SUFFIXES + (".zip", ".tar", ".gz", ".xz", ".zst", ".bak", ".old", ".orig", ".tmp",
+                                           ".swp", "~")
 _NOT_COPIED_NAMES = {"config.json", INDEX, "pytorch_model.bin.index.json", "SHA256SUMS", "README.md"}
 
 
 def copy_side_files(src: Path, dst: Path, skip: set[str] = frozenset()) -> list[str]:
-    """Copy tokenizer files, generation_config, chat template (every plain top-level file that is not weights,
-    config, index, manifest, README or a marker) from src to dst; returns the names copied."""
+    """Copy tokenizer files, generation_config, chat template (every plain top-level file that is not weights or
+    a copy of them, an archive, config, index, manifest, README or a marker) from src to dst; returns the names
+    copied."""
     copied = []
     for path in sorted(src.iterdir()):
         name = path.name
         if (not path.is_file() or name.startswith(".") or name in _NOT_COPIED_NAMES or name in skip
-                or name.startswith("anychip-") or name.endswith(_NOT_COPIED_SUFFIXES)):
+                or name.startswith("anychip-") or name.endswith(_NOT_COPIED_SUFFIXES)
+                or any(f"{suffix}." in name for suffix in _WEIGHT_SUFFIXES)):  # model.safetensors.part1, ...
             continue
         shutil.copyfile(path, dst / name)
         copied.append(name)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
@@ -88,7 +89,12 @@ def check_source(src: Path, scheme: W4A8Scheme) -> tuple[dict[str, Any], list[tu
         raise ContractError(f"{src} is already quantized ({method}): quantize from the BF16 model")
     infos = read_tensor_infos(src)
     _check_linears_present(src, infos, dims.layers)
-    return config, _plan(infos, scheme)
+    plan = _plan(infos, scheme)
+    from anychip.checkpoint.verify import check_tokenizer
+
+    check_tokenizer(src, dims.vocab, "the quantized model needs the tokenizer its weights were trained with; put "
+                                     "its tokenizer files in the source folder")
+    return config, plan
 
 
 def _check_linears_present(src: Path, infos: dict[str, TensorInfo], layers: int) -> None:
@@ -141,10 +147,10 @@ def _plan(infos: dict[str, TensorInfo], scheme: W4A8Scheme) -> list[tuple[Tensor
             plan.append((info, linear_tensor_specs(name.removesuffix(".weight"), n, k, scheme)))
         else:
             dtype = info.torch_dtype
-            if dtype is None:
-                raise ContractError(f"{info.file}: {name} has unsupported dtype {info.dtype}")
-            out = torch.bfloat16 if dtype.is_floating_point else dtype
-            plan.append((info, [TensorSpec(name, out, info.shape)]))
+            if dtype is None or not dtype.is_floating_point:
+                raise ContractError(f"{info.file}: {name} is {info.dtype}, where a BF16, FP16 or FP32 decoder's "
+                                    "tensors are floating point: quantize from the unquantized model")
+            plan.append((info, [TensorSpec(name, torch.bfloat16, info.shape)]))
     return plan
 
 
@@ -205,11 +211,18 @@ def quantize_checkpoint(src: Path, dst: Path, scheme: W4A8Scheme, quantizer: Wei
                     writer.write(spec.name, tensor)
                 del t, tensors
         config = dict(config, quantization_config=scheme.quantization_config(source=recorded))
+        for key in DTYPE_KEYS:  # every float tensor is BF16 now, and vLLM refuses other dtypes for the scheme
+            if key in config or key == DTYPE_KEYS[0]:
+                config[key] = "bfloat16"
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         copy_side_files(src, tmp)
         write_manifest(tmp)
         verify_checkpoint(tmp, checksums=False)
     return dst
+
+
+#: config.json's dtype entries: transformers' older name (read by every version), and the one transformers 5 writes.
+DTYPE_KEYS = ("torch_dtype", "dtype")
 
 
 def _check_replaced(replaced: dict[str, torch.Tensor], plan: list[tuple[TensorInfo, list[TensorSpec]]]) -> None:
@@ -223,14 +236,34 @@ def _check_replaced(replaced: dict[str, torch.Tensor], plan: list[tuple[TensorIn
                                "it was calibrated on another model")
 
 
+def check_destination(dst: Path) -> None:
+    """`dst` does not exist and a folder can be made beside it (where atomic_directory will fill one): checked by
+    making and removing one in the nearest existing parent, so that a read-only file system, a file on the path or
+    a pseudo file system is named now, not after calibration."""
+    import tempfile
+
+    dst = dst.absolute()
+    if dst.exists() or dst.is_symlink():
+        raise AnychipError(f"{dst} already exists: remove it or choose another output directory")
+    parent = dst.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise AnychipError(f"{dst}: {parent} is a file, not a folder: choose another output directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=f".{dst.name}.probe-", dir=parent))
+    except OSError as exc:
+        raise AnychipError(f"{dst}: cannot create a folder in {parent} ({exc.strerror or exc}): choose another "
+                           "output directory") from None
+
+
 def cmd_quantize(args: argparse.Namespace) -> int:
     from anychip.checkpoint.verify import verify_checkpoint
 
     src, dst = Path(args.src), Path(args.dst)
     scheme = W4A8Scheme(group_size=args.group_size, format=args.format)
     # Fail on a bad destination or group size before GPTQ spends minutes calibrating.
-    if dst.exists():
-        raise AnychipError(f"{dst} already exists: remove it or choose another output directory")
+    check_destination(dst)
     check_source(src, scheme)
     options = {}
     gptq_only = {"--calibration": args.calibration, "--samples": args.samples, "--seq-len": args.seq_len,

@@ -120,6 +120,18 @@ def tokenizer_size(directory: Path) -> int | None:
     return tokenizer_json_size(tok, path)
 
 
+def check_tokenizer(path: Path, vocab: int, fix: str) -> int | None:
+    """The model directory `path` has a tokenizer whose ids fit its `vocab` rows (ContractError, ending with
+    `fix`, otherwise); returns tokenizer_size."""
+    tok = tokenizer_size(path)
+    if tok is None and not (path / "tokenizer.model").is_file():
+        raise ContractError(f"{path}: no tokenizer (tokenizer.json or tokenizer.model): {fix}")
+    if tok is not None and tok > vocab:
+        raise ContractError(f"{path}/tokenizer.json produces ids up to {tok - 1} but vocab_size is {vocab}: "
+                            "tokenizer and weights belong to different models")
+    return tok
+
+
 def tokenizer_json_size(tok: Any, path: Path) -> int:
     """tokenizer_size of an already parsed tokenizer.json (read from path, which errors name)."""
     try:
@@ -358,15 +370,14 @@ def verify_checkpoint(path: Path, expect_sha256: dict[str, str] | None = None, *
     except ContractError as exc:
         raise ContractError(f"{cfg_path}: {exc}") from None
     dims = DecoderDims.from_config(config, where=str(cfg_path))
+    declared = {config.get(key) for key in ("torch_dtype", "dtype")} & {"float16", "half"}
+    if declared:
+        raise ContractError(f"{cfg_path}: declares dtype {declared.pop()}, which vLLM refuses for this scheme (its "
+                            "float tensors are BF16): re-quantize with this anychip, which writes "
+                            "\"bfloat16\" there")
     infos = read_tensor_infos(path)
     by_group, accepted = _check_tensors(infos, dims, scheme)
-    tok = tokenizer_size(path)
-    if tok is None and not (path / "tokenizer.model").is_file():
-        raise ContractError(f"{path}: no tokenizer (tokenizer.json or tokenizer.model): copy the source model's "
-                            "tokenizer files")
-    if tok is not None and tok > dims.vocab:
-        raise ContractError(f"{path}/tokenizer.json produces ids up to {tok - 1} but vocab_size is {dims.vocab}: "
-                            "tokenizer and weights belong to different models")
+    tok = check_tokenizer(path, dims.vocab, "copy the source model's tokenizer files")
     value_bytes = None
     if values:
         value_bytes = check_values((infos[name], rule) for name, spec in accepted.items()
