@@ -79,6 +79,17 @@ def test_config_checks():
         GPTQConfig(samples=0)
 
 
+def test_calibration_longer_than_the_model_or_larger_than_memory_is_refused_up_front():
+    from anychip.checkpoint.gptq import check_calibration_size
+
+    cpu, cfg = torch.device("cpu"), {"max_position_embeddings": 1024, "hidden_size": 256}
+    check_calibration_size(GPTQConfig(samples=128, seq_len=512), cfg, cpu, available=2**30)
+    with pytest.raises(AnychipError, match=r"--seq-len 2048: the model attends over at most 1024"):
+        check_calibration_size(GPTQConfig(seq_len=2048), cfg, cpu, available=2**40)
+    with pytest.raises(AnychipError, match=r"--samples 100000 x --seq-len 512: GPTQ would hold about 97\.7 GiB"):
+        check_calibration_size(GPTQConfig(samples=100000, seq_len=512), cfg, cpu, available=2**34)
+
+
 def test_calibration_batch_is_deterministic_and_rejects_short_text(tmp_path):
     from conftest import write_tiny_llama
     from transformers import AutoTokenizer

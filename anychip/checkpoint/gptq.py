@@ -45,6 +45,7 @@ from anychip.checkpoint.calibration import (HessianHooks, InputSample, calibrati
                                             forward_pairs, generated_batch, layer_inputs)
 from anychip.checkpoint.e2etune import tune_scales
 from anychip.checkpoint.layout import Family, family_of
+from anychip.checkpoint.model_dir import ModelDir
 from anychip.checkpoint.scales import SCALE_SEARCHES, search_scales
 from anychip.checkpoint.scheme import W4A8Scheme
 from anychip.checkpoint.smooth import DEFAULT_ALPHAS, POINT_NAMES, apply_point, points_named, search_point
@@ -470,6 +471,31 @@ class _MlpTail:
         return [r + post(down(x)) * self.scale for r, x in zip(self.residual, self.inputs)]
 
 
+def check_calibration_size(config: GPTQConfig, model_config: dict[str, Any], dev: torch.device,
+                           available: int | None = None) -> None:
+    """Calibration windows the model can attend over, whose hidden states fit in memory: GPTQ keeps every
+    sequence's FP32 input and output of the current layer (and the float model's too when block tuning or
+    asymmetric calibration compares against it), so `--samples 100000` grew to 10 GB before a probe stopped it."""
+    positions = model_config.get("max_position_embeddings")
+    if positions and config.seq_len > int(positions):
+        raise AnychipError(f"--seq-len {config.seq_len}: the model attends over at most {positions} positions "
+                           "(max_position_embeddings): use that or fewer")
+    hidden = int(model_config.get("hidden_size") or 0)
+    copies = 3 if config.tune_steps or config.asymmetric else 2
+    need = config.samples * config.seq_len * hidden * 4 * copies
+    if available is None:
+        if dev.type == "cuda":
+            available = torch.cuda.mem_get_info(dev)[0]
+        else:
+            import psutil
+
+            available = psutil.virtual_memory().available
+    if need > available:
+        raise AnychipError(f"--samples {config.samples} x --seq-len {config.seq_len}: GPTQ would hold about "
+                           f"{need / 2**30:.1f} GiB of hidden states on {dev.type}, where {available / 2**30:.1f} "
+                           "GiB is free: use fewer samples (128 is the default and plenty for a small model)")
+
+
 def run_gptq(src: str | Path, scheme: W4A8Scheme, calibration: str | Path | None = None,
              config: GPTQConfig = DEFAULT_GPTQ, device: str | None = None,
              log: Callable[[str], None] | None = None) -> GPTQResult:
@@ -479,6 +505,7 @@ def run_gptq(src: str | Path, scheme: W4A8Scheme, calibration: str | Path | None
 
     log = log or (lambda msg: print(f"anychip gptq: {msg}", file=sys.stderr, flush=True))
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    check_calibration_size(config, ModelDir.open(Path(src)).config, dev)
     tokenizer = AutoTokenizer.from_pretrained(src, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16, local_files_only=True,
                                                  attn_implementation="sdpa").eval()

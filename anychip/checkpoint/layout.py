@@ -223,7 +223,9 @@ def group_size_error(prefix: str, k: int, group_size: int) -> ContractError:
     """The error for K not divisible by the group size; names the layer and the sizes that would work."""
     fits = [g for g in GROUP_SIZES if k % g == 0]
     if not fits:
-        fix = f"no supported group size ({', '.join(map(str, GROUP_SIZES))}) divides it"
+        fix = (f"no supported group size ({', '.join(map(str, GROUP_SIZES))}) divides it, so this model has no "
+               f"W4A8 form anychip's kernels serve (its K must be a multiple of {min(GROUP_SIZES)}); serve it in "
+               "BF16 with stock vLLM")
     else:
         fix = f"quantize with --group-size {fits[-1]}"
         if len(fits) > 1:
