@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from pathlib import Path
 
@@ -344,8 +345,10 @@ def test_eval_flags_that_would_be_lost_are_refused_or_merged(tmp_path, monkeypat
         return 0
 
     monkeypatch.setattr(runner, "cmd_eval", fake_cmd_eval)
+    monkeypatch.delenv("VLLM_LOGGING_STREAM", raising=False)
     assert main(["eval", str(model), "--tasks", "piqa,copa", "--tasks", "piqa", "--tasks", "boolq"]) == 0
     assert seen["tasks"] == ["piqa", "copa", "boolq"]
+    assert os.environ["VLLM_LOGGING_STREAM"] == "ext://sys.stderr"  # stdout: the results table alone
 
     def no_engine(*args, **kwargs):
         raise AssertionError("an engine was started")

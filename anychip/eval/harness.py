@@ -19,6 +19,7 @@ import importlib.metadata
 import importlib.util
 import json
 import multiprocessing
+import os
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -198,6 +199,9 @@ def run_lm_eval(model: Path, task_names: list[str] | None, settings: runner.Eval
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """`anychip eval`: anychip's own scorer (runner.cmd_eval), or lm-eval's with --harness lm-eval."""
+    # the engines' log goes to stderr, beside the progress bars: stdout holds the results table alone (a user's own
+    # VLLM_LOGGING_STREAM wins); the spawned engine processes inherit it
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     if args.tasks is not None:  # --tasks a,b --tasks c: all of them, each once, in the order given
         args.tasks = list(dict.fromkeys(args.tasks))
     if args.text and args.tasks is not None and PERPLEXITY not in args.tasks:
