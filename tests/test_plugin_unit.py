@@ -704,9 +704,9 @@ def test_a_nan_past_the_first_slice_and_the_gpu_load_hook(monkeypatch):
     seen = []
     monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
     monkeypatch.setattr(compat, "_classes", lambda name, *modules: [Runner] if name == "GPUModelRunner" else [])
-    monkeypatch.setattr(compat, "_gpu_model_hook", None)
+    monkeypatch.setitem(compat._load_hooks, "gpu", None)
     assert compat.install_gpu_model_hook(lambda m, config: seen.append((m, config)))
     assert Runner().load_model() == "loaded" and seen == [(model, "config")]
     monkeypatch.setattr(current_platform, "is_cpu", lambda: True)
-    monkeypatch.setattr(compat, "_gpu_model_hook", None)
+    monkeypatch.setitem(compat._load_hooks, "gpu", None)
     assert not compat.install_gpu_model_hook(lambda m, config: None)  # a CPU engine has its own hook

@@ -207,63 +207,47 @@ def install_cpu_model_hook(on_model: Callable[[Any, Any], None]) -> bool:
     """Call on_model(model, vllm_config) when one of vLLM's CPU model runners has built and loaded its model, before
     anything runs it (engine start compiles and warms it up later). Once a process, as install_step_hook; False when
     this process's platform is not vLLM's CPU one or its vLLM has no CPU model runner."""
-    global _model_hook
-    if _model_hook is not None:
-        _model_hook = on_model
-        return True
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return False
-    runners = _classes("CPUModelRunner", "vllm.v1.worker.cpu_model_runner", "vllm.v1.worker.cpu.model_runner")
-    for runner in runners:
-        original = runner.load_model
-
-        def load_model(self: Any, *args: Any, _original: Callable = original, **kwargs: Any) -> Any:
-            result = _original(self, *args, **kwargs)
-            if _model_hook is not None:
-                _model_hook(self.model, self.vllm_config)
-            return result
-
-        runner.load_model = functools.wraps(original)(load_model)
-    if runners:
-        _model_hook = on_model
-    return bool(runners)
-
-
-_model_hook: Callable[[Any, Any], None] | None = None
+    return _install_load_hook("cpu", on_model, "CPUModelRunner", "vllm.v1.worker.cpu_model_runner",
+                              "vllm.v1.worker.cpu.model_runner")
 
 
 def install_gpu_model_hook(on_model: Callable[[Any, Any], None]) -> bool:
     """Call on_model(model, vllm_config) when one of vLLM's GPU model runners (V1 and V2) has loaded its model,
     before engine start profiles, compiles or captures it (the module without CUDA-graph wrappers). Once a process,
     as install_cpu_model_hook; False on vLLM's CPU platform (its own hook) or when this vLLM has no GPU runner."""
-    global _gpu_model_hook
-    if _gpu_model_hook is not None:
-        _gpu_model_hook = on_model
+    return _install_load_hook("gpu", on_model, "GPUModelRunner", "vllm.v1.worker.gpu.model_runner",
+                              "vllm.v1.worker.gpu_model_runner")
+
+
+def _install_load_hook(kind: str, on_model: Callable[[Any, Any], None], name: str, *modules: str) -> bool:
+    """Wrap load_model of the model runner classes `name` of `modules` (on vLLM's CPU platform for kind "cpu", on
+    any other for "gpu") so that it ends with _load_hooks[kind](model, vllm_config); once a process, later calls
+    only replace the function."""
+    if _load_hooks.get(kind) is not None:
+        _load_hooks[kind] = on_model
         return True
     from vllm.platforms import current_platform
 
-    if current_platform.is_cpu():
+    if current_platform.is_cpu() != (kind == "cpu"):
         return False
-    runners = _classes("GPUModelRunner", "vllm.v1.worker.gpu.model_runner", "vllm.v1.worker.gpu_model_runner")
+    runners = _classes(name, *modules)
     for runner in runners:
         original = runner.load_model
 
         def load_model(self: Any, *args: Any, _original: Callable = original, **kwargs: Any) -> Any:
             result = _original(self, *args, **kwargs)
-            model = runner_model(self)
-            if _gpu_model_hook is not None and model is not None:
-                _gpu_model_hook(model, self.vllm_config)
+            hook, model = _load_hooks.get(kind), runner_model(self)
+            if hook is not None and model is not None:
+                hook(model, self.vllm_config)
             return result
 
         runner.load_model = functools.wraps(original)(load_model)
     if runners:
-        _gpu_model_hook = on_model
+        _load_hooks[kind] = on_model
     return bool(runners)
 
 
-_gpu_model_hook: Callable[[Any, Any], None] | None = None
+_load_hooks: dict[str, Callable[[Any, Any], None] | None] = {"cpu": None, "gpu": None}
 
 
 def install_cpu_seeded_sampling_fix() -> bool:
