@@ -248,6 +248,31 @@ def test_the_last_report_keeps_the_head_route_of_a_model_already_freed():
     assert route["layer"] == "lm_head" and route["tied_to"] == "model.embed_tokens" and route["route"]
 
 
+def test_the_last_report_keeps_the_head_route_when_only_the_head_is_freed_first():
+    """An engine exiting frees its model piece by piece: with the head that computed the logits gone and the input
+    embedding still alive, the last report kept the embedding's GEMM as the head's route (probe46: an anychip head
+    reported as vllm.cpu.onednn_mm after exit). The route read while the head lived stands."""
+    import gc
+
+    from anychip.kernels.policy import KernelPolicy
+    from anychip.vllm_plugin.recorder import Recorder
+
+    recorder = Recorder(None, KernelPolicy())
+    embed = torch.nn.Module()
+    embed.weight = torch.nn.Parameter(torch.zeros(8, 4, dtype=torch.bfloat16), requires_grad=False)
+    head = torch.nn.Module()
+    head.weight = embed.weight
+    recorder.note_embedding("model.embed_tokens", embed, is_head=False)
+    recorder.note_embedding("lm_head", head, is_head=True)
+    recorder.on_logits(head)
+    recorder.on_step("prefill", 3)
+    before = recorder.document()["head_route"]
+    del head
+    gc.collect()
+    assert recorder.head_route() is None
+    assert recorder.document()["head_route"] == before and before["layer"] == "lm_head"
+
+
 def test_a_head_that_is_the_input_embedding_is_reported_tied():
     """vLLM 0.26's Qwen2 and Qwen3 build no head layer for tied embeddings (lm_head = embed_tokens): the
     embedding is the only layer the plugin sees, and the report names it as the head's source and its route."""

@@ -147,6 +147,10 @@ class Recorder:
         others = [(name, layer) for name, layer in layers.items() if layer is not None and name != self._head_name]
         used = self._used_head() if self._used_head is not None else None
         layer_name = self._head_name or "lm_head"
+        if used is None and self._used_head is not None:
+            # the module that computed the logits is freed (an engine exiting, whose last report is written while
+            # the model comes apart): the route read while it lived stands, not a guess from what is left
+            return None
         if head is None and len(others) == 1:
             # vLLM ties a head by replacing it with the input embedding, which then computes the logits: after
             # building a head (noted, then dropped) or instead of building one (vLLM 0.26's Qwen2 and Qwen3: no
