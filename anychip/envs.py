@@ -130,7 +130,8 @@ def fallback_allowed() -> bool:
 
 
 def forced_isa() -> str | None:
-    return os.environ.get(ANYCHIP_KERNEL_ISA) or None
+    """The route ANYCHIP_KERNEL_ISA forces (spaces around it dropped), None when unset or blank."""
+    return os.environ.get(ANYCHIP_KERNEL_ISA, "").strip() or None
 
 
 def allow_untested_vllm() -> bool:

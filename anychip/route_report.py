@@ -50,6 +50,10 @@ def plan_layers(md: ModelDir, policy: KernelPolicy, device: str) -> list[dict[st
             route, reason = routes.select(problem, strict).id, None
         except NoKernelRoute as exc:
             route, reason = None, str(exc)
+        if route == routes.REFERENCE.id:  # forced: the plugin refuses it in strict mode (scheme.py), as here
+            route, reason = None, (f"{envs.ANYCHIP_KERNEL_ISA}={policy.route} forces the reference route, which "
+                                   f"strict mode refuses (set {envs.ANYCHIP_ALLOW_FALLBACK}=1 to serve on it, "
+                                   "counted as fallback)")
         rows.append({"name": name, "n": n, "k": k, "group_size": scheme.group_size, "route": route,
                      "reason": reason})
     return rows

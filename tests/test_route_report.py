@@ -57,6 +57,26 @@ def test_routes_for_a_model_follow_strict_selection(capsys, monkeypatch, w4a8):
     assert rc == 1 and "no route" in capsys.readouterr().out
 
 
+def test_routes_say_strict_mode_refuses_a_forced_reference_and_a_typo_is_an_error(capsys, monkeypatch, w4a8):
+    """ANYCHIP_KERNEL_ISA=reference: the engine refuses it in strict mode, so `routes MODEL` says so (it listed
+    every linear on the reference and exited 0); a route name no route has is an error even with fallback allowed
+    (it ran every linear on the reference, silently); spaces around the name are dropped."""
+    from anychip.kernels.policy import KernelPolicy
+    from anychip.kernels.routes import LinearProblem, NoKernelRoute
+
+    monkeypatch.setenv("ANYCHIP_KERNEL_ISA", "reference")
+    rc, doc = _json(capsys, str(w4a8))
+    assert rc == 1 and all(layer["route"] is None and "strict mode refuses" in layer["reason"]
+                           for layer in doc["layers"])
+    problem = LinearProblem(64, 64, 32, "cpu")
+    with pytest.raises(NoKernelRoute, match="unknown kernel route 'bogus'"):
+        routes.select(problem, KernelPolicy(route="bogus", allow_fallback=True))
+    monkeypatch.setenv("ANYCHIP_KERNEL_ISA", "  portable ")
+    from anychip import envs
+
+    assert envs.forced_isa() == "portable"
+
+
 def test_routes_cuda_device_without_a_gpu(capsys, monkeypatch, w4a8):
     monkeypatch.delenv("ANYCHIP_KERNEL_ISA", raising=False)
     if routes.get("cuda.triton").unavailable() is None:

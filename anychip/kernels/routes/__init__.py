@@ -59,8 +59,9 @@ def available(device: str = "cpu") -> list[Route]:
 def select(problem: LinearProblem, policy: KernelPolicy) -> Route:
     """The route for one linear under `policy` (see the module docstring)."""
     if policy.route is not None:
+        forced = get(policy.route)  # a name no route has is a typo, an error whatever the fallback setting
         try:
-            return _forced(problem, get(policy.route))
+            return _forced(problem, forced)
         except NoKernelRoute:
             if policy.allow_fallback:
                 return REFERENCE
