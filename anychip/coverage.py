@@ -206,6 +206,14 @@ def check(document: dict[str, Any], expect_linears: int | None = None, group_siz
             problems.append(f"field {key!r} is {type(document[key]).__name__}, not an object")
     if isinstance(document["layers"], dict) and not all(isinstance(v, dict) for v in document["layers"].values()):
         problems.append("field 'layers' holds entries that are not objects")
+    if isinstance(document["phases"], dict) and not all(isinstance(v, dict) for v in document["phases"].values()):
+        problems.append("field 'phases' holds entries that are not objects")
+    if isinstance(document["layers"], dict):
+        bad = [f"{name}.{key}" for name, layer in document["layers"].items() if isinstance(layer, dict)
+               for key in ("calls", "tokens") if not isinstance(layer.get(key, {}), dict)
+               or not all(isinstance(v, int) for v in layer.get(key, {}).values())]
+        if bad:
+            problems.append(f"layers' call counts are not objects of whole numbers, e.g. {bad[0]}")
     if not isinstance(document["head_route"], (dict, type(None))):
         problems.append(f"field 'head_route' is {type(document['head_route']).__name__}, not an object")
     if problems:
@@ -235,15 +243,9 @@ def check(document: dict[str, Any], expect_linears: int | None = None, group_siz
         problems.append(f"{len(stray)} linears run unquantized on vLLM's BF16 GEMM without the checkpoint's ignore "
                         f"list naming them, e.g. {stray[0]} ({unquantized[stray[0]].get('reason')}): quantize them "
                         "(anychip quantize) or add them to quantization_config.ignore")
-    fallback = [name for name, layer in layers.items() if layer.get("fallback")]
-    if stats.get("fallback_linears", 0) != len(fallback):
-        problems.append(f"route_stats.fallback_linears={stats.get('fallback_linears')} but {len(fallback)} layers "
-                        "are marked fallback")
-    if fallback and not allow_fallback:
-        problems.append(f"{len(fallback)} linears ran on the reference route, e.g. {fallback[0]} "
-                        f"({layers[fallback[0]].get('reason')})")
-    if expect_linears is not None and stats.get("prepared_linears") != expect_linears:
-        problems.append(f"prepared_linears={stats.get('prepared_linears')}, expected {expect_linears}")
+    problems += _route_problems(layers, stats, head, allow_fallback)
+    if expect_linears is not None and len(layers) != expect_linears:
+        problems.append(f"{len(layers)} quantized linears in the report, expected {expect_linears}")
     if group_size is not None:
         wrong = [name for name, layer in layers.items() if layer.get("group_size") != group_size]
         if wrong:
@@ -255,12 +257,55 @@ def check(document: dict[str, Any], expect_linears: int | None = None, group_siz
     for name, layer in layers.items():
         if str(layer.get("route", "")).startswith("vllm."):
             continue  # served by vLLM's own scheme (fallback allowed): its calls are not observed
+        calls, tokens = layer.get("calls") or {}, layer.get("tokens") or {}
         for phase in PHASES:
-            if document["phases"].get(phase) and not (layer.get("calls") or {}).get(phase):
+            passes = (document["phases"].get(phase) or {}).get("forward_passes") or 0
+            if passes and not calls.get(phase):
                 problems.append(f"{name} was not called in {phase}")
+                break
+            if calls.get(phase, 0) < passes:  # every forward pass calls every linear
+                problems.append(f"{name} was called {calls.get(phase, 0)} times in {phase}, which ran {passes} "
+                                "forward passes")
+                break
+            if tokens.get(phase, 0) < calls.get(phase, 0):
+                problems.append(f"{name} took {tokens.get(phase, 0)} tokens in {calls[phase]} {phase} calls")
                 break
     if not head.get("route") and not pooling:
         problems.append("head_route names no route for the output head")
+    return problems
+
+
+def _route_problems(layers: dict[str, dict[str, Any]], stats: dict[str, Any], head: dict[str, Any],
+                    allow_fallback: bool) -> list[str]:
+    """The quantized layers' routes: known ids, none on the reference or vLLM's own schemes unless fallback is
+    allowed (marked or not), and route_stats as the layers add up (a hand-edited report passed on its stats)."""
+    from anychip.kernels import routes
+
+    problems: list[str] = []
+    known = set(routes.route_ids())
+    unknown = [name for name, layer in layers.items() if not isinstance(layer.get("route"), str)
+               or (layer["route"] not in known and not layer["route"].startswith("vllm."))]
+    if unknown:
+        problems.append(f"{len(unknown)} linears name no known route, e.g. {unknown[0]} "
+                        f"({layers[unknown[0]].get('route')!r}; routes: {', '.join(sorted(known))})")
+    fallback = [name for name, layer in layers.items() if layer.get("fallback")]
+    if stats.get("fallback_linears", 0) != len(fallback):
+        problems.append(f"route_stats.fallback_linears={stats.get('fallback_linears')} but {len(fallback)} layers "
+                        "are marked fallback")
+    slow = [name for name, layer in layers.items() if layer.get("fallback")
+            or layer.get("route") == routes.REFERENCE.id or str(layer.get("route", "")).startswith("vllm.")]
+    if slow and not allow_fallback:
+        problems.append(f"{len(slow)} linears ran on the reference route or vLLM's own scheme, e.g. {slow[0]} "
+                        f"({layers[slow[0]].get('route')}: {layers[slow[0]].get('reason')})")
+    fast = [layer for name, layer in layers.items() if not layer.get("fallback")]
+    if stats.get("prepared_linears") != len(fast):
+        problems.append(f"route_stats.prepared_linears={stats.get('prepared_linears')} but {len(fast)} quantized "
+                        "linears are not marked fallback")
+    by_route = dict(Counter(str(layer.get("route")) for layer in layers.values()))
+    if stats.get("by_route") != by_route:
+        problems.append(f"route_stats.by_route={stats.get('by_route')} but the layers add up to {by_route}")
+    if not allow_fallback and str(head.get("route") or "").startswith(routes.REFERENCE.id):
+        problems.append(f"the output head ran on {head['route']}, the reference, in a strict report")
     return problems
 
 

@@ -198,3 +198,59 @@ def test_a_pooling_report_needs_no_decode_and_no_head_route():
     problems = check(cov.snapshot())
     assert any("phase 'decode' was never observed" in p for p in problems)
     assert any("names no route" in p for p in problems)
+
+
+def test_check_fails_hand_edited_reports_that_passed_on_their_stats(tmp_path, capsys):
+    """probe46: a report with layers deleted, a layer on the reference or vLLM's scheme without the fallback mark,
+    an unknown route, by_route or prepared_linears that the layers do not add up to, a reference head, fewer calls
+    than passes or no tokens passed the check; wrongly typed counts crashed it."""
+    import copy
+    import json
+
+    from anychip.cli import main
+
+    good = _report()
+    assert check(good, expect_linears=2) == []
+
+    def problems(edit) -> list[str]:
+        doc = copy.deepcopy(good)
+        edit(doc)
+        return check(doc, expect_linears=2)
+
+    qkv = "model.layers.0.self_attn.qkv_proj"
+    cases = {
+        "1 quantized linears in the report, expected 2": lambda d: d["layers"].pop("model.layers.0.mlp.down_proj"),
+        "reference route or vLLM's own scheme": lambda d: d["layers"][qkv].update(route="reference"),
+        "vllm.compressed_tensors": lambda d: d["layers"][qkv].update(route="vllm.compressed_tensors"),
+        "name no known route": lambda d: d["layers"][qkv].update(route=None),
+        "by_route": lambda d: d["route_stats"].update(by_route={"cpu.avx512_vnni": 2}),
+        "prepared_linears": lambda d: d["route_stats"].update(prepared_linears=3),
+        "the reference, in a strict report": lambda d: d["head_route"].update(route="reference.head_bf16"),
+        "which ran 2 forward passes": lambda d: d["phases"]["decode"].update(forward_passes=2),
+        "took 0 tokens": lambda d: d["layers"][qkv]["tokens"].update(prefill=0),
+        "'phases' holds entries that are not objects": lambda d: d["phases"].update(prefill=5),
+        "not objects of whole numbers": lambda d: d["layers"][qkv].update(calls=[1, 3]),
+    }
+    for says, edit in cases.items():
+        found = problems(edit)
+        assert any(says in p for p in found), (says, found)
+    doc = copy.deepcopy(good)
+    doc["phases"]["prefill"] = 5
+    path = tmp_path / "cov.json"
+    path.write_text(json.dumps(doc))
+    assert main(["coverage", "check", str(path)]) == 1
+    assert "not objects" in capsys.readouterr().out
+
+
+def test_a_fallback_report_passes_with_allow_fallback_and_its_count():
+    cov = Coverage(strict=False, fallback_allowed=True, platform_info={})
+    cov.vllm_version = "test"
+    layer = cov.add_layer(LayerRoute(name="model.layers.0.mlp.down_proj", route="reference", kernel="torch",
+                                     isa="none", group_size=32, n=64, k=64, checkpoint_format="pack-quantized",
+                                     bit_exact=True, fallback=True, reason="forced"))
+    for phase in ("prefill", "decode"):
+        cov.record(layer, phase, 3, 3)
+    cov.head_route = {"route": "cpu.head_bf16.avx2"}
+    doc = cov.snapshot()
+    assert check(doc, expect_linears=1, allow_fallback=True) == []
+    assert any("reference route" in p for p in check(doc, expect_linears=1))
