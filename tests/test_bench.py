@@ -23,6 +23,7 @@ from anychip.bench import latency, metrics, peers, serve
 from anychip.bench.metrics import MeanSd, RepTiming, RequestRecord
 from anychip.checkpoint.model_dir import ModelDir
 from anychip.cli import build_parser, main
+from anychip.errors import AnychipError
 
 # ---- latency arithmetic ----
 
@@ -920,3 +921,54 @@ def test_bench_flags_out_of_range_and_a_short_context_are_one_line_errors(tiny_l
         assert main(["bench", "latency", model, *flags]) == 2
         err = capsys.readouterr().err
         assert err.startswith("anychip bench: error: ") and says in err, err
+
+
+def test_a_json_path_that_would_lose_the_report_is_refused_before_measuring(tmp_path, capsys):
+    """probe46: `--json X.md` wrote the Markdown over the JSON; a folder failed after the whole measurement."""
+    from anychip.bench.report import check_json_path
+    from anychip.cli import main
+
+    check_json_path(None)
+    check_json_path(tmp_path / "new" / "bench.json")
+    for bad, says in ((tmp_path / "r.md", "would be overwritten"), (tmp_path / "r.png", "would be overwritten"),
+                      (tmp_path, "is a folder")):
+        with pytest.raises(AnychipError, match=says):
+            check_json_path(bad)
+    for command in (["bench", "kernels"], ["bench", "latency"], ["bench", "serve", "http://127.0.0.1:9"]):
+        assert main([*command, "--json", str(tmp_path / "r.md")]) == 2
+        assert "would be overwritten" in capsys.readouterr().err
+
+
+def test_a_benchmark_child_ends_with_the_bench_that_started_it(tmp_path):
+    """probe46: `kill <bench pid>` left its runner measuring, an orphan holding its engine's memory. A child
+    started with die_with_parent gets SIGTERM when its parent ends (Linux)."""
+    import signal
+    import subprocess
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import subprocess, sys, time\n"
+        "from anychip.bench.peers import die_with_parent\n"
+        f"p = subprocess.Popen(['sleep', '60'], preexec_fn=die_with_parent)\n"
+        f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"
+        "time.sleep(60)\n")])
+    deadline = time.monotonic() + 30
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline and parent.poll() is None
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{child}/stat") as f:
+                if f.read().split(") ")[1].startswith("Z"):  # ended, not yet reaped by init
+                    break
+        except FileNotFoundError:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(child, signal.SIGKILL)
+        pytest.fail("the child outlived the process that started it")

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from anychip import envs
+from anychip.bench.report import check_json_path
 from anychip.errors import AnychipError
 from anychip.kernels import cpu_ext, routes
 from anychip.kernels.prepare import prepare_w4a8
@@ -464,6 +465,7 @@ def bench_run(
 def cmd_bench_kernels(args: argparse.Namespace) -> int:
     """All threads by wall clock (what a caller sees), then one thread by its CPU time: on a machine shared with
     other work, preemption inflates wall-clock times of multi-threaded calls far more than the kernels' own cost."""
+    check_json_path(args.json)
     quick = bool(getattr(args, "quick", False))
     decode_only = bool(getattr(args, "decode_only", False))
     if getattr(args, "device", "cpu") == "cuda":  # the NVIDIA route's own benchmark (kernels_gpu.py)

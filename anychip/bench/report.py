@@ -8,12 +8,14 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import math
+import os
 import shlex
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from anychip.errors import AnychipError
 
 
 def command_line(argv: Sequence[str] | None = None) -> str:
@@ -64,6 +66,25 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]], text_c
     lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join(right) + " |"]
     lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def check_json_path(path: str | Path | None) -> None:
+    """--json names a file this run can write, and not the Markdown or plot that go beside it (same stem, .md and
+    .png): checked before any measurement, which a bad path would otherwise lose at its end."""
+    if not path:
+        return
+    path = Path(path)
+    if path.suffix.lower() in (".md", ".png"):
+        raise AnychipError(f"--json {path}: the report's Markdown and plot are written beside the JSON as "
+                           f"{path.stem}.md and {path.stem}.png, so this name would be overwritten: name the JSON "
+                           f"file (e.g. {path.with_suffix('.json')})")
+    if path.is_dir():
+        raise AnychipError(f"--json {path}: is a folder; name the report's file (e.g. {path / 'bench.json'})")
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise AnychipError(f"--json {path}: {parent} is not a writable folder")
 
 
 def write_outputs(json_path: Path, doc: dict[str, Any], markdown: str,

@@ -25,7 +25,8 @@ import numpy as np
 
 from anychip.bench.host import machine, wait_for_idle
 from anychip.bench.metrics import RequestRecord, efficiency, ratio, summarize_serve
-from anychip.bench.report import command_line, fmt, fmt_sig, markdown_table, now, source_notes, write_outputs
+from anychip.bench.report import (check_json_path, command_line, fmt, fmt_sig, markdown_table, now, source_notes,
+                                  write_outputs)
 from anychip.errors import AnychipError
 
 #: The reference article's scenario: one card, 64 concurrent requests, 4k/16k/32k input, 1k output.
@@ -406,6 +407,7 @@ def _launched(args: argparse.Namespace,
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
+    check_json_path(args.json)
     apply_preset(args)
     if bool(args.url) == bool(args.launch):
         raise AnychipError("give either a server URL or --launch MODEL (not both, not neither)")
