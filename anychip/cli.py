@@ -10,7 +10,7 @@ import argparse
 import errno
 import importlib
 import sys
-from typing import Callable
+from typing import Any, Callable
 
 
 def _csv_ints(text: str) -> list[int]:
@@ -18,6 +18,28 @@ def _csv_ints(text: str) -> list[int]:
         return [int(v) for v in text.split(",") if v.strip()]
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
+
+
+def _positive(kind: type) -> Callable[[str], Any]:
+    """An argparse type: a number of `kind` above zero, refused at parse time (before any server or engine)."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not value > 0:  # also NaN
+            raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+        return value
+
+    return parse
+
+
+def _csv_positive_ints(text: str) -> list[int]:
+    values = _csv_ints(text)
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers of at least 1, got {text!r}")
+    return values
 
 
 def _csv(text: str) -> list[str]:
@@ -164,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", help="write JSON here (Markdown and PNG beside it)")
     b.add_argument("--eager", action="store_true", help="vLLM enforce_eager (faster start; default: compiled)")
     _add_verify(b)
-    b.add_argument("--graph-tokens", type=int, default=None, metavar="N",
+    b.add_argument("--graph-tokens", type=_positive(int), default=None, metavar="N",
                    help="cuda: every vLLM engine captures CUDA graphs at vLLM's dense sizes up to N tokens "
                         "(default: vLLM's own, twice the engine's max_num_seqs, at most 512), then at four sizes "
                         "an octave up to its step budget, as anychip's plugin does for the models it serves, so "
@@ -177,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cold (default): every vLLM engine starts with empty Inductor, Triton and vLLM compile "
                         "caches of its own, so engine start times compare; shared: the user's caches, warm from "
                         "earlier runs (a variable the user set is always kept)")
-    b.add_argument("--budget-s", type=float, default=300.0,
+    b.add_argument("--budget-s", type=_positive(float), default=300.0,
                    help="seconds per system for warm-up + repetitions; slower systems get fewer reps, then "
                         "smaller pp/tg (recorded in the row)")
     b.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
@@ -211,15 +233,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--server-log", metavar="PATH", help="with --launch: write the server's output here (default: a "
                    "new temporary folder, printed at start)")
     b.add_argument("--model", help="model name (default: the server's first model)")
-    b.add_argument("--concurrency", type=_csv_ints, default=[1, 4, 16, 64])
-    b.add_argument("--input-len", type=_csv_ints, default=[512])
-    b.add_argument("--output-len", type=_csv_ints, default=[128])
-    b.add_argument("--num-prompts", type=int, help="requests per concurrency level (default: 2x concurrency, >= 8)")
+    b.add_argument("--concurrency", type=_csv_positive_ints, default=[1, 4, 16, 64])
+    b.add_argument("--input-len", type=_csv_positive_ints, default=[512])
+    b.add_argument("--output-len", type=_csv_positive_ints, default=[128])
+    b.add_argument("--num-prompts", type=_positive(int), help="requests per concurrency level (default: 2x concurrency, >= 8)")
     b.add_argument("--preset", choices=["article"], help="the reference article's scenario (64 concurrent, "
                    "4k/16k/32k input, 1k output)")
-    b.add_argument("--scale", type=float, default=1.0, help="shrink the preset's lengths for small machines")
-    b.add_argument("--peak-tflops", type=float, help="peak compute, for efficiency per TFLOPS")
-    b.add_argument("--peak-gbps", type=float, help="peak memory bandwidth, for efficiency per GB/s")
+    b.add_argument("--scale", type=_positive(float), default=1.0, help="shrink the preset's lengths for small machines")
+    b.add_argument("--peak-tflops", type=_positive(float), help="peak compute, for efficiency per TFLOPS")
+    b.add_argument("--peak-gbps", type=_positive(float), help="peak memory bandwidth, for efficiency per GB/s")
     b.add_argument("--label", help="this server's name in the report (default: the model name)")
     b.add_argument("--append", action="store_true",
                    help="merge into an existing --json (other labels kept, same label replaced): one table for "
@@ -228,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--vocab-range", type=_csv_ints, default=[1000, 30000],
                    help="random prompt token ids are drawn from LO,HI (default 1000,30000: no special tokens)")
     b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--timeout-s", type=float, default=600.0, help="per-request timeout")
+    b.add_argument("--timeout-s", type=_positive(float), default=600.0, help="per-request timeout")
     b.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
                    help="before each level, wait up to SECONDS for the CPUs to be nearly idle (shared machines; "
                         "the server itself must be idle then)")

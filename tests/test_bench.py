@@ -972,3 +972,21 @@ def test_a_benchmark_child_ends_with_the_bench_that_started_it(tmp_path):
     else:
         os.kill(child, signal.SIGKILL)
         pytest.fail("the child outlived the process that started it")
+
+
+def test_bench_numbers_that_make_no_sense_are_refused_at_parse_time(capsys):
+    """probe46: `--num-prompts -4` reported "0/-4 ok", `--timeout-s 0` failed every request, `--concurrency 0`
+    started the server first, `--peak-tflops -1` ended in a traceback after measuring, `--budget-s -1000` timed
+    out a system after -100 s."""
+    for argv in (["bench", "serve", "http://127.0.0.1:9", "--num-prompts", "-4"],
+                 ["bench", "serve", "http://127.0.0.1:9", "--timeout-s", "0"],
+                 ["bench", "serve", "http://127.0.0.1:9", "--concurrency", "1,0"],
+                 ["bench", "serve", "http://127.0.0.1:9", "--peak-tflops", "-1"],
+                 ["bench", "serve", "http://127.0.0.1:9", "--scale", "nan"],
+                 ["bench", "latency", "--budget-s", "-1000"],
+                 ["bench", "latency", "--graph-tokens", "0"]):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert "must be above 0" in err or "at least 1" in err, (argv, err)
