@@ -889,6 +889,10 @@ def test_floor_row_joins_after_ours_and_its_notes(tiny_llama, tmp_path, monkeypa
     assert main(["bench", "latency", str(w4a8), "--pp", "128", "--tg", "32", "--systems", "anychip-w4a8-floor",
                  "--device", "cpu", "--no-warm-python"]) == 0
     assert seen == ["anychip-w4a8-floor"]
+    seen.clear()  # a peer named without --peers: said, not an empty report (probe46)
+    assert main(["bench", "latency", str(w4a8), "--pp", "128", "--tg", "32", "--systems", "vllm-bf16",
+                 "--device", "cpu", "--no-warm-python"]) == 2
+    assert seen == []
     rows = [_latency_row(latency.OURS, 2000, 150), _latency_row(latency.FLOOR, 2000, 250),
             _latency_row("llama.cpp-q4_0", 500, 100)]
     (note,) = latency.floor_notes(rows)
@@ -990,3 +994,31 @@ def test_bench_numbers_that_make_no_sense_are_refused_at_parse_time(capsys):
         assert exc.value.code == 2
         err = capsys.readouterr().err
         assert "must be above 0" in err or "at least 1" in err, (argv, err)
+
+
+def test_append_onto_a_file_that_is_not_that_benchmarks_report_is_refused(tmp_path):
+    """probe46: bench serve overwrote a corrupt --append file silently and failed after measuring on a latency
+    report; bench latency raised a JSONDecodeError traceback."""
+    from anychip.bench.latency import _read_report
+    from anychip.bench.serve import read_serve_report
+
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    other = tmp_path / "latency.json"
+    other.write_text(json.dumps({"benchmark": "latency", "rows": []}))
+    assert read_serve_report(tmp_path / "none.json") is None and _read_report(tmp_path / "none.json") is None
+    for path in (bad, other):
+        with pytest.raises(AnychipError, match="not a bench serve report"):
+            read_serve_report(path)
+    with pytest.raises(AnychipError, match="not a bench latency report"):
+        _read_report(bad)
+    assert _read_report(other)["benchmark"] == "latency"
+
+
+def test_device_cuda_without_a_gpu_is_named(monkeypatch):
+    from anychip.bench.latency import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(AnychipError, match="--device cuda: this Python has"):
+        resolve_device("cuda")
+    assert resolve_device("auto") == "cpu"

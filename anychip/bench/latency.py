@@ -196,10 +196,13 @@ def _gpu_peers(md: ModelDir, kind: str) -> list[System]:
 
 
 def resolve_device(device: str) -> str:
-    if device != "auto":
-        return device
     import torch
 
+    if device == "cuda" and not torch.cuda.is_available():
+        build = "a CPU-only torch" if torch.version.cuda is None else f"torch {torch.__version__}, which sees no GPU"
+        raise AnychipError(f"--device cuda: this Python has {build}; run on a GPU host, or use --device cpu")
+    if device != "auto":
+        return device
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -770,10 +773,19 @@ _STATS = ("pp_tps", "tg_tps", "total_tps", "t_pp_s", "t_tg_s", "batch_tps")
 
 
 def _read_report(path: Path) -> dict[str, Any] | None:
+    """--append's earlier report (None when there is none yet); an error naming the file when it is not one."""
     try:
-        return json.loads(path.read_text())
+        doc = json.loads(path.read_text())
     except FileNotFoundError:
         return None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise AnychipError(f"--append {path}: not a bench latency report ({exc}): name another --json, or move "
+                           "that file away") from None
+    if not isinstance(doc, dict) or doc.get("benchmark") not in (None, "latency") or not isinstance(
+            doc.get("rows", []), list):
+        raise AnychipError(f"--append {path}: not a bench latency report (benchmark "
+                           f"{doc.get('benchmark') if isinstance(doc, dict) else type(doc).__name__!r})")
+    return doc
 
 
 def merge_into(path: Path, doc: dict[str, Any], old: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -836,6 +848,11 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
         unknown = sorted(set(args.systems) - {s.name for s in systems} - set(SYSTEMS))
         if unknown:
             raise AnychipError(f"--systems {','.join(unknown)}: unknown; choose from {', '.join(SYSTEMS)}")
+        planned = {s.name for s in systems}
+        missing = [name for name in args.systems if name not in planned]
+        if missing:
+            raise AnychipError(f"--systems {','.join(missing)}: not planned for this run (the peers come with "
+                               f"--peers; planned here: {', '.join(sorted(planned))})")
         systems = [s for s in systems if s.name in args.systems]
     where = machine()  # before measuring: the source state is the one the engines load
     workdir = Path(tempfile.mkdtemp(prefix="anychip-bench-latency-"))

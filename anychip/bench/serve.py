@@ -294,11 +294,27 @@ def plot(doc: dict[str, Any], png: Path) -> None:
 
 def _merge(path: Path, doc: dict[str, Any], label: str) -> dict[str, Any]:
     """Keep the other labels' rows from an existing report (each row carries the command that measured it)."""
-    try:
-        old = json.loads(path.read_text())
-    except (OSError, ValueError):
+    old = read_serve_report(path)
+    if old is None:
         return doc
     doc["rows"] = [r for r in old.get("rows", []) if r["label"] != label] + doc["rows"]
+    return doc
+
+
+def read_serve_report(path: Path) -> dict[str, Any] | None:
+    """--append's earlier report (None when there is none yet); an error naming the file when it is not one (a
+    corrupt file was silently overwritten, a latency report failed after measuring)."""
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise AnychipError(f"--append {path}: not a bench serve report ({exc}): name another --json, or move that "
+                           "file away") from None
+    if (not isinstance(doc, dict) or doc.get("benchmark") != "serve" or not isinstance(doc.get("rows"), list)
+            or not all(isinstance(r, dict) and "label" in r for r in doc["rows"])):
+        raise AnychipError(f"--append {path}: not a bench serve report (its benchmark is "
+                           f"{doc.get('benchmark') if isinstance(doc, dict) else type(doc).__name__!r})")
     return doc
 
 
@@ -408,6 +424,8 @@ def _launched(args: argparse.Namespace,
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     check_json_path(args.json)
+    if args.append and args.json:
+        read_serve_report(Path(args.json))  # before any server starts
     apply_preset(args)
     if bool(args.url) == bool(args.launch):
         raise AnychipError("give either a server URL or --launch MODEL (not both, not neither)")
