@@ -82,6 +82,7 @@ class Coverage:
         # vLLM's Python ops, and whether Inductor writes the compiled forward's wrapper in C++
         self.attention_calls: dict[str, Any] | None = None
         self.head_route: dict[str, Any] | None = None
+        self.refused: str | None = None  # why the engine stopped while its model was built or loaded
         self.layers: list[LayerRoute] = []
         self.phases: dict[str, Counter] = {}
         self._lock = threading.Lock()
@@ -130,6 +131,7 @@ class Coverage:
                 "platform": self.platform,
                 "strict": self.strict,
                 "fallback_allowed": self.fallback_allowed,
+                "refused": self.refused,
                 "phases": {p: {"forward_passes": c["forward_passes"], "tokens": c["tokens"]}
                            for p, c in self.phases.items()},
                 "attention_backend": self.attention_backend,
@@ -218,6 +220,8 @@ def check(document: dict[str, Any], expect_linears: int | None = None, group_siz
         problems.append(f"field 'head_route' is {type(document['head_route']).__name__}, not an object")
     if problems:
         return problems
+    if document.get("refused"):
+        return [f"the engine refused to start: {document['refused']}"]
     if document["schema_version"] != SCHEMA_VERSION:
         problems.append(f"schema_version {document['schema_version']} != {SCHEMA_VERSION}")
     if not allow_fallback:

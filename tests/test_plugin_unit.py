@@ -735,3 +735,25 @@ def test_a_nan_past_the_first_slice_and_the_gpu_load_hook(monkeypatch):
     monkeypatch.setattr(current_platform, "is_cpu", lambda: True)
     monkeypatch.setitem(compat._load_hooks, "gpu", None)
     assert not compat.install_gpu_model_hook(lambda m, config: None)  # a CPU engine has its own hook
+
+
+def test_an_engine_refusal_is_in_the_report_and_fails_the_check(tmp_path, monkeypatch):
+    """probe46: an engine refused at load wrote an empty strict report over the last good one, with no word of why.
+    The refusal's message is the report's `refused`, written at once, and coverage check names it."""
+    import json
+
+    from anychip.coverage import check
+    from anychip.kernels.policy import KernelPolicy
+    from anychip.vllm_plugin import recorder as recorder_module
+    from anychip.vllm_plugin.config import StrictModeError
+    from anychip.vllm_plugin.scheme import LayerPrepareError
+
+    path = tmp_path / "cov.json"
+    rec = recorder_module.Recorder(path, KernelPolicy())
+    monkeypatch.setattr(recorder_module, "_recorder", rec)
+    error = LayerPrepareError("layer model.layers.0.mlp.down_proj: scale [0, 1] is nan")
+    doc = json.loads(path.read_text())
+    assert doc["refused"] == str(error)
+    assert check(doc) == [f"the engine refused to start: {error}"]
+    StrictModeError("layer x: no anychip kernel serves it")
+    assert json.loads(path.read_text())["refused"] == "layer x: no anychip kernel serves it"

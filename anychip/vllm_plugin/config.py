@@ -11,18 +11,17 @@ from typing import Any
 import torch
 from compressed_tensors.quantization import QuantizationArgs
 
-from anychip.errors import AnychipError
 from anychip.formats import FORMATS
 from anychip.vllm_plugin import compat, cpu_attention
 from anychip.vllm_plugin.head import head_method
-from anychip.vllm_plugin.recorder import get_recorder
+from anychip.vllm_plugin.recorder import EngineRefusal, get_recorder
 from anychip.vllm_plugin.scheme import AnychipW4A8Scheme, ForeignScheme
 
 NAME = "anychip-w4a8"
 
 
-class StrictModeError(AnychipError, RuntimeError):
-    pass
+class StrictModeError(EngineRefusal):
+    """Strict mode refuses a layer no anychip kernel serves."""
 
 
 def _value(x: Any) -> Any:

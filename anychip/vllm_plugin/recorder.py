@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from anychip import envs
+from anychip.errors import AnychipError
 from anychip.coverage import (UNUSED_HEAD, Coverage, LayerRoute, platform_summary, rank_path, write_atomic,
                               write_rank_index)
 from anychip.kernels import hooks, machine, routes
@@ -317,6 +318,13 @@ class Recorder:
         for BUSY_FLUSH_SECONDS since the last write."""
         return now - self._last_step >= IDLE_SECONDS or now - self._last_write >= BUSY_FLUSH_SECONDS
 
+    def note_refusal(self, message: str) -> None:
+        """The engine is refused (EngineRefusal): recorded in the report, written now."""
+        with self._lock:
+            self.coverage.refused = message
+            self.coverage.dirty = True
+        self.flush()
+
     def flush(self) -> None:
         if self.path is not None:
             self._last_write = time.monotonic()
@@ -371,6 +379,17 @@ class _DeviceTable:
 
 _recorder: Recorder | None = None
 _lock = threading.Lock()
+
+
+class EngineRefusal(AnychipError, RuntimeError):
+    """An error that stops the engine while the model is built or loaded (strict mode, damaged weights): its
+    message goes into the coverage report as `refused` when it is made, so the report an engine that never started
+    writes says why, instead of an empty strict report over the last good one."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        if _recorder is not None:
+            _recorder.note_refusal(message)
 
 
 def get_recorder() -> Recorder:

@@ -23,13 +23,14 @@ from anychip.kernels import ops, routes  # ops registers torch.ops.anychip.*
 from anychip.kernels.prepare import prepare_w4a8
 from anychip.kernels.routes.base import CheckpointDataError
 from anychip.vllm_plugin import compat
+from anychip.vllm_plugin.recorder import EngineRefusal
 from anychip.vllm_plugin.tensor_parallel import quantize_over_ranks
 
 if TYPE_CHECKING:
     from anychip.vllm_plugin.recorder import Recorder
 
-class LayerPrepareError(AnychipError, RuntimeError):
-    pass
+class LayerPrepareError(EngineRefusal):
+    """A layer (or weight) no route can serve as the checkpoint has it."""
 
 
 def _channel_group(k: int) -> int | None:
@@ -202,7 +203,7 @@ class AnychipW4A8Scheme(compat.CompressedTensorsScheme):
             prepared = prepare_w4a8(wq, scales, group, packed=packed,
                                     policy=replace(policy, allow_fallback=False))
             if prepared.route is routes.REFERENCE:
-                raise LayerPrepareError(f"{envs.ANYCHIP_KERNEL_ISA}={policy.route} forces the reference route")
+                raise AnychipError(f"{envs.ANYCHIP_KERNEL_ISA}={policy.route} forces the reference route")
         except CheckpointDataError as exc:  # damaged weights: no route serves them, the reference included
             raise LayerPrepareError(f"layer {self.layer_name} (N={self.n}, K={self.k}, G{group}): {exc}. No route "
                                     "can serve damaged weights, so the engine does not start whatever the fallback "
