@@ -527,6 +527,7 @@ def test_bench_serve_against_a_scripted_server(scripted_server, tmp_path):
     md = out.with_suffix(".md").read_text()
     assert "--label a" in md and "--label b" in md and "Against b" in md
     assert out.with_suffix(".png").exists()
+    assert serve.comparisons(doc["rows"], "B") == []  # a mistyped baseline: no ratios against another label
 
 
 def test_bench_serve_reports_the_api_process_cpu_share(scripted_server, tmp_path):

@@ -15,6 +15,7 @@ import itertools
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -181,9 +182,9 @@ def _key(row: dict[str, Any]) -> tuple[int, int, int]:
 def comparisons(rows: list[dict[str, Any]], baseline: str | None) -> list[dict[str, Any]]:
     """For each label other than the baseline: TTFT and throughput ratios at every shared scenario."""
     labels = list(dict.fromkeys(r["label"] for r in rows))
-    if len(labels) < 2:
-        return []
-    base = baseline if baseline in labels else labels[-1]
+    if len(labels) < 2 or (baseline is not None and baseline not in labels):
+        return []  # a named baseline that is not here: no ratios against another label instead (publish says so)
+    base = baseline if baseline is not None else labels[-1]
     base_rows = {_key(r): r for r in rows if r["label"] == base}
     out = []
     for r in rows:
@@ -449,6 +450,10 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
             doc = _merge(path, doc, rows[0]["label"] if rows else "")
         doc["commands"] = list(dict.fromkeys(r["command"] for r in doc["rows"] if r.get("command")))
         doc["comparisons"] = comparisons(doc["rows"], args.baseline)
+        labels = sorted({r["label"] for r in doc["rows"]})
+        if args.baseline is not None and args.baseline not in labels:
+            print(f"anychip bench serve: --baseline {args.baseline}: no rows with that label (labels: "
+                  f"{', '.join(labels)}): no ratios written", file=sys.stderr)
         for p in write_outputs(path, doc, render_markdown(doc), plot):
             print(f"wrote {p}")
 
