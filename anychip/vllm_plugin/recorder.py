@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 from anychip import envs
-from anychip.errors import AnychipError
 from anychip.coverage import (UNUSED_HEAD, Coverage, LayerRoute, platform_summary, rank_path, write_atomic,
                               write_rank_index)
+from anychip.errors import AnychipError
 from anychip.kernels import hooks, machine, routes
 from anychip.kernels.policy import KernelPolicy
 from anychip.vllm_plugin import compat
