@@ -236,7 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--concurrency", type=_csv_positive_ints, default=[1, 4, 16, 64])
     b.add_argument("--input-len", type=_csv_positive_ints, default=[512])
     b.add_argument("--output-len", type=_csv_positive_ints, default=[128])
-    b.add_argument("--num-prompts", type=_positive(int), help="requests per concurrency level (default: 2x concurrency, >= 8)")
+    b.add_argument("--num-prompts", type=_positive(int),
+                   help="requests per concurrency level (default: 2x concurrency, >= 8)")
     b.add_argument("--preset", choices=["article"], help="the reference article's scenario (64 concurrent, "
                    "4k/16k/32k input, 1k output)")
     b.add_argument("--scale", type=_positive(float), default=1.0, help="shrink the preset's lengths for small machines")

@@ -46,7 +46,8 @@ def check_float_weights(model: torch.nn.Module) -> None:
     scales were checked when their layers were prepared): one NaN in a norm weight is laundered by the INT8
     activations into plausible wrong tokens, not NaN output. What `anychip verify`'s value pass checks in the files,
     checked here for a plain `vllm serve` or `LLM(...)` that never ran it (the load hooks of vLLM's CPU and GPU
-    model runners; a few hundred ms for a 1B model on a CPU; in slices, so that the check leaves no large temporary in the allocator's cache)."""
+    model runners; a few hundred ms for a 1B model on a CPU; in slices, so that the check leaves no large
+    temporary in the allocator's cache)."""
     for name, param in model.named_parameters():
         flat = param.detach().reshape(-1)
         if param.is_floating_point() and any(not bool(torch.isfinite(flat[i:i + CHECK_SLICE]).all())
