@@ -370,9 +370,9 @@ def verify_checkpoint(path: Path, expect_sha256: dict[str, str] | None = None, *
     except ContractError as exc:
         raise ContractError(f"{cfg_path}: {exc}") from None
     dims = DecoderDims.from_config(config, where=str(cfg_path))
-    declared = {config.get(key) for key in ("torch_dtype", "dtype")} & {"float16", "half"}
-    if declared:
-        raise ContractError(f"{cfg_path}: declares dtype {declared.pop()}, which vLLM refuses for this scheme (its "
+    declared = [v for v in (config.get("torch_dtype"), config.get("dtype")) if v in ("float16", "half")]
+    if declared:  # (a value of another type, a list say, is not these strings: vLLM's own check names it)
+        raise ContractError(f"{cfg_path}: declares dtype {declared[0]}, which vLLM refuses for this scheme (its "
                             "float tensors are BF16): re-quantize with this anychip, which writes "
                             "\"bfloat16\" there")
     infos = read_tensor_infos(path)
