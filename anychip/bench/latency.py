@@ -32,8 +32,8 @@ from anychip.bench import gguf_peers, peers, runners
 from anychip.bench.host import machine, wait_for_idle, warm_python
 from anychip.bench.metrics import MeanSd, RepTiming, mean_sd, ratio, summarize_latency
 from anychip.bench.peers import die_with_parent
-from anychip.bench.report import (check_json_path, command_line, fmt, markdown_table, now, source_notes,
-                                  write_outputs)
+from anychip.bench.report import (check_json_path, command_line, fmt, markdown_table, now, read_report_to_append,
+                                  source_notes, write_outputs)
 from anychip.bench.runners import Engine, RunSpec
 from anychip.checkpoint.model_dir import ModelDir, ModelDirError
 from anychip.checkpoint.verify import verify_before_use
@@ -773,19 +773,10 @@ _STATS = ("pp_tps", "tg_tps", "total_tps", "t_pp_s", "t_tg_s", "batch_tps")
 
 
 def _read_report(path: Path) -> dict[str, Any] | None:
-    """--append's earlier report (None when there is none yet); an error naming the file when it is not one."""
-    try:
-        doc = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise AnychipError(f"--append {path}: not a bench latency report ({exc}): name another --json, or move "
-                           "that file away") from None
-    if not isinstance(doc, dict) or doc.get("benchmark") not in (None, "latency") or not isinstance(
-            doc.get("rows", []), list):
-        raise AnychipError(f"--append {path}: not a bench latency report (benchmark "
-                           f"{doc.get('benchmark') if isinstance(doc, dict) else type(doc).__name__!r})")
-    return doc
+    """--append's earlier latency report (report.read_report_to_append; one from before reports named their
+    benchmark is taken too)."""
+    return read_report_to_append(path, "latency", lambda doc: doc.get("benchmark") in (None, "latency")
+                                 and isinstance(doc.get("rows", []), list))
 
 
 def merge_into(path: Path, doc: dict[str, Any], old: dict[str, Any] | None = None) -> dict[str, Any]:

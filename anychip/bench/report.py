@@ -78,13 +78,38 @@ def check_json_path(path: str | Path | None) -> None:
         raise AnychipError(f"--json {path}: the report's Markdown and plot are written beside the JSON as "
                            f"{path.stem}.md and {path.stem}.png, so this name would be overwritten: name the JSON "
                            f"file (e.g. {path.with_suffix('.json')})")
+    check_report_file(path, "bench.json")
+
+
+def check_report_file(path: str | Path, example: str, error: type[Exception] = AnychipError) -> None:
+    """--json `path` can be written as a file (not a folder; its nearest existing folder writable), else `error`:
+    checked before the work whose report it is (bench and eval alike)."""
+    path = Path(path)
     if path.is_dir():
-        raise AnychipError(f"--json {path}: is a folder; name the report's file (e.g. {path / 'bench.json'})")
+        raise error(f"--json {path}: is a folder; name the report's file (e.g. {path / example})")
     parent = path.absolute().parent
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir() or not os.access(parent, os.W_OK):
-        raise AnychipError(f"--json {path}: {parent} is not a writable folder")
+        raise error(f"--json {path}: {parent} is not a writable folder")
+
+
+def read_report_to_append(path: Path, benchmark: str, is_one: Callable[[dict[str, Any]], bool]
+                          ) -> dict[str, Any] | None:
+    """--append's earlier `benchmark` report at `path` (None when there is none yet); an error naming the file
+    when it is not JSON or `is_one` says it is not such a report (checked before measuring: a corrupt file was
+    silently overwritten, a report of another benchmark failed after the run)."""
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise AnychipError(f"--append {path}: not a bench {benchmark} report ({exc}): name another --json, or move "
+                           "that file away") from None
+    if not isinstance(doc, dict) or not is_one(doc):
+        raise AnychipError(f"--append {path}: not a bench {benchmark} report (its benchmark is "
+                           f"{doc.get('benchmark') if isinstance(doc, dict) else type(doc).__name__!r})")
+    return doc
 
 
 def write_outputs(json_path: Path, doc: dict[str, Any], markdown: str,

@@ -26,8 +26,8 @@ import numpy as np
 
 from anychip.bench.host import machine, wait_for_idle
 from anychip.bench.metrics import RequestRecord, efficiency, ratio, summarize_serve
-from anychip.bench.report import (check_json_path, command_line, fmt, fmt_sig, markdown_table, now, source_notes,
-                                  write_outputs)
+from anychip.bench.report import (check_json_path, command_line, fmt, fmt_sig, markdown_table, now,
+                                  read_report_to_append, source_notes, write_outputs)
 from anychip.errors import AnychipError
 
 #: The reference article's scenario: one card, 64 concurrent requests, 4k/16k/32k input, 1k output.
@@ -303,20 +303,9 @@ def _merge(path: Path, doc: dict[str, Any], label: str) -> dict[str, Any]:
 
 
 def read_serve_report(path: Path) -> dict[str, Any] | None:
-    """--append's earlier report (None when there is none yet); an error naming the file when it is not one (a
-    corrupt file was silently overwritten, a latency report failed after measuring)."""
-    try:
-        doc = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise AnychipError(f"--append {path}: not a bench serve report ({exc}): name another --json, or move that "
-                           "file away") from None
-    if (not isinstance(doc, dict) or doc.get("benchmark") != "serve" or not isinstance(doc.get("rows"), list)
-            or not all(isinstance(r, dict) and "label" in r for r in doc["rows"])):
-        raise AnychipError(f"--append {path}: not a bench serve report (its benchmark is "
-                           f"{doc.get('benchmark') if isinstance(doc, dict) else type(doc).__name__!r})")
-    return doc
+    """--append's earlier serve report (report.read_report_to_append), whose rows carry their labels."""
+    return read_report_to_append(path, "serve", lambda doc: doc.get("benchmark") == "serve" and isinstance(
+        doc.get("rows"), list) and all(isinstance(r, dict) and "label" in r for r in doc["rows"]))
 
 
 def measure_server(url: str, args: argparse.Namespace,

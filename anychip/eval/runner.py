@@ -10,7 +10,6 @@ import argparse
 import json
 import math
 import multiprocessing
-import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -456,16 +455,10 @@ def _no_nan(value: Any) -> Any:
 
 def check_output(path: str | None) -> None:
     """--json must be writable as a file: checked before the engines run, not after the work is done."""
-    if not path:
-        return
-    out = Path(path)
-    if out.is_dir():
-        raise EvalDataError(f"--json {path}: is a folder; name the report's file (e.g. {out / 'eval.json'})")
-    parent = out.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK):
-        raise EvalDataError(f"--json {path}: {parent} is not a writable folder")
+    if path:
+        from anychip.bench.report import check_report_file
+
+        check_report_file(path, "eval.json", EvalDataError)
 
 
 def write_report(path: str | None, report: dict[str, Any]) -> None:

@@ -49,9 +49,10 @@ def check_float_weights(model: torch.nn.Module) -> None:
     model runners; a few hundred ms for a 1B model on a CPU; in slices, so that the check leaves no large
     temporary in the allocator's cache)."""
     for name, param in model.named_parameters():
+        if not param.is_floating_point():
+            continue
         flat = param.detach().reshape(-1)
-        if param.is_floating_point() and any(not bool(torch.isfinite(flat[i:i + CHECK_SLICE]).all())
-                                             for i in range(0, flat.numel(), CHECK_SLICE)):
+        if any(not bool(torch.isfinite(flat[i:i + CHECK_SLICE]).all()) for i in range(0, flat.numel(), CHECK_SLICE)):
             raise LayerPrepareError(f"{name} holds NaN or inf: one such weight poisons every token that reaches it; "
                                     "the checkpoint is damaged (check it with `anychip verify`) or its BF16 source "
                                     "was; fix the source and re-quantize")
