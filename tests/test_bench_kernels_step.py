@@ -78,3 +78,15 @@ def test_a_k_no_group_size_divides_says_so() -> None:
                                            r"32 or 64"):
         prepare_w4a8(torch.zeros(16, 192, dtype=torch.int8), torch.ones(16, 1, dtype=torch.bfloat16), 128,
                      packed=False)
+
+
+def test_a_decode_row_is_timed_at_the_models_group_size() -> None:
+    row = kernels.bench_decode_shape("t", "qkv_proj", 256, 64, 1 << 20, 0.01, 40.0, group=32)
+    assert (row["G"], row["K"], row["N"], row["M"]) == (32, 256, 64, 1)
+    assert row["weight_bytes"] == 64 * 256 // 2 + 64 * (256 // 32) * 2  # int4 codes + one bf16 scale a group
+    default = kernels.bench_shape(1, 576, 64, 1 << 20, 0.01, 0, peers=())
+    assert default["G"] == 64  # no group given: GROUP_SIZE, or 64 where 128 does not divide K
+    bandwidth = {"read_gbs": 40.0, "probe_gbs": 40.0, "torch_sum_gbs": 30.0}
+    text = kernels.markdown_run({"title": "t", "bandwidth": bandwidth, "load_before": 0, "load_after": 0, "rows": [],
+                                 "decode_rows": [row], "targets": []})
+    assert "| t | qkv_proj | 256 | 64 | 32 |" in "\n".join(text)

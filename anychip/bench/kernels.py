@@ -137,11 +137,12 @@ def _copies(bytes_per_copy: int, llc: int) -> int:
 
 def bench_shape(
     m: int, k: int, n: int, llc: int, budget_s: float, dyn_iters: int, clock: Callable[[], float] = time.perf_counter,
-    peers: tuple[str, ...] = PEERS, batch_s: float = 0.005,
+    peers: tuple[str, ...] = PEERS, batch_s: float = 0.005, group: int | None = None,
 ) -> dict[str, object]:
-    """One shape, ours and `peers`; dyn_iters=0 leaves dyn4bit out. batch_s: see time_ms."""
+    """One shape, ours and `peers`; dyn_iters=0 leaves dyn4bit out. batch_s: see time_ms. group: the group size
+    (a model's); by default GROUP_SIZE, or 64 where it does not divide K."""
     timed = functools.partial(time_ms, clock=clock, batch_s=batch_s, max_batches=max(60, int(0.3 / batch_s)))
-    g = GROUP_SIZE if k % GROUP_SIZE == 0 else 64
+    g = group or (GROUP_SIZE if k % GROUP_SIZE == 0 else 64)
     gen = torch.Generator().manual_seed(m * 7 + k * 3 + n)
     wq = torch.randint(-8, 8, (n, k), dtype=torch.int8, generator=gen)
     sw = (torch.rand(n, k // g, generator=gen) * 0.02 + 0.001).bfloat16()  # a checkpoint's scales are bf16
@@ -211,12 +212,13 @@ def _call(x: torch.Tensor, p: PreparedW4A8) -> torch.Tensor:
 
 
 def bench_decode_shape(model: str, layer: str, k: int, n: int, llc: int, budget_s: float, read_gbs: float,
-                       clock: Callable[[], float] = time.perf_counter) -> dict[str, object]:
-    """One decode linear at M=1: ours against W4A16 and BF16, and our weight bytes / time vs the read bandwidth."""
+                       clock: Callable[[], float] = time.perf_counter, group: int | None = None) -> dict[str, object]:
+    """One decode linear at M=1 at the model's group size: ours against W4A16 and BF16, and our weight bytes / time
+    vs the read bandwidth."""
     row: dict[str, object] = {"model": model, "layer": layer}
     # 1 ms batches: a decode linear takes 10-1000 us, and on a shared machine a short batch is the likelier to
     # run with both threads undisturbed
-    row |= bench_shape(1, k, n, llc, budget_s, 0, clock=clock, peers=("bf16", "w4a16"), batch_s=0.001)
+    row |= bench_shape(1, k, n, llc, budget_s, 0, clock=clock, peers=("bf16", "w4a16"), batch_s=0.001, group=group)
     row["bandwidth_frac"] = round(float(row["weight_gbs"]) / read_gbs, 3)  # type: ignore[arg-type]
     return row
 
@@ -364,13 +366,15 @@ def markdown_run(run: dict[str, object]) -> list[str]:
             f"| {_fmt(r, 'vs_dyn4bit', '')} | {r['weight_gbs']} | {r['gops']} |"
         )
     if run.get("decode_rows"):
-        lines += ["", "M=1, every linear of a decode step (the op called from Python, as a graph with Inductor's "
-                  "Python wrapper calls it: a few µs a call more than from the C++ wrapper):", "",
-                  "| model | layer | K | N | anychip | w4a16 | bf16 | xw4a16 | xbf16 | weight GB/s | of read bandwidth |",
-                  "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+        lines += ["", "M=1, every linear of a decode step at the model's group size (the op called from Python, as a "
+                  "graph with Inductor's Python wrapper calls it: a few µs a call more than from the C++ wrapper):", "",
+                  "| model | layer | K | N | G | anychip | w4a16 | bf16 | xw4a16 | xbf16 | weight GB/s "
+                  "| of read bandwidth |",
+                  "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
         for r in run["decode_rows"]:  # type: ignore[union-attr]
             lines.append(
-                f"| {r['model']} | {r['layer']} | {r['K']} | {r['N']} | {_fmt(r, 'anychip_ms')} | {_fmt(r, 'w4a16_ms')} "
+                f"| {r['model']} | {r['layer']} | {r['K']} | {r['N']} | {r.get('G', '')} | {_fmt(r, 'anychip_ms')} "
+                f"| {_fmt(r, 'w4a16_ms')} "
                 f"| {_fmt(r, 'bf16_ms')} | {_fmt(r, 'vs_w4a16', '')} | {_fmt(r, 'vs_bf16', '')} | {r['weight_gbs']} "
                 f"| {float(r['bandwidth_frac']):.0%} |")
     if step := run.get("decode_step"):
@@ -395,10 +399,10 @@ def markdown(report: dict[str, object]) -> str:
         f"Command: `{report['command']}`",
         "",
         f"CPU: {report['cpu']} ({report['cores']} cores), ISA {report['isa']}, torch {report['torch']}. "
-        f"G={GROUP_SIZE} (64 where K=576), activations BF16, every method's weights rotated through copies "
-        "totalling 2x the LLC. Times in ms: the fastest of short batches (preemption only adds time). `xPEER` = peer time / ours "
-        "(above 1: we are faster). Weight GB/s counts the int4 bytes plus the group scales that we read (bf16, as "
-        "a checkpoint's).",
+        f"Grid rows G={GROUP_SIZE} (64 where it does not divide K), decode rows the model's (column G); activations "
+        "BF16, every method's weights rotated through copies totalling 2x the LLC. Times in ms: the fastest of short "
+        "batches (preemption only adds time). `xPEER` = peer time / ours (above 1: we are faster). Weight GB/s "
+        "counts the int4 bytes plus the group scales that we read (bf16, as a checkpoint's).",
         "",
     ]
     for run in report["runs"]:  # type: ignore[union-attr]
@@ -442,7 +446,9 @@ def bench_run(
             _progress(title, rows[-1])
         decode = []
         for model, layer, k, n in step.decode_shapes() if step is not None else DECODE_SHAPES:
-            decode.append(bench_decode_shape(model, layer, k, n, llc, budget_s, float(bandwidth["read_gbs"]), clock))
+            group = step.group if step is not None else DEFAULT_STEP.group if model == DEFAULT_STEP.name else None
+            decode.append(bench_decode_shape(model, layer, k, n, llc, budget_s, float(bandwidth["read_gbs"]), clock,
+                                             group))
             _progress(title, decode[-1])
         timed = bench_decode_step(20 if quick else 60, clock, step or DEFAULT_STEP) if decode_only else None
         # other work on a shared machine takes bandwidth at times: the best of the probes before and after is the
