@@ -421,8 +421,10 @@ def test_a_crash_mid_run_keeps_the_rows_measured_before_it(tiny_llama, tmp_path,
                  "--json", str(out)]) == 130
     doc = json.loads(out.read_text())
     assert [r["system"] for r in doc["rows"]] == ["vllm-bf16"]
+    assert doc["not_run"] == ["vllm-w8a8"]  # the stopped report says what it lacks
     assert doc["warm_python"] == {"packages": ["vllm", "anychip"], "device": "cpu", "seconds": 1.5}
     md = out.with_suffix(".md").read_text()
+    assert "**Incomplete**: not measured yet when this report was written" in md and "stopped): vllm-w8a8." in md
     assert "vllm-bf16" in md and "one throwaway process byte-compiled and imported vllm, anychip (1.5 s" in md
 
 
@@ -528,6 +530,33 @@ def test_bench_serve_against_a_scripted_server(scripted_server, tmp_path):
     assert "--label a" in md and "--label b" in md and "Against b" in md
     assert out.with_suffix(".png").exists()
     assert serve.comparisons(doc["rows"], "B") == []  # a mistyped baseline: no ratios against another label
+
+
+def test_a_serve_report_written_between_levels_names_the_levels_not_run(scripted_server, tmp_path, monkeypatch):
+    """The report is rewritten after every level; one written before the last level (the run then stopped, here by
+    Ctrl-C during the second level) says which levels it lacks, in the JSON and the table's page."""
+    real = serve.run_level
+    calls = []
+
+    async def stop_at_the_second(*a, **k):
+        calls.append(a[2] if len(a) > 2 else None)
+        if len(calls) == 3:  # the first request is the server's warm-up, then level 1, then level 2
+            raise KeyboardInterrupt
+        return await real(*a, **k)
+
+    monkeypatch.setattr(serve, "run_level", stop_at_the_second)
+    out = tmp_path / "s.json"
+    assert main(["bench", "serve", scripted_server, "--concurrency", "1,2", "--input-len", "8", "--output-len", "3",
+                 "--num-prompts", "2", "--json", str(out)]) == 130
+    doc = json.loads(out.read_text())
+    assert [r["concurrency"] for r in doc["rows"]] == [1] and doc["not_run"] == ["c=2 in=8 out=3"]
+    assert "**Incomplete**: levels not measured yet" in out.with_suffix(".md").read_text()
+    monkeypatch.setattr(serve, "run_level", real)
+    assert main(["bench", "serve", scripted_server, "--concurrency", "1,2", "--input-len", "8", "--output-len", "3",
+                 "--num-prompts", "2", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert "not_run" not in doc and len(doc["rows"]) == 2
+    assert "Incomplete" not in out.with_suffix(".md").read_text()
 
 
 def test_bench_serve_reports_the_api_process_cpu_share(scripted_server, tmp_path):

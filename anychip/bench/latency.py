@@ -633,6 +633,9 @@ def render_markdown(doc: dict[str, Any]) -> str:
         f"{doc['machine']['cpu']}, {doc['machine']['cpus']} CPUs, {doc['threads']} thread(s) per system"
     lines += [f"Machine: {where}; {doc['created']}. Tokens/s, mean ± sd over repetitions (llama-bench semantics: "
               "random token ids, empty KV cache per repetition).", ""]
+    if doc.get("not_run"):
+        lines += [f"**Incomplete**: not measured yet when this report was written (the run was still going, or was "
+                  f"stopped): {', '.join(doc['not_run'])}.", ""]
     batched = [r for r in doc["rows"] if r.get("batch_tps")]
     headers = ["system", "weights", f"pp{req['pp']} tok/s", f"tg{req['tg']} tok/s", "total tok/s", "reps",
                "engine start s", "peak RSS MiB", "mode"]
@@ -855,7 +858,9 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
     earlier = _read_report(Path(args.json)) if args.json and args.append else None  # before this run writes it
     warmed: dict[str, Any] | None = None
 
-    def _report(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    def _report(rows: list[dict[str, Any]], not_run: list[str] | None = None) -> dict[str, Any]:
+        """The report of `rows`; not_run: systems of this run not measured yet (a report written between systems:
+        what a run stopped there lacks)."""
         doc = {"benchmark": "latency", "created": now(), "machine": where, "model": str(model),
                "threads": args.threads, "device": args.device,
                "requested": {"pp": args.pp, "tg": args.tg, "reps": args.reps}, "rows": list(rows)}
@@ -865,6 +870,8 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
             doc = merge_into(Path(args.json), doc, earlier)
         doc["commands"] = list(dict.fromkeys(r["command"] for r in doc["rows"] if r.get("command")))
         doc["targets"] = target_checks(doc["rows"], args.device)
+        if not_run:
+            doc["not_run"] = list(not_run)
         return doc
 
     _report([])  # --append onto an incompatible report fails now, not after measuring
@@ -911,7 +918,8 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
             print(f"{row['status']}: {row.get('reason') or row.get('error')}")
         finish_row(row)
         if args.json and system is not systems[-1]:  # the report so far: a later failure loses no row
-            write_outputs(Path(args.json), (partial := _report(rows)), render_markdown(partial), plot)
+            rest = [s.name for s in systems[len(rows):]]
+            write_outputs(Path(args.json), (partial := _report(rows, rest)), render_markdown(partial), plot)
     doc = _report(rows)
     for t in doc["targets"]:
         bound = "<=" if t.get("at_most") else ""

@@ -204,6 +204,9 @@ def render_markdown(doc: dict[str, Any]) -> str:
     lines = ["# anychip bench serve", "", "Commands:", ""] + [f"- `{c}`" for c in doc["commands"]] + [
         "", f"Machine: {doc['machine']['cpu']}, {doc['machine']['cpus']} CPUs; {doc['created']}. Streaming "
         "completions, random token-id prompts, ignore_eos. Times in ms (mean / p50 / p99).", ""]
+    if doc.get("not_run"):
+        lines += [f"**Incomplete**: levels not measured yet when this report was written (the run was still going, "
+                  f"or was stopped): {', '.join(doc['not_run'])}.", ""]
     headers = ["server", "conc", "in", "out", "ok/fail", "req/s", "out tok/s", "total tok/s", "TTFT mean / p50 / p99",
                "TPOT mean", "ITL p50 / p99"]
     table = []
@@ -417,6 +420,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     if args.append and args.json:
         read_serve_report(Path(args.json))  # before any server starts
     apply_preset(args)
+    plan = scenarios(args.concurrency, args.input_len, args.output_len, args.num_prompts)  # checked before a server
     if bool(args.url) == bool(args.launch):
         raise AnychipError("give either a server URL or --launch MODEL (not both, not neither)")
     if (args.stock or args.server_arg or args.server_log) and not args.launch:
@@ -439,6 +443,10 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
             doc = _merge(path, doc, rows[0]["label"] if rows else "")
         doc["commands"] = list(dict.fromkeys(r["command"] for r in doc["rows"] if r.get("command")))
         doc["comparisons"] = comparisons(doc["rows"], args.baseline)
+        done = {(r["concurrency"], r["input_len"], r["output_len"]) for r in rows}
+        if not_run := [f"c={sc.concurrency} in={sc.input_len} out={sc.output_len}" for sc in plan
+                       if (sc.concurrency, sc.input_len, sc.output_len) not in done]:
+            doc["not_run"] = not_run  # a report written between levels: what a run stopped there lacks
         labels = sorted({r["label"] for r in doc["rows"]})
         if args.baseline is not None and args.baseline not in labels:
             print(f"anychip bench serve: --baseline {args.baseline}: no rows with that label (labels: "
