@@ -128,6 +128,37 @@ def test_a_choice_longer_than_the_window_names_its_task_file(tmp_path, monkeypat
         runner.evaluate_model(tmp_path, [path], None, runner.EvalSettings(window=8, stride=4, max_len=64))
 
 
+def test_a_choice_longer_than_the_window_is_named_before_any_engine_starts(tmp_path, monkeypatch):
+    """run_eval tokenizes the choices that could be too long (by their bytes) with the model's tokenizer before
+    starting an engine: a long choice of few tokens passes, one of too many tokens names its file and item."""
+    from conftest import _tiny_tokenizer, write_tiny_llama
+
+    _tiny_tokenizer(tmp_path / "tok", 100)
+    words = " " + " ".join(f"w{i % 9}" for i in range(70))  # 70 tokens of the word-level tokenizer
+    short = {"id": "few", "context": "w2", "choices": [" w3", " " + "z" * 200], "label": 0}  # 200 bytes, 1 token
+    long = {"id": "many", "context": "w2", "choices": [" w3", words], "label": 0}
+    (tmp_path / "ok.jsonl").write_text(json.dumps(short) + "\n")
+    (tmp_path / "long.jsonl").write_text(json.dumps(short) + "\n" + json.dumps(long) + "\n")
+    tasks = [load_task(tmp_path / "ok.jsonl"), load_task(tmp_path / "long.jsonl")]
+    runner.check_choices_fit(tasks[:1], 64, tmp_path / "tok")
+    runner.check_choices_fit(tasks, 71, tmp_path / "tok")
+    with pytest.raises(EvalDataError, match=re.escape(f"{tmp_path / 'long.jsonl'}: item many: a choice of 70 tokens "
+                                                      "does not fit the model's 64-token window")):
+        runner.check_choices_fit(tasks, 64, tmp_path / "tok")
+    runner.check_choices_fit(tasks, 64, tmp_path / "no-tokenizer-here")  # left to the engine
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("an engine was started for a choice that cannot be scored")
+
+    monkeypatch.setattr(runner, "evaluate_all", no_engine)
+    model = write_tiny_llama(tmp_path / "model", max_position_embeddings=65)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "long.jsonl").write_text((tmp_path / "long.jsonl").read_text())
+    with pytest.raises(EvalDataError, match="item many: a choice of 70 tokens does not fit the model's 64-token"):
+        runner.run_eval(model, None, str(data), runner.EvalSettings(), False, None, verify="none")
+
+
 def test_data_dir_resolution(tmp_path, monkeypatch):
     (tmp_path / "t1.jsonl").write_text('{"context": "c", "choices": [" a", " b"], "label": 0}\n')
     monkeypatch.setenv("ANYCHIP_EVALDATA", str(tmp_path))

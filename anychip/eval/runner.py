@@ -22,7 +22,7 @@ from anychip.envs import ANYCHIP_HEAD, patched_environ
 from anychip.errors import AnychipError
 from anychip.eval.requests import PairEncoder, pair_sequence, plan_requests, rolling_windows
 from anychip.eval.scoring import TaskScore, compare, perplexity, score_task
-from anychip.eval.tasks import (PERPLEXITY, EvalDataError, data_source, load_task, load_text, resolve_data_dir,
+from anychip.eval.tasks import (PERPLEXITY, EvalDataError, Task, data_source, load_task, load_text, resolve_data_dir,
                                 select_tasks)
 
 ENGINES: tuple[str, ...] = ("vllm", "torch", "llama.cpp")
@@ -403,6 +403,30 @@ def fit_context(settings: EvalSettings, model_dirs: list[Path]) -> EvalSettings:
     return replace(settings, max_len=max_len, window=window, stride=stride)
 
 
+def check_choices_fit(tasks: list[Task], max_len: int, tokenizer_dir: Path) -> None:
+    """A choice longer than the window (requests.pair_sequence refuses it) named before any engine starts. Only
+    choices of at least max_len - 4 UTF-8 bytes can be that long (a token covers at least one byte; the margin
+    takes a context's trailing spaces, moved into the choice, and a merged boundary token), so only those are
+    tokenized, with the model's own tokenizer; one that transformers cannot load leaves the check to the engine."""
+    long = [(task, item, ctx, cont) for task in tasks for item in task.items for ctx, cont in item.requests()
+            if len(cont.encode()) + len(ctx) - len(ctx.rstrip()) + 4 >= max_len]
+    if not long:
+        return
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    except Exception:  # noqa: BLE001 -- the engine's own tokenizer checks it later
+        return
+    encoder = PairEncoder(lambda text: tokenizer.encode(text, add_special_tokens=False), prefix_id=0)
+    for task, item, ctx, cont in long:
+        n = len(encoder(ctx, cont)[1])
+        if n >= max_len:
+            raise EvalDataError(f"{task.path}: item {item.id}: a choice of {n} tokens does not fit the model's "
+                                f"{max_len}-token window: shorten it (a choice is scored whole; only its context is "
+                                "cut from the left)")
+
+
 def verify_model(model: Path, mode: str) -> None:
     """Verify a W4A8 model before scoring it (checkpoint.verify.verify_before_use), saying so."""
     from anychip.checkpoint.verify import verify_before_use
@@ -420,12 +444,12 @@ def run_eval(model: Path, task_names: list[str] | None, data: str | None, settin
     needs_data = task_names is None or any(n != PERPLEXITY for n in task_names)
     data_dir = resolve_data_dir(data) if needs_data else None
     task_files, want_ppl = select_tasks(task_names, data_dir)
-    for path in task_files:  # every file read once here: bad data is named before any engine starts
-        load_task(path, settings.limit)
+    tasks = [load_task(path, settings.limit) for path in task_files]  # bad data named before any engine starts
     text_file, text = load_text(text_path) if want_ppl else (None, None)
     verify_model(model, verify)  # after the data (named first), before any engine
     targets = targets_to_evaluate(model, compare_bf16, head_int8, llama_cpp)
     settings = fit_context(settings, [t.path for t in targets if t.path.is_dir()])
+    check_choices_fit(tasks, settings.max_len, targets[0].tokenizer or targets[0].path)
     # round-robin over engines, so that with --jobs 2 a vLLM model and a llama.cpp one share the machine
     kinds = [t.engine or settings.engine for t in targets]
     order = sorted(range(len(targets)), key=lambda i: kinds[:i].count(kinds[i]))
