@@ -53,8 +53,11 @@ ANYCHIP_HEAD = "ANYCHIP_HEAD"
 #: Where the compiled C++ extension is cached (default: ~/.cache/anychip/torch_extensions).
 ANYCHIP_BUILD_DIR = "ANYCHIP_BUILD_DIR"
 #: GPU GEMM tuning: "load" (default: shapes that neither the shipped table nor the disk cache
-#: ~/.cache/anychip/gpu_tuning knows are timed once at load and cached) or "off" (never time: default configs).
+#: (ANYCHIP_GPU_TUNING_DIR) knows are timed once at load and cached) or "off" (never time: default configs).
 ANYCHIP_GPU_TUNE = "ANYCHIP_GPU_TUNE"
+#: Where the GPU tuning results are cached (default: ~/.cache/anychip/gpu_tuning); a folder that cannot be written
+#: only costs the timing again at the next start.
+ANYCHIP_GPU_TUNING_DIR = "ANYCHIP_GPU_TUNING_DIR"
 #: Threads that compile the Triton kernels of each loaded GPU linear in the background (kernels/gpu/precompile.py);
 #: default min(8, CPUs), 0: off (every kernel compiles at its first launch).
 ANYCHIP_GPU_PRECOMPILE = "ANYCHIP_GPU_PRECOMPILE"
@@ -117,7 +120,8 @@ def build_dir() -> Path:
 
 
 def tuning_dir() -> Path:
-    return Path.home() / ".cache" / "anychip" / "gpu_tuning"
+    value = os.environ.get(ANYCHIP_GPU_TUNING_DIR)
+    return Path(value).expanduser() if value else Path.home() / ".cache" / "anychip" / "gpu_tuning"
 
 
 def coverage_path() -> Path | None:
@@ -176,8 +180,8 @@ def precompile_threads() -> int:
 
 def kernel_policy(allow_fallback: bool | None = None) -> KernelPolicy:
     """The kernel policy from the environment (ANYCHIP_KERNEL_ISA, ANYCHIP_ALLOW_FALLBACK / ANYCHIP_STRICT,
-    ANYCHIP_BUILD_DIR, ANYCHIP_HEAD, ANYCHIP_GPU_TUNE, ANYCHIP_GPU_PRECOMPILE, ANYCHIP_DIRECT_LAUNCH, ANYCHIP_GPU_PDL,
-    ANYCHIP_GPU_WGMMA, ANYCHIP_CPU_AMX); `allow_fallback` overrides the environment's answer (a CLI flag)."""
+    ANYCHIP_BUILD_DIR, ANYCHIP_HEAD, ANYCHIP_GPU_TUNE, ANYCHIP_GPU_TUNING_DIR, ANYCHIP_GPU_PRECOMPILE,
+    ANYCHIP_DIRECT_LAUNCH, ANYCHIP_GPU_PDL, ANYCHIP_GPU_WGMMA, ANYCHIP_CPU_AMX); `allow_fallback` overrides the environment's answer (a CLI flag)."""
     return KernelPolicy(route=forced_isa(), build_dir=build_dir(), head=os.environ.get(ANYCHIP_HEAD) or "bf16",
                         gpu_tuning=os.environ.get(ANYCHIP_GPU_TUNE) or "load", tuning_dir=tuning_dir(),
                         gpu_precompile=precompile_threads(), gpu_direct_launch=_flag(ANYCHIP_DIRECT_LAUNCH, True),

@@ -104,12 +104,108 @@ def test_shipped_tuning_tables_are_whole_and_readable(table: Path) -> None:
     shapes: dict[str, set[str]] = {}
     for key, fields in doc["entries"].items():
         bucket, _, shape = key.partition(":")
-        assert _config(fields) is not None, (key, fields)
+        assert _config(fields, bucket) is not None, (key, fields)
         assert all(int(v) > 0 for v in shape.split(":")) and len(shape.split(":")) == 3, key
         shapes.setdefault(shape, set()).add(bucket)
     assert shapes
     for shape, buckets in shapes.items():
         assert buckets == {str(b) for b, _ in BUCKETS}, (shape, sorted(buckets))
+
+
+def test_a_damaged_tuning_cache_is_timed_again_never_fatal(tmp_path, monkeypatch, capsys) -> None:
+    """The disk cache is data another program or a hand may have written: a file that is JSON of another shape,
+    entries that are not objects, fields of the wrong type or value, a GEMV config for a bucket of several tokens
+    are each left out with a warning (the shape is timed again); a folder that cannot be written is a warning."""
+    pytest.importorskip("triton")
+    import json
+
+    from anychip.kernels.gpu import launch, tuning
+
+    good = {"block_m": 16, "block_n": 64, "block_k": 128}
+    for doc in ([1, 2], None, "x", {"entries": None}, {"entries": [good]}):
+        path = tmp_path / f"{len(list(tmp_path.iterdir()))}.json"
+        path.write_text(json.dumps(doc))
+        assert tuning._read(path) == {}
+        assert "ignoring unreadable GPU tuning file" in capsys.readouterr().err
+    path = tmp_path / "mixed.json"
+    path.write_text(json.dumps({"entries": {"mid:1:2:32": good, "512:1:2:32": "x", "decode:1:2:32": None}}))
+    assert tuning._read(path) == {"mid:1:2:32": good}
+    assert "ignoring 2 malformed entries" in capsys.readouterr().err
+    assert tuning._config(good, "mid") == launch.GemmConfig(16, 64, 128)
+    gemv = {"block_n": 64, "block_k": 128, "kind": "gemv"}
+    assert tuning._config(gemv, "gemv") == launch.GemvConfig(64, 128) and tuning._config(gemv, "decode") is None
+    for bad in ({"swap": "no"}, {"block_m": 16.0}, {"group_m": 0}, {"group_m": -1}, {"num_warps": 3},
+                {"num_stages": 0}, {"split_k": True}, {"unknown": 1}):
+        assert tuning._config({**good, **bad}, "mid") is None, bad
+    assert tuning._config({**good, "kind": ["gemm"]}, "mid") is None
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some GPU")
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    tuning._write(blocked / "some-gpu.json", torch.device("cpu"), {"mid:1:2:32": good})  # its folder is a file
+    assert "could not save GPU tuning results" in capsys.readouterr().err
+    monkeypatch.setenv("ANYCHIP_GPU_TUNING_DIR", str(tmp_path / "tuning"))
+    from anychip import envs
+
+    assert envs.kernel_policy().tuning_dir == tmp_path / "tuning"
+
+
+def _write_entries(path: str, start: int) -> None:
+    import torch
+
+    from anychip.kernels.gpu import tuning
+
+    torch.cuda.get_device_name = lambda device=None: "Some GPU"
+    for i in range(start, start + 10):
+        tuning._write(Path(path), torch.device("cpu"), {f"mid:{i}:2:32": {"block_m": 16, "block_n": 64,
+                                                                          "block_k": 128}})
+
+
+def test_engines_writing_the_tuning_cache_together_lose_no_entry(tmp_path) -> None:
+    """Each write re-reads and merges the file under a lock: four processes' entries all survive."""
+    pytest.importorskip("triton")
+    import json
+    import multiprocessing
+
+    path = tmp_path / "some-gpu.json"
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_write_entries, args=(str(path), 10 * i)) for i in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    assert len(json.loads(path.read_text())["entries"]) == 40
+    assert [p.name for p in tmp_path.iterdir() if p.suffix == ".tmp"] == []
+
+
+def test_a_tuning_candidate_that_fails_is_left_out(monkeypatch, capsys) -> None:
+    """A candidate that does not compile or launch on the GPU at hand is skipped with a warning; the fastest of
+    the others wins, and with none left the bucket keeps its default (None). Timed here by a stand-in clock."""
+    pytest.importorskip("triton")
+    from anychip.kernels.gpu import launch, timing, tuning
+
+    options = launch.candidates(512, 256, 256, 32, 132)
+    assert len(options) >= 3
+    failing: set = {options[0]}
+    launched: list = []
+
+    def graph_ms(calls, replays, samples):
+        calls[0]()  # the candidate's launch, which records its config
+        if launched[-1] in failing:
+            raise RuntimeError("out of resources: shared memory, required: 232448, hardware limit: 101376")
+        return 2.0 if launched[-1] == options[1] else 1.0 + options.index(launched[-1])
+
+    monkeypatch.setattr(timing, "graph_ms", graph_ms)
+    monkeypatch.setattr(launch, "multiprocessors", lambda device: 132)
+    monkeypatch.setattr(launch, "launch_config", lambda cfg, *args: launched.append(cfg))
+    w, s = torch.zeros(256, 128, dtype=torch.int8), torch.ones(8, 256, dtype=torch.bfloat16)
+    times: dict = {}
+    assert tuning._time_candidates(512, w, s, 256, 256, 32, times) == options[1]
+    assert str(options[0]) not in times and len(times) == len(options) - 1
+    assert "GPU tuning left out" in capsys.readouterr().err
+    failing.update(options)
+    assert tuning._time_candidates(512, w, s, 256, 256, 32) is None
 
 
 def test_gpu_tuning_policy_is_checked() -> None:

@@ -33,6 +33,9 @@ LOCKS = 1 << 16  # split-K semaphores a (device, stream): one per output tile
 FP_FUSION = {"enable_fp_fusion": True}
 
 
+WARPS = (1, 2, 4, 8, 16)  # num_warps a Triton launch takes
+
+
 @dataclass(frozen=True)
 class GemmConfig:
     """One tiling of the GEMM.  block_k: input channels a main-loop step (a multiple of G; smaller means one
@@ -65,6 +68,9 @@ class GemmConfig:
                 raise ValueError(f"GemmConfig.{name}={value}: a power of two >= 16")
         if not 1 <= self.split_k <= MAX_SPLIT_K:
             raise ValueError(f"GemmConfig.split_k={self.split_k}: 1..{MAX_SPLIT_K}")
+        if self.num_stages < 1 or self.group_m < 1 or self.num_warps not in WARPS:
+            raise ValueError(f"GemmConfig num_stages={self.num_stages}, group_m={self.group_m} (each at least 1) or "
+                             f"num_warps={self.num_warps} (one of {WARPS})")
 
 
 @dataclass(frozen=True)
@@ -82,6 +88,8 @@ class GemvConfig:
     ahead: int = 1
 
     def __post_init__(self) -> None:
+        if self.num_warps not in WARPS:
+            raise ValueError(f"GemvConfig.num_warps={self.num_warps}: one of {WARPS}")
         for name in ("block_n", "block_k"):
             value = getattr(self, name)
             if value < 8 or value & (value - 1):

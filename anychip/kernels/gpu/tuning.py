@@ -17,6 +17,7 @@ entry has GemvConfig's fields and "kind": "gemv".
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from anychip.envs import ANYCHIP_GPU_TUNING_DIR
 from anychip.kernels.gpu import launch, precompile
 
 SHIPPED_DIR = Path(__file__).parent / "tuned"
@@ -56,39 +58,73 @@ def entry_key(bucket: str | int, n: int, k: int, g: int) -> str:
 
 
 def _read(path: Path) -> dict[str, dict]:
+    """The file's entries (key -> fields), read once a process. A damaged cache is rebuilt, never fatal: a file
+    that is not this format's JSON counts as empty, an entry that is not an object is left out, each with a
+    warning."""
     if path not in _files:
         try:
-            _files[path] = dict(json.loads(path.read_text()).get("entries", {}))
+            doc = json.loads(path.read_text())
+            entries = doc.get("entries") if isinstance(doc, dict) else None
+            if not isinstance(entries, dict):
+                raise ValueError("not a tuning table (an object with an \"entries\" object)")
         except FileNotFoundError:
-            _files[path] = {}
-        except (OSError, ValueError) as exc:  # a damaged cache is rebuilt, never fatal
+            entries = {}
+        except (OSError, ValueError) as exc:
             print(f"anychip: ignoring unreadable GPU tuning file {path}: {exc}", file=sys.stderr)
-            _files[path] = {}
+            entries = {}
+        bad = [key for key, value in entries.items() if not isinstance(value, dict)]
+        if bad:
+            print(f"anychip: ignoring {len(bad)} malformed entries of GPU tuning file {path} ({bad[0]}: "
+                  f"{entries[bad[0]]!r}); those shapes are timed again", file=sys.stderr)
+        _files[path] = {key: value for key, value in entries.items() if key not in bad}
     return _files[path]
 
 
 def _write(path: Path, device: torch.device, new: dict[str, dict]) -> None:
-    """Merge `new` into the file atomically (re-read first: another engine may have written since)."""
+    """Merge `new` into the file atomically, under a lock (re-read first: another engine may have written since).
+    A file that cannot be written costs only the timing again at the next start: a warning, never an error."""
+    import fcntl
+
     import triton
 
-    _files.pop(path, None)
-    entries = {**_read(path), **new}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"gpu": torch.cuda.get_device_name(device), "triton": triton.__version__, "entries": dict(sorted(
-        entries.items()))}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(doc, f, indent=1)
-    os.replace(tmp, path)
-    _files[path] = entries
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.parent / f".{path.name}.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            _files.pop(path, None)
+            entries = {**_read(path), **new}
+            doc = {"gpu": torch.cuda.get_device_name(device), "triton": triton.__version__,
+                   "entries": dict(sorted(entries.items()))}
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(doc, f, indent=1)
+                os.replace(tmp, path)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        _files[path] = entries
+    except OSError as exc:
+        print(f"anychip: could not save GPU tuning results to {path} ({exc}); this engine serves with them, the "
+              f"next one times those shapes again (set {ANYCHIP_GPU_TUNING_DIR} to a writable folder)",
+              file=sys.stderr)
 
 
-def _config(fields: dict) -> launch.Config | None:
+def _config(fields: dict, bucket: str | int | None = None) -> launch.Config | None:
+    """A table entry as a config, or None (timed again) when it is not one: written by another anychip version or
+    by hand (a field of the wrong type, a value the config refuses, a GEMV config for more than one token)."""
     fields = dict(fields)
     kind = fields.pop("kind", "gemm")
+    cls = launch.CONFIG_KINDS.get(kind) if isinstance(kind, str) else None
+    if cls is None or (kind == "gemv" and bucket not in (None, "gemv")):
+        return None
+    types = {f.name: f.type for f in dataclasses.fields(cls)}
+    if set(fields) - set(types) or any(type(v) is not (bool if types[name] in (bool, "bool") else int)
+                                       for name, v in fields.items()):
+        return None
     try:
-        return launch.CONFIG_KINDS[kind](**fields)
-    except (KeyError, TypeError, ValueError):  # written by another anychip version: retune rather than fail
+        return cls(**fields)
+    except (TypeError, ValueError):
         return None
 
 
@@ -103,7 +139,7 @@ def lookup(bucket: str | int, n: int, k: int, g: int, device: torch.device,
     """The disk cache's or the shipped table's config for this shape on this GPU model, if either has one."""
     file, key = f"{gpu_slug(device)}.json", entry_key(bucket, n, k, g)
     for path in ([tuning_dir / file] if tuning_dir else []) + [SHIPPED_DIR / file]:
-        if key in (entries := _read(path)) and (cfg := _config(entries[key])) is not None:
+        if key in (entries := _read(path)) and (cfg := _config(entries[key], bucket)) is not None:
             return cfg
     return None
 
@@ -136,7 +172,8 @@ def tune_linear(weight: torch.Tensor, scales: torch.Tensor, n: int, k: int, g: i
             cfg = _time_candidates(m, weight, scales, n, k, g, timed, wgmma)
             if times is not None:
                 times[entry_key(bucket, n, k, g)] = timed
-            fresh[entry_key(bucket, n, k, g)] = _fields(cfg)
+            if cfg is not None:
+                fresh[entry_key(bucket, n, k, g)] = _fields(cfg)
         if cfg is not None:
             launch.remember(m, n, k, g, device, cfg)
     if fresh and tuning_dir is not None:
@@ -146,10 +183,12 @@ def tune_linear(weight: torch.Tensor, scales: torch.Tensor, n: int, k: int, g: i
 
 
 def _time_candidates(m: int, weight: torch.Tensor, scales: torch.Tensor, n: int, k: int, g: int,
-                     times: dict[str, float] | None = None, wgmma: bool = True) -> launch.Config:
+                     times: dict[str, float] | None = None, wgmma: bool = True) -> launch.Config | None:
     """The fastest candidate at M tokens, timed as it serves: in a CUDA graph (no launch cost hides a short
     kernel), and for decode and mid M over weight copies beyond the L2 cache (weights stream from HBM, as in a
-    model; prefill is compute-bound, one copy). times: filled with each candidate's ms."""
+    model; prefill is compute-bound, one copy). times: filled with each candidate's ms. A candidate that does not
+    compile or launch on this GPU (shared memory, registers, a Triton that lacks something) is left out with a
+    warning; None where none ran (the bucket keeps its default config)."""
     from anychip.kernels.gpu.timing import graph_ms, rotation
 
     device = weight.device
@@ -162,7 +201,7 @@ def _time_candidates(m: int, weight: torch.Tensor, scales: torch.Tensor, n: int,
     copies = rotation(nbytes, device) if m <= launch.MID_M else 1
     operands = [(weight, scales)] + [(weight.clone(), scales.clone()) for _ in range(copies - 1)]
     options = launch.candidates(m, n, k, g, launch.multiprocessors(device), wgmma and launch.wgmma_capable(device))
-    ms = []
+    ms: dict[launch.Config, float] = {}
     for cfg in options:
         if launch.regime(m) == "gemv":  # the GEMV quantizes inside: time every candidate with its quantization
             calls = [lambda cfg=cfg, w=w, s=s: launch.w4a8_linear(x, w, s, None, n, k, g, config=cfg)
@@ -170,10 +209,15 @@ def _time_candidates(m: int, weight: torch.Tensor, scales: torch.Tensor, n: int,
         else:
             calls = [lambda cfg=cfg, w=w, s=s: launch.launch_config(cfg, xq, sx, w, s, None, n, k, g, out)
                      for w, s in operands]  # (a WgmmaConfig reads xq's columns in another order: the same time)
-        ms.append(graph_ms(calls, replays=max(2, 16 // len(calls)), samples=5))
+        try:
+            ms[cfg] = graph_ms(calls, replays=max(2, 16 // len(calls)), samples=5)
+        except Exception as exc:  # noqa: BLE001 -- Triton's compile / resource errors have no common base
+            print(f"anychip: GPU tuning left out {cfg} at M={m} N={n} K={k} G={g}: {type(exc).__name__}: "
+                  f"{str(exc)[:200]}", file=sys.stderr)
+            continue
         if times is not None:
-            times[str(cfg)] = round(ms[-1], 5)
-    return options[min(range(len(options)), key=ms.__getitem__)]
+            times[str(cfg)] = round(ms[cfg], 5)
+    return min(ms, key=ms.__getitem__) if ms else None
 
 
 def shapes_of(config: dict) -> list[tuple[int, int, int]]:
