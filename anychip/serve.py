@@ -205,6 +205,17 @@ def escalate_stop(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None
         pass
 
 
+def _env_checked(read):
+    """read() of anychip's environment variables; a value it refuses is the user's error (exit 2), before any
+    server starts."""
+    from anychip.kernels.routes import NoKernelRoute
+
+    try:
+        return read()
+    except (ValueError, NoKernelRoute) as exc:
+        raise AnychipError(f"anychip serve: {exc}") from None
+
+
 def cmd_serve(args) -> int:
     report = None
     if args.model:
@@ -240,9 +251,18 @@ def cmd_serve(args) -> int:
     if secret:  # vLLM guards /v1, /v2, /inference and /cohere only: the key on every other route too
         cmd += ["--middleware", GUARD]
     env[envs.ANYCHIP_COVERAGE] = str(coverage.resolve())
-    env[envs.ANYCHIP_ALLOW_FALLBACK] = "1" if args.allow_fallback else os.environ.get(envs.ANYCHIP_ALLOW_FALLBACK, "0")
-    strict = env[envs.ANYCHIP_ALLOW_FALLBACK] in ("0", "")
-    env[envs.ANYCHIP_HEAD] = args.head or os.environ.get(envs.ANYCHIP_HEAD) or "bf16"
+    # what the engine will read, judged here as the plugin judges it (ANYCHIP_STRICT=0 allows the fallback too), and
+    # a bad value named now instead of after the engine's start
+    allowed = args.allow_fallback or _env_checked(envs.fallback_allowed)
+    env[envs.ANYCHIP_ALLOW_FALLBACK] = "1" if allowed else "0"
+    strict = not allowed
+    env[envs.ANYCHIP_HEAD] = args.head or os.environ.get(envs.ANYCHIP_HEAD, "").strip() or "bf16"
+    with envs.patched_environ({envs.ANYCHIP_HEAD: env[envs.ANYCHIP_HEAD]}):
+        policy = _env_checked(envs.kernel_policy)
+    if policy.route is not None:
+        from anychip.kernels import routes
+
+        _env_checked(lambda: routes.get(policy.route))
     print(f"profile   {build_profile().cpu.profile_name}")
     for key, value in env.items():
         print(f"env       {key}={value}")

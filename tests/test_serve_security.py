@@ -309,3 +309,30 @@ def test_the_guard_asks_every_route_but_the_health_probes_for_the_key(monkeypatc
     assert _asgi(guard, "/invocations", method="OPTIONS") == 200  # CORS preflights carry no credentials
     monkeypatch.delenv("VLLM_API_KEY")
     assert _asgi(KeyOnEveryRoute(app), "/invocations") == 200  # no key configured: nothing to guard
+
+
+@pytest.mark.parametrize("env, strict", [({}, True), ({"ANYCHIP_STRICT": "0"}, False),
+                                         ({"ANYCHIP_ALLOW_FALLBACK": "no"}, True),
+                                         ({"ANYCHIP_ALLOW_FALLBACK": "yes"}, False),
+                                         ({"ANYCHIP_STRICT": "off", "ANYCHIP_ALLOW_FALLBACK": "0"}, False)])
+def test_the_strict_line_is_what_the_engine_will_do(w4a8, capsys, monkeypatch, env, strict):
+    """serve's banner and the engine judge the same variables the same way (ANYCHIP_STRICT=0 allows the fallback
+    too), and the engine gets the answer spelled out."""
+    for name in (envs.ANYCHIP_STRICT, envs.ANYCHIP_ALLOW_FALLBACK):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["serve", str(w4a8), "--verify", "none", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert ("strict    on:" in out) is strict and ("strict    off:" in out) is not strict
+    assert f"env       ANYCHIP_ALLOW_FALLBACK={0 if strict else 1}" in out
+
+
+@pytest.mark.parametrize("name, value, says", [("ANYCHIP_HEAD", "int4", "head='int4'"),
+                                               ("ANYCHIP_KERNEL_ISA", "avx-512", "unknown kernel route 'avx-512'"),
+                                               ("ANYCHIP_ALLOW_FALLBACK", "maybe", "is not a boolean"),
+                                               ("ANYCHIP_GPU_TUNE", "always", "ANYCHIP_GPU_TUNE")])
+def test_a_bad_anychip_variable_is_named_before_the_server_starts(w4a8, capsys, monkeypatch, name, value, says):
+    monkeypatch.setenv(name, value)
+    assert main(["serve", str(w4a8), "--verify", "none", "--dry-run"]) == 2
+    assert says in capsys.readouterr().err
