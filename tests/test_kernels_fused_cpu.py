@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from anychip.kernels import cpu_ext, hooks, ops, routes
-from anychip.kernels.prepare import prepare_w4a8
-from anychip.kernels.reference import rms_norm_ref, silu_and_mul_ref
+from anychip.kernels.prepare import prepare_w4a8, w4a8_linear
+from anychip.kernels.reference import quantize_activations_ref, rms_norm_ref, silu_and_mul_ref
 from anychip.vllm_plugin import fusion
 
 OPS = torch.ops.anychip
@@ -166,3 +166,31 @@ def test_which_routes_the_pass_fuses(monkeypatch: pytest.MonkeyPatch) -> None:
     assert fusion.route_fuses_silu("cuda.triton") and fusion.route_fuses_silu("cpu.avx2")
     monkeypatch.setenv("ANYCHIP_FUSE_SILU", "0")
     assert not fusion.route_fuses_silu("cpu.avx2") and not fusion.route_fuses_silu("cuda.triton")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("k", [576, 100, 7])
+def test_a_row_holding_nan_or_inf_is_nan_at_every_simd_level(dtype: torch.dtype, k: int) -> None:
+    """A NaN or inf anywhere in a token (the vector body, the tail, the last lane) gives it scale NaN and q 0 at
+    every quantization level, as the reference: its outputs are NaN, not finite values from codes clamped to -127
+    (x86's max drops a NaN). The other rows are untouched, and the linear's output rows follow."""
+    ext = cpu_ext.load()
+    x = torch.randn(7, k, generator=torch.Generator().manual_seed(k)) * 3
+    where = [0, k - 1, k // 2, min(16, k - 1), k - 1]
+    for row, (col, value) in enumerate(zip(where, [float("nan"), float("nan"), float("inf"), float("-inf"),
+                                                   float("inf")]), start=1):
+        x[row, col] = value
+    x = x.to(dtype)
+    want_q, want_s = quantize_activations_ref(x)
+    assert want_s[1:6].isnan().all() and not want_q[1:6].any() and want_s[[0, 6]].isfinite().all()
+    for level in LEVELS:
+        q, s = ext.quantize_at_level(x, level)
+        assert torch.equal(q, want_q), f"level {level}"
+        assert torch.equal(s.isnan(), want_s.isnan()) and torch.equal(s[[0, 6]], want_s[[0, 6]]), f"level {level}"
+    if k % 32:
+        return
+    for route in [r.id for r in routes.available("cpu")]:
+        wq = torch.randint(-8, 8, (24, k), dtype=torch.int8, generator=torch.Generator().manual_seed(1))
+        p = prepare_w4a8(wq, torch.rand(24, k // 32) * 0.01 + 1e-3, 32, packed=False, route=route)
+        y = w4a8_linear(x, p, None)
+        assert y[1:6].isnan().all() and y[[0, 6]].isfinite().all(), route

@@ -330,3 +330,63 @@ def test_gemm_bumps_the_coverage_counter_once_a_launch() -> None:
         xq = torch.randint(-127, 128, (m, k), dtype=torch.int8)
         launch.w4a8_linear_q(xq, torch.ones(m, 1), w, sw, None, n, k, g, torch.float32, config=cfg, counter=counter)
     assert counter.cell.tolist() == [[0, 0], [0, 0], [2, 4]]  # split-K's four programs count once
+
+
+@pytest.mark.parametrize("k", [512, 4160])  # the row in one block, and in two (the running amax across blocks)
+def test_a_token_holding_nan_or_inf_gives_nan_outputs(k: int) -> None:
+    """A NaN or inf in a token (or in what its norm / SiluAndMul computes) gives it scale NaN and q 0, as the
+    reference: the linear's row is NaN on every path (GEMM, GEMV, fused GEMV, both prologues), where maxNum and the
+    clamp once made it finite. The other tokens keep their bits."""
+    n, g = 40, 64
+    q, s = weights(n, k, g, seed=k)
+    w, sw = _layout(q, s)
+    x = activations(4, k, torch.bfloat16, seed=k + 3)
+    x[1, k - 1], x[2, 5], x[3, k // 2] = float("nan"), float("inf"), float("-inf")
+    rq, rs = quantize_activations_ref(x)
+    xq, sx = launch.quantize_act(x)
+    assert torch.equal(xq, rq) and torch.equal(sx[0], rs[0]) and sx[1:].isnan().all()
+    xw, sxw = launch.quantize_words(x)
+    assert torch.equal(xw, launch.words_of(rq)) and sxw[1:].isnan().all()
+    gemm = launch.GemmConfig(16, 64, 64)
+    for rows in (launch.w4a8_linear(x, w, sw, None, n, k, g, config=gemm),
+                 launch.w4a8_linear_q(xq, sx, w, sw, None, n, k, g, torch.bfloat16, config=gemm)):
+        assert rows[1:].isnan().all() and rows[0].isfinite().all()
+    for one in range(4):
+        y = launch.w4a8_linear(x[one:one + 1], w, sw, None, n, k, g, config=launch.GemvConfig(16, 256, fused=True))
+        assert y.isnan().all() if one else y.isfinite().all()
+    norm = launch.Norm(torch.rand(k, dtype=torch.bfloat16) + 0.5, 1e-6,
+                       residual=activations(4, k, torch.bfloat16, seed=1), residual_out=torch.empty_like(x))
+    out = launch.w4a8_linear_pre(x, norm, w, sw, None, n, k, g)
+    assert out[1:].isnan().all() and out[0].isfinite().all()
+    _, r_ref = rms_norm_ref(x, norm.weight, 1e-6, norm.residual)
+    assert torch.equal(norm.residual_out.isnan(), r_ref.isnan())
+    y2 = activations(2, 2 * k, torch.bfloat16, seed=k)
+    y2[1, 3] = float("nan")
+    for cfg in (None, launch.GemvConfig(16, 256, fused=True)):
+        if cfg is None:
+            out = launch.w4a8_linear_pre(y2, launch.SiluMul(), w, sw, None, n, k, g)
+            assert out[1].isnan().all() and out[0].isfinite().all()
+        else:
+            out = launch.w4a8_linear_pre(y2[1:], launch.SiluMul(), w, sw, None, n, k, g, config=cfg)
+            assert out.isnan().all()
+
+
+def test_bf16_rounding_keeps_the_gpus_nan() -> None:
+    """NVIDIA GPUs return the canonical NaN 0x7FFFFFFF from fp32 arithmetic (a fused_add_rms_norm's x + r when
+    either is NaN); the bf16 rounding by integer arithmetic once carried it into the sign bit (-0.0). Fed here
+    directly, since numpy keeps other NaN payloads."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def rounded(v_ptr, o_ptr, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        tl.store(o_ptr + offs, triton_w4a8._rounded(tl.load(v_ptr + offs), tl.bfloat16))
+
+    bits = torch.tensor([0x7FFFFFFF, 0x7FC00000, -1, 0x7F800000, 0x3F800001, 0x3F808000, 0, -(2**31)],
+                        dtype=torch.int64).to(torch.int32)
+    v = bits.view(torch.float32)
+    out = torch.empty_like(v)
+    rounded[(1,)](v, out, N=8)
+    want = v.bfloat16().float()
+    assert torch.equal(out.isnan(), want.isnan()) and torch.equal(out[~want.isnan()], want[~want.isnan()])

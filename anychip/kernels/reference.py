@@ -16,15 +16,18 @@ def quantize_activations_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     """Per-token symmetric INT8.  x: (M, K) bf16/fp16/fp32 -> xq (M, K) int8, sx (M, 1) fp32.
 
     scale = amax / 127 (computed in fp32), q = round_half_even(x / scale) clamped to [-127, 127]; an all-zero
-    row gets scale 0 and q = 0.
+    row gets scale 0 and q = 0; a row holding NaN or inf gets scale NaN and q = 0, so that each of its outputs is
+    NaN (every kernel route does the same: none turns such a row into finite outputs).
     """
     if x.dim() != 2:
         raise ValueError(f"quantize_activations_ref wants (M, K), got {tuple(x.shape)}")
     xf = x.float()
     amax = xf.abs().amax(dim=1, keepdim=True)
     sx = amax / INT8_MAX
+    sx = torch.where(torch.isfinite(sx), sx, torch.full_like(sx, float("nan")))
     safe = torch.where(sx > 0, sx, torch.ones_like(sx))
-    xq = torch.round(xf / safe).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    xq = torch.round(xf / safe).clamp_(-INT8_MAX, INT8_MAX)
+    xq = torch.where(sx > 0, xq, torch.zeros_like(xq)).to(torch.int8)  # zero and non-finite rows: q = 0
     return xq, sx
 
 

@@ -2,24 +2,33 @@
 // Torch-free: the binding (w4a8_cpu.cpp) splits the rows over threads.
 #pragma once
 
+#include <limits>
+
 #include "cpu_common.h"
 
 namespace anychip {
 
 // ---------------------------------------------------------------- activation quantization
 // Bit-exact with quantize_activations_ref: scale = amax / 127 in fp32, q = round_half_even(x / scale) (a true
-// division, not a multiply by the reciprocal), clamped to [-127, 127]; an all-zero row gets scale 0 and q 0.
+// division, not a multiply by the reciprocal), clamped to [-127, 127]; an all-zero row gets scale 0 and q 0; a row
+// holding NaN or inf gets scale NaN and q 0, so that each of its outputs is NaN (not finite values from clamped
+// codes).
 
-// The scalar pieces every row quantizer shares: the amax of x[i0, k), the row's scale (false, with q zeroed, for
-// an all-zero row), and the quantization of x[i0, k) with scale s.
+// The scalar pieces every row quantizer shares: the amax of x[i0, k) (NaN once a NaN is seen: std::max drops it),
+// the row's scale (false, with q zeroed, for an all-zero or non-finite row), and the quantization of x[i0, k)
+// with scale s.
 template <typename T>
 inline float amax_from(const T* x, int64_t i0, int64_t k, float amax) {
-  for (int64_t i = i0; i < k; ++i) amax = std::max(amax, std::fabs(to_f(x[i])));
+  for (int64_t i = i0; i < k; ++i) {
+    const float a = std::fabs(to_f(x[i]));
+    amax = (a != a || amax != amax) ? a + amax : std::max(amax, a);
+  }
   return amax;
 }
 
 inline bool row_scale(float amax, int64_t k, int8_t* q, float* sx) {
-  const float s = amax / 127.f;
+  float s = amax / 127.f;
+  if (!(s <= std::numeric_limits<float>::max())) s = std::numeric_limits<float>::quiet_NaN();  // NaN or inf
   *sx = s;
   if (s > 0.f) return true;
   std::memset(q, 0, k);
@@ -55,11 +64,15 @@ ANYCHIP_AVX512 inline __m512 load16(const T* x, __mmask16 mask) {
 template <typename T>
 ANYCHIP_AVX512 void quantize_row_avx512(const T* x, int64_t k, int8_t* q, float* sx) {
   __m512 vmax = _mm512_setzero_ps();
+  __mmask16 nan = 0;  // lanes that saw a NaN (max_ps drops it)
   for (int64_t i = 0; i < k; i += 16) {
     const __mmask16 mask = k - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (k - i)) - 1);
-    vmax = _mm512_max_ps(vmax, _mm512_abs_ps(load16(x + i, mask)));
+    const __m512 v = load16(x + i, mask);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
   }
-  if (!row_scale(_mm512_reduce_max_ps(vmax), k, q, sx)) return;
+  const float amax = nan ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(vmax);
+  if (!row_scale(amax, k, q, sx)) return;
   const __m512 vs = _mm512_set1_ps(*sx);
   const __m512 lim = _mm512_set1_ps(127.f);
   const __m512 nlim = _mm512_set1_ps(-127.f);
@@ -92,12 +105,17 @@ template <typename T>
 ANYCHIP_AVX2 void quantize_row_avx2(const T* x, int64_t k, int8_t* q, float* sx) {
   const int64_t k8 = k / 8 * 8;
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-  __m256 vmax = _mm256_setzero_ps();
-  for (int64_t i = 0; i < k8; i += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(load8(x + i), abs_mask));
+  __m256 vmax = _mm256_setzero_ps(), vnan = _mm256_setzero_ps();  // vnan: lanes that saw a NaN (max_ps drops it)
+  for (int64_t i = 0; i < k8; i += 8) {
+    const __m256 v = load8(x + i);
+    vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    vmax = _mm256_max_ps(vmax, _mm256_and_ps(v, abs_mask));
+  }
   __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
   m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
   m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
-  if (!row_scale(amax_from(x, k8, k, _mm_cvtss_f32(m4)), k, q, sx)) return;
+  const float head = _mm256_movemask_ps(vnan) ? std::numeric_limits<float>::quiet_NaN() : _mm_cvtss_f32(m4);
+  if (!row_scale(amax_from(x, k8, k, head), k, q, sx)) return;
   const __m256 vs = _mm256_set1_ps(*sx), lim = _mm256_set1_ps(127.f), nlim = _mm256_set1_ps(-127.f);
   for (int64_t i = 0; i < k8; i += 8) {
     __m256 v = _mm256_round_ps(_mm256_div_ps(load8(x + i), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);

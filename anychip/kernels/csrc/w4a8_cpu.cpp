@@ -208,7 +208,8 @@ auto call_twin(const char* op, int64_t route, Args&&... args) {
   return handle->typed<Sig>().call(std::forward<Args>(args)...);
 }
 
-std::tuple<at::Tensor, at::Tensor> quantize_act(const at::Tensor& x_in) {
+// Per-token INT8 of x's rows at SIMD level `level` (quant_simd()'s scale).
+std::tuple<at::Tensor, at::Tensor> quantize_at(const at::Tensor& x_in, int level) {
   TORCH_CHECK(x_in.dim() >= 1 && x_in.device().is_cpu(), "anychip quantize_act wants a CPU (..., K) tensor");
   const int64_t k = x_in.size(-1);
   const at::Tensor x = x_in.reshape({-1, k}).contiguous();
@@ -217,7 +218,6 @@ std::tuple<at::Tensor, at::Tensor> quantize_act(const at::Tensor& x_in) {
   at::Tensor sx = at::empty({m, 1}, x.options().dtype(at::kFloat));
   int8_t* q = xq.data_ptr<int8_t>();
   float* s = sx.data_ptr<float>();
-  const int level = quant_simd();
   with_x(x.scalar_type(), x.data_ptr(), [&](const auto* xs) {
     at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) quantize_row(xs + r * k, k, q + r * k, s + r, level);
@@ -225,6 +225,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_act(const at::Tensor& x_in) {
   });
   return {xq, sx};
 }
+
+std::tuple<at::Tensor, at::Tensor> quantize_act(const at::Tensor& x_in) { return quantize_at(x_in, quant_simd()); }
 
 // The linear of float x after `pre` (pre_ops.h; none for w4a8_linear itself), computed while its rows are
 // quantized; the fused ops (the plugin's graph pass puts them where vLLM's norm or SiluAndMul feeds one W4A8 linear)
@@ -401,6 +403,11 @@ std::tuple<at::Tensor, at::Tensor> pre_values(const at::Tensor& x_in, const c10:
   return {v, norm ? norm->residual_out : at::empty({0}, x.options())};
 }
 
+// Debug: quantize_act at SIMD level `level` (as pre_values; capped at this CPU's), so tests check every path.
+std::tuple<at::Tensor, at::Tensor> quantize_at_level(const at::Tensor& x, int64_t level) {
+  return quantize_at(x, static_cast<int>(std::min<int64_t>(level, quant_simd())));
+}
+
 int64_t read_bytes(const at::Tensor& buf) {
   TORCH_CHECK(buf.is_contiguous() && buf.scalar_type() == at::kByte, "read_bytes wants contiguous uint8");
   const uint8_t* p = buf.data_ptr<uint8_t>();
@@ -483,6 +490,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("huge_empty", &huge_empty, "uninitialized (nbytes,) uint8 on a 2 MB boundary, advised for huge pages");
   m.def("collapse_huge", &collapse_huge, "back a filled tensor's 2 MB-aligned part with huge pages; bytes done");
   m.def("amx_usable", &amx_usable, "whether this CPU and OS let route cpu.amx_int8 run (AMX-INT8 tiles)");
+  m.def("quantize_at_level", &quantize_at_level,
+        "debug: quantize_act at a SIMD level (0 scalar, 1 AVX2 or NEON, 2 AVX512; capped at this CPU's)");
   m.def("pre_values", &pre_values, "debug: the fused ops' RMSNorm / SiluAndMul values at a SIMD level");
   m.def("fused_layers", &fused_layers, "(layer id, bits: 1 RMSNorm, 2 SiluAndMul) of the layers whose fused ops ran");
   m.def("set_call_counts", &set_call_counts, "install (counts, slot) as the ops' coverage table (None, None: none); "

@@ -52,19 +52,35 @@ def _row_scale(x_row, K, BLOCK: tl.constexpr):
 
 @triton.jit
 def _scale_of(amax):
-    """(scale, safe) of a token whose largest |x| is amax: scale = amax / 127 (IEEE division), safe = scale, or 1
-    for a zero row (whose q are then 0)."""
+    """(scale, safe) of a token whose largest |x| is amax (_amax: NaN when the row holds one): scale = amax / 127
+    (IEEE division), safe = scale, or 1 for a zero row (whose q are then 0). A row holding NaN or inf gets a NaN
+    scale, so each of its outputs is NaN, as the reference's (its NaN or inf scale makes every product NaN) rather
+    than finite values from codes clamped to -127."""
     scale = tl.math.div_rn(amax, 127.0)
-    return scale, tl.where(scale > 0.0, scale, 1.0)
+    scale = tl.where(scale < float("inf"), scale, float("nan"))  # NaN compares false: NaN stays NaN
+    # safe: inf for a NaN scale, so that every q of the row is 0 (_round_q makes NaN quotients 0), as the reference
+    return scale, tl.where(scale > 0.0, scale, tl.where(scale == scale, 1.0, float("inf")))
+
+
+@triton.jit
+def _max_nan(a, b):
+    """max that keeps NaN (tl.maximum's default, maxNum, drops it)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _amax(v):
+    """The largest of fp32 v's magnitudes, NaN when one is NaN."""
+    return tl.reduce(tl.abs(v), 0, _max_nan)
 
 
 @triton.jit
 def _round_q(v, safe):
-    """rint(v / safe) clamped to [-127, 127], as fp32 (v fp32).  Plain `/` is div.full.f32 (not correctly
+    """rint(v / safe) clamped to [-127, 127] (NaN to 0), as fp32 (v fp32).  Plain `/` is div.full.f32 (not correctly
     rounded); adding and removing 1.5 * 2^23 rounds |v| < 2^22 to an integer, half to even, in IEEE fp32
     arithmetic (libdevice.rint would too, but not interpreted)."""
     q = (tl.math.div_rn(v, safe) + 12582912.0) - 12582912.0
-    return tl.minimum(tl.maximum(q, -127.0), 127.0)
+    return tl.minimum(tl.maximum(tl.where(q == q, q, 0.0), -127.0), 127.0)
 
 
 @triton.jit
@@ -305,7 +321,7 @@ def _quantize_words_kernel(x_ptr, xw_ptr, s_ptr, K, words, stride_x, BLOCK: tl.c
     out = xw_ptr + row * 2 * words
     if ONE_PASS:
         offs = tl.arange(0, 8 * WBLOCK)
-        scale, safe = _scale_of(tl.max(tl.abs(tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)), axis=0))
+        scale, safe = _scale_of(_amax(tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)))
         offs_w = tl.arange(0, WBLOCK)
         even, odd = _pack_words(x_row, offs, K, safe, WBLOCK)  # the same addresses: served from L1
         tl.store(out + offs_w, even, mask=offs_w < words)
@@ -351,7 +367,7 @@ def _rounded(v, dtype: tl.constexpr):
     if dtype == tl.bfloat16:
         bits = v.to(tl.int32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # finite v: ties to even
-        return bits.to(tl.float32, bitcast=True)
+        return tl.where(v != v, v, bits.to(tl.float32, bitcast=True))  # the GPU's NaN 0x7FFFFFFF would carry to -0
     else:
         return v.to(dtype).to(tl.float32)
 
@@ -378,8 +394,9 @@ def _pre_stats(x_row, r_row, rout_row, nw_ptr, K, eps, write, XBLOCK: tl.constex
         rstd = tl.math.rsqrt(mean + eps)
     amax = tl.zeros([XBLOCK], tl.float32)
     for k0 in range(0, K, XBLOCK):
-        amax = tl.maximum(amax, tl.abs(_pre_values(x_row, r_row, nw_ptr, k0 + tl.arange(0, XBLOCK), K, rstd, PRE)))
-    scale, safe = _scale_of(tl.max(amax, axis=0))
+        v = _pre_values(x_row, r_row, nw_ptr, k0 + tl.arange(0, XBLOCK), K, rstd, PRE)
+        amax = tl.maximum(amax, tl.abs(v), propagate_nan=tl.PropagateNan.ALL)
+    scale, safe = _scale_of(_amax(amax))
     return rstd, scale, safe
 
 
