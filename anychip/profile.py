@@ -130,12 +130,18 @@ def _cpu_dir(root: Path, cpu: int) -> Path:
     return root / f"sys/devices/system/cpu/cpu{cpu}"
 
 
-def _physical_cores(root: Path, cpus: list[int]) -> tuple[int, dict[int, tuple[str, str]]]:
-    """Distinct (package, core) pairs among `cpus`; SMT siblings count once."""
-    core_of: dict[int, tuple[str, str]] = {}
+def _physical_cores(root: Path, cpus: list[int]) -> tuple[int, dict[int, tuple[str, ...]]]:
+    """Distinct physical cores among `cpus`; SMT siblings count once. A core is its thread_siblings_list where the
+    kernel writes one (it groups CPUs by package, cluster and core), else (package, cluster, core id): device-tree
+    Arm boards number core_id from 0 again in every cluster (an RK3588's big cores: 0 1 | 0 1), so package and
+    core id alone would take the second cluster's cores for SMT siblings of the first's."""
+    core_of: dict[int, tuple[str, ...]] = {}
     for cpu in cpus:
         base = _cpu_dir(root, cpu) / "topology"
-        core_of[cpu] = (_read(base / "physical_package_id") or "0", _read(base / "core_id") or str(cpu))
+        siblings = _read(base / "thread_siblings_list")
+        core_of[cpu] = (("siblings", siblings) if siblings else
+                        (_read(base / "physical_package_id") or "0", _read(base / "cluster_id") or "",
+                         _read(base / "core_id") or str(cpu)))
     return len(set(core_of.values())), core_of
 
 

@@ -75,6 +75,28 @@ def test_offline_cpus_and_smt_siblings_are_left_out(tmp_path: Path) -> None:
     assert build_profile(cpu).env()["VLLM_CPU_OMP_THREADS_BIND"] == "0-3"
 
 
+@pytest.mark.parametrize("how", ["cluster_id", "thread_siblings_list"])
+def test_core_ids_that_restart_in_each_cluster_are_not_smt(tmp_path: Path, how: str) -> None:
+    """Device-tree boards (an RK3588, Apple M1 Pro under Asahi) number core_id from 0 in every cluster; the cores
+    of two clusters are told apart by cluster_id or the kernel's thread_siblings_list, not taken for SMT twins."""
+    root = _copy("cix-p1", tmp_path)
+    clusters = {c: (0 if c < 2 else 1 if c < 6 else 2 + (c - 6) // 2) for c in range(12)}
+    for c in range(12):
+        topo = root / f"sys/devices/system/cpu/cpu{c}/topology"
+        (topo / "core_id").write_text(f"{sum(1 for d in range(c) if clusters[d] == clusters[c])}\n")
+        if how == "cluster_id":
+            (topo / "cluster_id").write_text(f"{clusters[c]}\n")
+        else:
+            (topo / "thread_siblings_list").write_text(f"{c}\n")
+    cpu = detect_cpu(root)
+    assert cpu.serving_cpus == EXPECTED["cix-p1"][1] and cpu.physical_cores == 8
+    if how == "thread_siblings_list":  # and SMT the kernel reports is still SMT
+        for a, b in ((6, 7), (8, 9)):
+            for c in (a, b):
+                (root / f"sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list").write_text(f"{a},{b}\n")
+        assert detect_cpu(root).serving_cpus == (0, 1, 6, 8, 10, 11)
+
+
 def test_this_machine_still_profiles() -> None:
     cpu = detect_cpu()
     assert cpu.serving_cpus and cpu.logical_cpus >= len(cpu.serving_cpus) and cpu.arch

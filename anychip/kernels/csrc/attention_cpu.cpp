@@ -64,7 +64,7 @@ Registry& registry() {
   return r;
 }
 
-const c10::OperatorHandle& vllm_op(const char* name) {
+c10::OperatorHandle vllm_op(const char* name) {  // by value: the handle lives in the optional findOp returns
   auto handle = c10::Dispatcher::singleton().findOp({name, ""});
   TORCH_CHECK(handle.has_value(), "anychip cpu_attention: vLLM's op ", name,
               " is not registered (import vLLM's CPU ops first; anychip installs this path only on vLLM's CPU "
