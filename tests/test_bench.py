@@ -919,6 +919,10 @@ def test_floor_row_joins_after_ours_and_its_notes(tiny_llama, tmp_path, monkeypa
     assert main(["bench", "latency", str(w4a8), "--pp", "128", "--tg", "32", "--systems", "anychip-w4a8-floor",
                  "--device", "cpu", "--no-warm-python"]) == 0
     assert seen == ["anychip-w4a8-floor"]
+    seen.clear()  # --floor beside a --systems list that leaves the row out still adds it (probe47)
+    assert main(["bench", "latency", str(w4a8), "--pp", "128", "--tg", "32", "--floor", "--systems", "anychip-w4a8",
+                 "--device", "cpu", "--no-warm-python"]) == 0
+    assert seen == ["anychip-w4a8", "anychip-w4a8-floor"]
     seen.clear()  # a peer named without --peers: said, not an empty report (probe46)
     assert main(["bench", "latency", str(w4a8), "--pp", "128", "--tg", "32", "--systems", "vllm-bf16",
                  "--device", "cpu", "--no-warm-python"]) == 2

@@ -336,6 +336,46 @@ def test_compare_bf16_refuses_a_source_that_is_another_model_now(tiny_llama, tmp
         runner.bf16_source(w4a8)
 
 
+def test_bf16_names_a_moved_source(tiny_llama, tmp_path, capsys):
+    """--bf16 DIR: the source moved or copied without its files' times is accepted where its shape and its files'
+    names and sizes match the record; another shape or other files are refused, before any engine starts."""
+    import shutil
+
+    from anychip.checkpoint.quantize import quantize_checkpoint
+    from anychip.checkpoint.scheme import W4A8Scheme
+    from anychip.cli import main
+    from anychip.errors import AnychipError
+
+    src = shutil.copytree(tiny_llama(), tmp_path / "bf16")
+    w4a8 = quantize_checkpoint(src, tmp_path / "w4a8", W4A8Scheme(32))
+    moved = shutil.copytree(src, tmp_path / "elsewhere", copy_function=shutil.copy)  # new file times
+    shutil.rmtree(src)
+    with pytest.raises(AnychipError, match="is gone.*--bf16"):
+        runner.bf16_source(w4a8)
+    assert runner.bf16_source(w4a8, moved) == moved
+    assert runner.models_to_evaluate(w4a8, moved) == {"w4a8": w4a8, "bf16": moved}
+    with pytest.raises(AnychipError, match="--bf16 .*no model directory"):
+        runner.bf16_source(w4a8, tmp_path / "nothing")
+    other = tiny_llama(hidden_size=128, intermediate_size=256)
+    with pytest.raises(AnychipError, match=r"another model now: hidden_size 128"):
+        runner.bf16_source(w4a8, other)
+    shard = next(moved.glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes() + b"\0")
+    with pytest.raises(AnychipError, match="names or sizes differ"):
+        runner.bf16_source(w4a8, moved)
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("an engine was started")
+
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr(runner, "evaluate_all", no_engine)
+    try:
+        assert main(["eval", str(w4a8), "--bf16", str(moved), "--tasks", "perplexity", "--verify", "none"]) == 2
+    finally:
+        monkeypatch.undo()
+    assert "names or sizes differ" in capsys.readouterr().err
+
+
 def test_a_quantized_model_of_another_kind_is_labelled_by_its_method(tmp_path):
     model = tmp_path / "gptq"
     model.mkdir()
@@ -543,4 +583,5 @@ def test_eval_and_bench_check_a_w4a8_checkpoint_before_any_engine(tiny_llama, tm
         assert "model.safetensors: sha256" in err and "--verify none skips that" in err, err
     with pytest.raises(BaseException, match="an engine was started"):
         main(["eval", str(d), "--tasks", "perplexity", "--text", str(text), "--verify", "none"])
-    assert "verify    skipped (--verify none)" in capsys.readouterr().out
+    out = capsys.readouterr()  # the verify line on stderr: stdout holds the table alone
+    assert "verify    skipped (--verify none)" in out.err and "verify" not in out.out

@@ -336,3 +336,15 @@ def test_a_bad_anychip_variable_is_named_before_the_server_starts(w4a8, capsys, 
     monkeypatch.setenv(name, value)
     assert main(["serve", str(w4a8), "--verify", "none", "--dry-run"]) == 2
     assert says in capsys.readouterr().err
+
+
+def test_a_forced_route_this_machine_lacks_is_named_before_the_server_starts(w4a8, capsys, monkeypatch):
+    from anychip.kernels import routes
+
+    missing = next((r for r in routes.ROUTES if r.unavailable() is not None), None)
+    if missing is None:
+        pytest.skip("every route is available on this machine")
+    monkeypatch.setenv("ANYCHIP_KERNEL_ISA", missing.id)
+    assert main(["serve", str(w4a8), "--verify", "none", "--dry-run"]) == 2
+    assert f"kernel route {missing.id!r} is not available on this machine" in capsys.readouterr().err
+    assert main(["serve", str(w4a8), "--verify", "none", "--dry-run", "--allow-fallback"]) == 0

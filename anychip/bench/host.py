@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from anychip import __version__
+from anychip.envs import ANYCHIP_SOURCE_COMMIT
 
 
 def machine() -> dict[str, Any]:
@@ -45,7 +46,7 @@ def source_state() -> dict[str, Any]:
     """The anychip commit measured, and files under anychip/ that differ from it (work in progress measured).
     ANYCHIP_SOURCE_COMMIT names it for a tree without its own .git (a `git archive` export run elsewhere), where
     git would otherwise answer for whatever repository lies above it."""
-    if commit := os.environ.get("ANYCHIP_SOURCE_COMMIT"):
+    if commit := os.environ.get(ANYCHIP_SOURCE_COMMIT):
         return {"commit": commit, "uncommitted": []}
     root = Path(__file__).resolve().parents[2]
     try:

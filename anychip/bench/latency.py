@@ -847,7 +847,8 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
         if missing:
             raise AnychipError(f"--systems {','.join(missing)}: not planned for this run (the peers come with "
                                f"--peers; planned here: {', '.join(sorted(planned))})")
-        systems = [s for s in systems if s.name in args.systems]
+        keep = set(args.systems) | ({FLOOR} if getattr(args, "floor", False) else set())  # --floor adds its row
+        systems = [s for s in systems if s.name in keep]
     where = machine()  # before measuring: the source state is the one the engines load
     workdir = Path(tempfile.mkdtemp(prefix="anychip-bench-latency-"))
     print(f"anychip bench latency: {len(systems)} system(s), pp{args.pp} tg{args.tg} x{args.reps}, "

@@ -126,21 +126,28 @@ class ModelDir:
         qc = self.quantization_config
         return str(qc.get("quant_method")) if qc and qc.get("quant_method") else None
 
-    def bf16_source(self) -> Path:
-        """The BF16 directory this checkpoint was quantized from; ModelDirError saying why not otherwise."""
-        if self.quantization_config is None:
+    def bf16_source(self, given: Path | None = None) -> Path:
+        """The BF16 directory this checkpoint was quantized from; ModelDirError saying why not otherwise. given: the
+        user's word for where it is now (moved or copied; `anychip eval --bf16 DIR`): checked to be the same model
+        by its shape and its safetensors files' names and sizes (a copy's times may differ)."""
+        if given is not None:
+            path = Path(given)
+            if not (path / CONFIG).is_file():
+                raise ModelDirError(f"--bf16 {path}: no model directory there (no {CONFIG})")
+        elif self.quantization_config is None:
             raise ModelDirError(f"{self.path} is not quantized (no quantization_config): it has no BF16 source; "
                                 "pass the W4A8 directory instead")
         if self.is_synthetic:
             raise ModelDirError(f"{self.name} has random weights (anychip prepare --synthetic): no BF16 source")
-        src = self.provenance.get("source")
-        if not src:
-            raise ModelDirError(f"{self.path / CONFIG} records no source model (quantization_config.anychip.source): "
-                                "re-create it with `anychip quantize SRC DST`")
-        path = Path(src)
-        if not (path / CONFIG).is_file():
-            raise ModelDirError(f"the BF16 source {path} recorded in {self.path / CONFIG} is gone: re-run "
-                                "`anychip prepare` or `anychip quantize`")
+        if given is None:
+            src = self.provenance.get("source")
+            if not src:
+                raise ModelDirError(f"{self.path / CONFIG} records no source model (quantization_config.anychip."
+                                    "source): re-create it with `anychip quantize SRC DST`, or name it with --bf16")
+            path = Path(src)
+            if not (path / CONFIG).is_file():
+                raise ModelDirError(f"the BF16 source {path} recorded in {self.path / CONFIG} is gone: re-run "
+                                    "`anychip prepare` or `anychip quantize`, or name where it is now with --bf16")
         source = ModelDir.open(path)
         differ = [f"{key} {source.get(key)!r} (this checkpoint: {self.get(key)!r})" for key in SHAPE_KEYS
                   if source.get(key) != self.get(key)]
@@ -149,6 +156,12 @@ class ModelDir:
                                 f"{'; '.join(differ)}. Point quantization_config.anychip.source at the model it "
                                 "was quantized from, or re-quantize")
         recorded = self.provenance.get("source_files")
+        if given is not None:
+            if recorded is not None and [r[:2] for r in recorded] != [r[:2] for r in weight_files_stamp(path)]:
+                raise ModelDirError(f"--bf16 {path}: its safetensors files' names or sizes differ from those of the "
+                                    f"source recorded in {self.path / CONFIG}: not the weights this checkpoint was "
+                                    "made from")
+            return path
         if recorded is not None and recorded != weight_files_stamp(path):
             raise ModelDirError(f"the BF16 source {path} recorded in {self.path / CONFIG} has changed since this "
                                 "checkpoint was made (its safetensors files' names, sizes or times differ from the "

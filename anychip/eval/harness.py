@@ -179,7 +179,7 @@ def evaluate_lm_eval_isolated(model_dir: Path, names: list[str], settings: runne
 
 
 def run_lm_eval(model: Path, task_names: list[str] | None, settings: runner.EvalSettings,
-                compare_bf16: bool) -> dict[str, Any]:
+                compare_bf16: bool | Path) -> dict[str, Any]:
     """The report of `anychip eval --harness lm-eval`, in the shape runner.run_eval's has."""
     names = list(task_names) if task_names is not None else list(DEFAULT_TASKS)
     if not names:
@@ -207,6 +207,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.text and args.tasks is not None and PERPLEXITY not in args.tasks:
         raise EvalDataError(f"--text {args.text} is the perplexity task's text: add 'perplexity' to --tasks, or "
                             "drop --text")
+    if getattr(args, "bf16", None):  # where the BF16 source is now: implies --compare-bf16
+        args.compare_bf16 = Path(args.bf16).expanduser().resolve()
     if args.harness == "anychip":
         return runner.cmd_eval(args)
     if args.data or args.text:

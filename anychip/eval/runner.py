@@ -103,10 +103,10 @@ def as_target(model: Path | Target) -> Target:
     return model if isinstance(model, Target) else Target(Path(model).name, Path(model))
 
 
-def bf16_source(model_dir: Path) -> Path:
-    """The BF16 directory a W4A8 checkpoint was quantized from (recorded by `anychip quantize`)."""
+def bf16_source(model_dir: Path, given: Path | None = None) -> Path:
+    """The BF16 directory a W4A8 checkpoint was quantized from (recorded by `anychip quantize`, or `given`: --bf16)."""
     try:
-        return ModelDir.open(model_dir).bf16_source()
+        return ModelDir.open(model_dir).bf16_source(given)
     except ModelDirError as exc:
         raise ModelDirError(f"--compare-bf16: {exc}") from None
 
@@ -347,19 +347,19 @@ def _pct(x: float) -> str:
     return "nan" if math.isnan(x) else f"{100 * x:+.2f}"
 
 
-def models_to_evaluate(model: Path, compare_bf16: bool) -> dict[str, Path]:
+def models_to_evaluate(model: Path, compare_bf16: bool | Path) -> dict[str, Path]:
     """{"w4a8", "bf16" or another quant_method: model}, and with compare_bf16 {"bf16": the source it was quantized
-    from} too."""
+    from} too (compare_bf16 a path: the source is there, --bf16)."""
     md = ModelDir.open(model)
     label = ("w4a8" if md.made_by_anychip else {"bf16": "bf16", "w4a8": "w4a8", "synthetic": "w4a8"}.get(md.kind)
              or md.quant_method or "quantized")
     models = {label: model}  # a model quantized some other way is labelled by its quant_method, not as W4A8
     if compare_bf16:
-        models["bf16"] = bf16_source(model)
+        models["bf16"] = bf16_source(model, compare_bf16 if isinstance(compare_bf16, Path) else None)
     return models
 
 
-def targets_to_evaluate(model: Path, compare_bf16: bool, head_int8: bool = False,
+def targets_to_evaluate(model: Path, compare_bf16: bool | Path, head_int8: bool = False,
                         llama_cpp: list[str] | None = None) -> list[Target]:
     """The report's models: `model` (and its BF16 source), `model` with the INT8 head (ANYCHIP_HEAD=int8), and
     llama.cpp GGUFs of the BF16 source in each file type of `llama_cpp` (made once with llama.cpp's quantizer)."""
@@ -370,7 +370,7 @@ def targets_to_evaluate(model: Path, compare_bf16: bool, head_int8: bool = False
     if llama_cpp:
         from anychip.eval.llama_cpp_engine import gguf_for
 
-        bf16 = model if own == "bf16" else bf16_source(model)
+        bf16 = model if own == "bf16" else bf16_source(model, compare_bf16 if isinstance(compare_bf16, Path) else None)
         for ftype in llama_cpp:
             targets.append(Target(f"{LLAMA_CPP}-{ftype}", gguf_for(bf16, ftype), engine=LLAMA_CPP, tokenizer=bf16,
                                   baseline="bf16"))
@@ -432,12 +432,12 @@ def verify_model(model: Path, mode: str) -> None:
     from anychip.checkpoint.verify import verify_before_use
 
     said = verify_before_use(model, mode, "eval")
-    if said:
-        print(said, flush=True)
+    if said:  # on stderr, as the engine's log: stdout holds the results table alone
+        print(said, file=sys.stderr, flush=True)
 
 
 def run_eval(model: Path, task_names: list[str] | None, data: str | None, settings: EvalSettings,
-             compare_bf16: bool, text_path: str | None, head_int8: bool = False,
+             compare_bf16: bool | Path, text_path: str | None, head_int8: bool = False,
              llama_cpp: list[str] | None = None, verify: str = "full") -> dict[str, Any]:
     """Resolve data, evaluate the model (its BF16 source, its INT8-head variant, llama.cpp peers), return the
     report."""
@@ -496,7 +496,8 @@ def write_report(path: str | None, report: dict[str, Any]) -> None:
 def cmd_eval(args: argparse.Namespace) -> int:
     check_output(args.json)
     settings = EvalSettings(limit=args.limit, threads=getattr(args, "threads", None), jobs=getattr(args, "jobs", 1))
-    report = run_eval(Path(args.model), args.tasks, args.data, settings, args.compare_bf16, args.text,
+    model = Path(args.model).expanduser().resolve()  # recorded as the BF16 source is: absolute
+    report = run_eval(model, args.tasks, args.data, settings, args.compare_bf16, args.text,
                       head_int8=getattr(args, "head_int8", False), llama_cpp=getattr(args, "llama_cpp", None),
                       verify=getattr(args, "verify", "full"))
     report["command"] = "anychip " + " ".join(getattr(args, "argv", None) or sys.argv[1:])
