@@ -254,9 +254,14 @@ def test_quantize_refuses_before_any_work_what_it_could_only_fail_on_later(tiny_
     extras = Path(shutil.copytree(src, tmp_path / "extras"))
     for name in ("pytorch_model.bin.bak", "model.safetensors.old", "weights.zip", "notes~"):
         (extras / name).write_bytes(b"x")
+    (extras / "onnx").mkdir()  # a subfolder and the model card are not carried either, and quantize says so
+    (extras / "README.md").write_text("# the BF16 model")
+    capsys.readouterr()
     dst = quantize_checkpoint(extras, tmp_path / "e", W4A8Scheme(group_size=32))
-    assert not {"pytorch_model.bin.bak", "model.safetensors.old", "weights.zip", "notes~"} & {
+    assert not {"pytorch_model.bin.bak", "model.safetensors.old", "weights.zip", "notes~", "onnx", "README.md"} & {
         p.name for p in dst.iterdir()}
+    said = capsys.readouterr().err
+    assert "not carried into e" in said and "README.md" in said and "onnx/" in said and "weights.zip" in said
 
 
 def test_cli_gptq_dispatches_to_gptq_quantizer(tiny_llama, tmp_path, monkeypatch, capsys):

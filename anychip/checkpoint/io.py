@@ -318,3 +318,18 @@ def copy_side_files(src: Path, dst: Path, skip: set[str] = frozenset()) -> list[
         shutil.copyfile(path, dst / name)
         copied.append(name)
     return copied
+
+
+def not_carried(src: Path) -> list[str]:
+    """What of a source folder a converted checkpoint does not get beside its weights and config (copy_side_files'
+    rules): subfolders, the model card, archives and backup copies; for the converter to say so."""
+    left = []
+    for path in sorted(src.iterdir()):
+        name = path.name
+        if name.startswith("."):
+            continue
+        if path.is_dir():
+            left.append(name + "/")
+        elif name == "README.md" or (name.endswith(_NOT_COPIED_SUFFIXES) and not name.endswith(_WEIGHT_SUFFIXES)):
+            left.append(name)
+    return left

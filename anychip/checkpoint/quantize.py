@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
@@ -26,6 +27,7 @@ from anychip.checkpoint.io import (
     TensorInfo,
     atomic_directory,
     copy_side_files,
+    not_carried,
     read_tensor_infos,
 )
 from anychip.checkpoint.layout import (
@@ -216,6 +218,9 @@ def quantize_checkpoint(src: Path, dst: Path, scheme: W4A8Scheme, quantizer: Wei
                 config[key] = "bfloat16"
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         copy_side_files(src, tmp)
+        if left := not_carried(src):
+            print(f"anychip quantize: not carried into {dst.name} (only top-level tokenizer, chat and generation "
+                  f"files are): {', '.join(left)}", file=sys.stderr)
         write_manifest(tmp)
         verify_checkpoint(tmp, checksums=False)
     return dst
