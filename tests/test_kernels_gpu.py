@@ -51,6 +51,35 @@ def test_quantize_bit_exact(m: int, k: int, dtype: torch.dtype) -> None:
     assert torch.equal(xq.cpu(), rq)
 
 
+@pytest.mark.parametrize("k", [576, 6144])
+def test_a_token_holding_nan_or_inf_is_nan_compiled(k: int) -> None:
+    """Compiled, as the interpreted case checks: a NaN or inf in a token gives scale NaN, q 0 and NaN outputs on
+    the GEMM, the fused GEMV and the fused_add_rms_norm prologue, whose new residual keeps the NaN (the GPU's NaN
+    0x7FFFFFFF once rounded to -0.0 there)."""
+    n, g = 64, 64
+    q, s = weights(n, k, g, seed=k)
+    from anychip.kernels.gpu.layout import pack_nibbles
+
+    w, sw = pack_nibbles(q).to(DEV), s.t().contiguous().to(DEV)
+    x = activations(4, k, torch.bfloat16, seed=k).to(DEV)
+    x[1, k - 1], x[2, 3], x[3, k // 2] = float("nan"), float("inf"), float("-inf")
+    xq, sx = launch.quantize_act(x)
+    rq, rs = quantize_activations_ref(x.cpu())
+    assert torch.equal(xq.cpu(), rq) and torch.equal(sx.cpu().isnan(), rs.isnan())
+    y = launch.w4a8_linear(x, w, sw, None, n, k, g, config=launch.GemmConfig(16, 64, 64))
+    assert y[1:].isnan().all() and y[0].isfinite().all()
+    for one in range(4):
+        y = launch.w4a8_linear(x[one:one + 1], w, sw, None, n, k, g, config=launch.GemvConfig(16, 256, fused=True))
+        assert y.isnan().all() if one else y.isfinite().all()
+    r = activations(4, k, torch.bfloat16, seed=1).to(DEV)
+    norm = launch.Norm(torch.rand(k, dtype=torch.bfloat16, device=DEV) + 0.5, 1e-6, residual=r,
+                       residual_out=torch.empty_like(x))
+    out = launch.w4a8_linear_pre(x, norm, w, sw, None, n, k, g)
+    assert out[1:].isnan().all() and out[0].isfinite().all()
+    _, r_ref = rms_norm_ref(x.cpu(), norm.weight.cpu(), 1e-6, r.cpu())
+    assert torch.equal(norm.residual_out.cpu().isnan(), r_ref.isnan())
+
+
 ONE = launch.QUANTIZE_ONE_PASS
 
 
