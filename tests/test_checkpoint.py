@@ -251,17 +251,41 @@ def test_quantize_refuses_before_any_work_what_it_could_only_fail_on_later(tiny_
     assert main(["quantize", str(ints), str(tmp_path / "i"), "--group-size", "32"]) == 2
     assert "model.norm.weight is I8, where a BF16, FP16 or FP32 decoder's tensors are floating point" in \
         capsys.readouterr().err
+    for what, change in (("int8 weight", lambda t: t.__setitem__("model.layers.0.self_attn.q_proj.weight",
+                                                                  t["model.layers.0.self_attn.q_proj.weight"].to(
+                                                                      torch.int8))),
+                         ("fp8 weight", lambda t: t.__setitem__("model.layers.1.mlp.up_proj.weight",
+                                                                 t["model.layers.1.mlp.up_proj.weight"].to(
+                                                                     torch.float8_e4m3fn))),
+                         ("packed", lambda t: t.__setitem__("model.layers.0.mlp.down_proj.weight_packed",
+                                                             torch.zeros(4, 4, dtype=torch.int32)))):
+        q = Path(shutil.copytree(src, tmp_path / what.replace(" ", "-")))  # a config without quantization_config
+        tensors = load_file(q / "model.safetensors")
+        change(tensors)
+        save_file(tensors, q / "model.safetensors", metadata={"format": "pt"})
+        assert main(["quantize", str(q), str(tmp_path / "q"), "--group-size", "32"]) == 2, what
+        assert "holds quantized weights" in capsys.readouterr().err, what
+    pickled = Path(shutil.copytree(src, tmp_path / "pickled"))  # a .bin-only source: named, with the way out
+    torch.save(load_file(pickled / "model.safetensors"), pickled / "pytorch_model.bin")
+    (pickled / "model.safetensors").unlink()
+    assert main(["quantize", str(pickled), str(tmp_path / "p"), "--group-size", "32"]) == 2
+    assert "PyTorch pickles (pytorch_model.bin)" in capsys.readouterr().err
     extras = Path(shutil.copytree(src, tmp_path / "extras"))
     for name in ("pytorch_model.bin.bak", "model.safetensors.old", "weights.zip", "notes~"):
         (extras / name).write_bytes(b"x")
     (extras / "onnx").mkdir()  # a subfolder and the model card are not carried either, and quantize says so
     (extras / "README.md").write_text("# the BF16 model")
+    (extras / "additional_chat_templates").mkdir()  # but named chat templates are the tokenizer's: carried
+    (extras / "additional_chat_templates" / "tool_use.jinja").write_text("{{ messages }}")
     capsys.readouterr()
     dst = quantize_checkpoint(extras, tmp_path / "e", W4A8Scheme(group_size=32))
+    assert (dst / "additional_chat_templates" / "tool_use.jinja").read_text() == "{{ messages }}"
+    assert verify_checkpoint(dst).checksums_verified
     assert not {"pytorch_model.bin.bak", "model.safetensors.old", "weights.zip", "notes~", "onnx", "README.md"} & {
         p.name for p in dst.iterdir()}
     said = capsys.readouterr().err
     assert "not carried into e" in said and "README.md" in said and "onnx/" in said and "weights.zip" in said
+    assert "additional_chat_templates" not in said
 
 
 def test_cli_gptq_dispatches_to_gptq_quantizer(tiny_llama, tmp_path, monkeypatch, capsys):

@@ -100,6 +100,24 @@ def test_each_family_quantizes_with_its_own_bf16_tensors(family, name):
         assert stored[name_].dtype == torch.bfloat16 and torch.equal(stored[name_], source[name_]), name_
 
 
+@pytest.mark.parametrize("name", ["gemma", "gemma2", "gemma3", "qwen2"])
+def test_a_config_without_tie_word_embeddings_takes_the_architectures_default(family, name, tmp_path):
+    """transformers 4 leaves tie_word_embeddings out of a Gemma config.json (google/gemma-2b's has none), and
+    transformers reads it as true for Gemma, false for the others: quantize and verify read it the same way."""
+    from anychip.checkpoint.layout import is_tied
+
+    src, _ = family(name)
+    config = json.loads((src / "config.json").read_text())
+    bare = Path(shutil.copytree(src, tmp_path / "bare"))
+    tied = config.pop("tie_word_embeddings")
+    if tied is not name.startswith("gemma"):  # a tied Qwen2 source without the key reads as untied: no head tensor
+        pytest.skip("the tiny source's tie setting is not its architecture's default")
+    (bare / "config.json").write_text(json.dumps(config))
+    assert is_tied(config) is name.startswith("gemma")
+    dst = quantize_checkpoint(bare, tmp_path / "w4a8", W4A8Scheme(32))
+    assert verify_checkpoint(dst).architecture == config["architectures"][0]
+
+
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "llama-biased", "gemma2", "gemma3"])
 def test_verify_wants_exactly_the_familys_tensors(family, name, tmp_path):
     """A missing bias or head norm, and a bias the config does not give, are contract errors naming the tensor."""

@@ -35,6 +35,7 @@ from anychip.bench.peers import die_with_parent
 from anychip.bench.report import (check_json_path, command_line, fmt, markdown_table, now, read_report_to_append,
                                   source_notes, write_outputs)
 from anychip.bench.runners import Engine, RunSpec
+from anychip.checkpoint.layout import is_tied
 from anychip.checkpoint.model_dir import ModelDir, ModelDirError
 from anychip.checkpoint.verify import verify_before_use
 from anychip.errors import AnychipError
@@ -543,7 +544,7 @@ def decode_bytes(md: ModelDir) -> int:
     embedding matrix as the head. The KV cache of a short context is left out (kilobytes)."""
     from anychip.checkpoint.io import read_header
 
-    tied = bool(md.get("tie_word_embeddings", False))
+    tied = is_tied(md.config)
     total = 0
     for shard in md.shards:
         for name, info in read_header(shard).items():

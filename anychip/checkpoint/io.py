@@ -148,8 +148,12 @@ def weight_files(directory: Path) -> list[Path]:
         files = [directory / SINGLE]
     missing = [f.name for f in files if not f.is_file()]
     if missing:
-        raise CheckpointFileError(f"{directory}: weights file(s) {', '.join(missing)} missing "
-                                  "(safetensors weights are required; re-create the checkpoint)")
+        pickled = sorted(p.name for p in directory.glob("*.bin") if p.is_file())
+        how = (f"; it holds PyTorch pickles ({', '.join(pickled[:3])}): save it as safetensors first, e.g. "
+               "AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(NEW_DIR, safe_serialization=True)"
+               if pickled else "; re-create the checkpoint")
+        raise CheckpointFileError(f"{directory}: weights file(s) {', '.join(missing)} missing (safetensors weights "
+                                  f"are required{how})")
     return files
 
 
@@ -304,13 +308,21 @@ _NOT_COPIED_SUFFIXES = _WEIGHT_SUFFIXES + (".zip", ".tar", ".gz", ".xz", ".zst",
 _NOT_COPIED_NAMES = {"config.json", INDEX, "pytorch_model.bin.index.json", "SHA256SUMS", "README.md"}
 
 
+#: Subfolders a model folder's tokenizer owns: transformers saves named chat templates (`tool_use`, ...) in it.
+_SIDE_FOLDERS = ("additional_chat_templates",)
+
+
 def copy_side_files(src: Path, dst: Path, skip: set[str] = frozenset()) -> list[str]:
-    """Copy tokenizer files, generation_config, chat template (every plain top-level file that is not weights or
-    a copy of them, an archive, config, index, manifest, README or a marker) from src to dst; returns the names
-    copied."""
+    """Copy tokenizer files, generation_config, chat templates (every plain top-level file that is not weights or
+    a copy of them, an archive, config, index, manifest, README or a marker, and the named chat templates' folder)
+    from src to dst; returns the names copied."""
     copied = []
     for path in sorted(src.iterdir()):
         name = path.name
+        if name in _SIDE_FOLDERS and path.is_dir():
+            shutil.copytree(path, dst / name)
+            copied.append(name + "/")
+            continue
         if (not path.is_file() or name.startswith(".") or name in _NOT_COPIED_NAMES or name in skip
                 or name.startswith("anychip-") or name.endswith(_NOT_COPIED_SUFFIXES)
                 or any(f"{suffix}." in name for suffix in _WEIGHT_SUFFIXES)):  # model.safetensors.part1, ...
@@ -328,7 +340,7 @@ def not_carried(src: Path) -> list[str]:
         name = path.name
         if name.startswith("."):
             continue
-        if path.is_dir():
+        if path.is_dir() and name not in _SIDE_FOLDERS:
             left.append(name + "/")
         elif name == "README.md" or (name.endswith(_NOT_COPIED_SUFFIXES) and not name.endswith(_WEIGHT_SUFFIXES)):
             left.append(name)

@@ -90,7 +90,9 @@ class Family:
       `residual_multiplier` (Granite; also embedding, attention and logit multipliers, which no quantizer step
       touches);
     - `rotatable`: whether a residual rotation (rotate.py) keeps the function: not with norms inside the
-      residual branches, whose per-channel weights do not commute with a rotation."""
+      residual branches, whose per-channel weights do not commute with a rotation;
+    - `tied_by_default`: what a config.json that leaves `tie_word_embeddings` out means (transformers' default for
+      the architecture: true for Gemma, whose configs saved by transformers 4 omit it)."""
 
     biases: Callable[[dict[str, Any]], tuple[str, ...]]
     head_norms: bool = False
@@ -100,6 +102,7 @@ class Family:
     norm_offset: float = 0.0
     residual_multiplier: bool = False
     rotatable: bool = True
+    tied_by_default: bool = False
 
 
 #: The architectures anychip quantizes and verifies, by config.json's `architectures` entry.
@@ -111,15 +114,22 @@ FAMILIES: dict[str, Family] = {
     # Granite: Llama's layer and biases, scalar multipliers (a rotation passes them)
     "GraniteForCausalLM": Family(_llama_biases, residual_multiplier=True),
     # Gemma: GELU-tanh gated MLP, (1 + w) RMSNorms, the embedding scaled by sqrt(hidden) (the runtimes' business)
-    "GemmaForCausalLM": Family(_gemma_biases, norm_offset=1.0, rotatable=False),
+    "GemmaForCausalLM": Family(_gemma_biases, norm_offset=1.0, rotatable=False, tied_by_default=True),
     # Gemma 2 and text-only Gemma 3 (model_type gemma3_text): sandwich norms, sliding-window and global layers;
     # Gemma 2's logit soft-capping and Gemma 3's q/k norms
     "Gemma2ForCausalLM": Family(_attention_biases, norms=SANDWICH_NORMS, mlp_norm="pre_feedforward_layernorm",
-                                post_mlp_norm="post_feedforward_layernorm", norm_offset=1.0, rotatable=False),
+                                post_mlp_norm="post_feedforward_layernorm", norm_offset=1.0, rotatable=False,
+                                tied_by_default=True),
     "Gemma3ForCausalLM": Family(_attention_biases, head_norms=True, norms=SANDWICH_NORMS,
                                 mlp_norm="pre_feedforward_layernorm", post_mlp_norm="post_feedforward_layernorm",
-                                norm_offset=1.0, rotatable=False),
+                                norm_offset=1.0, rotatable=False, tied_by_default=True),
 }
+
+
+def is_tied(config: dict[str, Any]) -> bool:
+    """Whether the output head is the embedding: config.json's tie_word_embeddings, else the architecture's
+    default (Family.tied_by_default)."""
+    return bool(config.get("tie_word_embeddings", family_of(config).tied_by_default))
 
 
 def family_of(config: dict[str, Any]) -> Family:
@@ -171,7 +181,7 @@ class DecoderDims:
                 kv_heads=int(config.get("num_key_value_heads") or heads),
                 head_dim=int(config.get("head_dim") or hidden // heads),
                 vocab=int(config["vocab_size"]),
-                tied=bool(config.get("tie_word_embeddings", False)),
+                tied=is_tied(config),
                 biased=family.biases(config),
                 head_norms=family.head_norms,
                 norms=family.norms,

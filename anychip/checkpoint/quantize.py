@@ -90,6 +90,7 @@ def check_source(src: Path, scheme: W4A8Scheme) -> tuple[dict[str, Any], list[tu
         method = config["quantization_config"].get("quant_method")
         raise ContractError(f"{src} is already quantized ({method}): quantize from the BF16 model")
     infos = read_tensor_infos(src)
+    _check_not_quantized(src, infos)
     _check_linears_present(src, infos, dims.layers)
     plan = _plan(infos, scheme)
     from anychip.checkpoint.verify import check_tokenizer
@@ -133,6 +134,22 @@ def choose_group_size(src: Path) -> int:
             return g
     prefix, k = next((p, k) for p, k in ks.items() if k % min(GROUP_SIZES))
     raise group_size_error(prefix, k, min(GROUP_SIZES))
+
+
+#: Tensor names only a quantized checkpoint holds (compressed-tensors, GPTQ / AWQ, FP8 and bitsandbytes layouts).
+_QUANTIZED_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_zero_point", ".weight_shape", ".weight_g_idx",
+                       ".qweight", ".qzeros", ".scales", ".g_idx", ".input_scale", ".weight_scale_inv", ".SCB")
+
+
+def _check_not_quantized(src: Path, infos: dict[str, TensorInfo]) -> None:
+    """A source whose config lost its quantization_config can still hold quantized tensors: named before any
+    work, where they crashed the writer or were quantized again before the final verify refused them."""
+    for name, info in infos.items():
+        low_bits = parse_linear_weight(name) and (info.torch_dtype is None or not info.torch_dtype.is_floating_point
+                                                  or info.torch_dtype.itemsize == 1)
+        if name.endswith(_QUANTIZED_SUFFIXES) or low_bits:
+            raise ContractError(f"{src} holds quantized weights ({name}, {info.dtype}) though its config.json has no "
+                                "quantization_config: quantize from the unquantized BF16, FP16 or FP32 model")
 
 
 def _plan(infos: dict[str, TensorInfo], scheme: W4A8Scheme) -> list[tuple[TensorInfo, list[TensorSpec]]]:
