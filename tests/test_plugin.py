@@ -216,3 +216,64 @@ def test_openai_server_chat_and_template_kwargs(default_model, tmp_path):
             pass
         log.close()
         assert proc.returncode is not None
+
+
+ENGINES_IN_ONE_PROCESS = """
+import gc, os, sys
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # every engine in this process
+from vllm import LLM, SamplingParams
+for model, cov in zip(sys.argv[1::2], sys.argv[2::2]):
+    if cov == "-":
+        os.environ.pop("ANYCHIP_COVERAGE", None)
+    else:
+        os.environ["ANYCHIP_COVERAGE"] = cov
+    llm = LLM(model=model, max_model_len=128, enforce_eager=True, skip_tokenizer_init=True)
+    llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(max_tokens=3, detokenize=False),
+                 use_tqdm=False)
+    del llm
+    gc.collect()
+"""
+
+
+def test_engines_run_one_after_another_in_one_process_keep_their_own_reports(tiny_llama, tmp_path):
+    """With VLLM_ENABLE_V1_MULTIPROCESSING=0 (the engine in the caller's process), a W4A8 engine, then a BF16
+    engine anychip does not serve, then another W4A8 engine: each W4A8 engine's report is its own (its model,
+    its linears, its steps), and the BF16 engine's steps are in neither (probe48: one report mixed all three)."""
+    from anychip.checkpoint.quantize import quantize_checkpoint
+    from anychip.checkpoint.scheme import W4A8Scheme
+
+    bf16 = tiny_llama(hidden_size=128, head_dim=32)  # a head dim vLLM's CPU attention takes
+    a = quantize_checkpoint(bf16, tmp_path / "a", W4A8Scheme(32))
+    b = quantize_checkpoint(tiny_llama(hidden_size=128, head_dim=32, num_hidden_layers=3), tmp_path / "b",
+                            W4A8Scheme(32))
+    cov_a, cov_b = tmp_path / "a.json", tmp_path / "b.json"
+    proc = subprocess.run([sys.executable, "-c", ENGINES_IN_ONE_PROCESS, str(a), str(cov_a), str(bf16), "-", str(b),
+                           str(cov_b)], env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    first, second = json.loads(cov_a.read_text()), json.loads(cov_b.read_text())
+    assert first["model"] == str(a) and second["model"] == str(b)
+    assert first["route_stats"]["prepared_linears"] == 2 * 4 and second["route_stats"]["prepared_linears"] == 3 * 4
+    for report in (first, second):  # one request of 4 prompt tokens and 3 new ones: 1 prefill and 2 decode steps
+        assert report["phases"]["prefill"]["forward_passes"] == 1, report["phases"]
+        assert report["phases"]["decode"]["forward_passes"] == 2, report["phases"]
+        assert check(report, expect_linears=report["route_stats"]["prepared_linears"]) == []
+
+
+def test_lora_on_a_w4a8_model_is_refused_clearly(tiny_llama, tmp_path):
+    """vLLM's LoRA layers wrap the linears' own weights, which the anychip layout replaces: enable_lora is refused
+    when the model is built, saying so, and the report records it (it failed with `Unsupported base layer:
+    QKVParallelLinear` after the whole model had loaded, and a report that asked for requests)."""
+    from anychip.checkpoint.quantize import quantize_checkpoint
+    from anychip.checkpoint.scheme import W4A8Scheme
+
+    model = quantize_checkpoint(tiny_llama(hidden_size=128, head_dim=32), tmp_path / "w4a8", W4A8Scheme(32))
+    cov = tmp_path / "cov.json"
+    code = ("import sys\nfrom vllm import LLM\n"
+            "LLM(model=sys.argv[1], max_model_len=128, enforce_eager=True, skip_tokenizer_init=True, "
+            "enable_lora=True)\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(model)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "ANYCHIP_COVERAGE": str(cov)})
+    assert proc.returncode != 0
+    assert "LoRA adapters (enable_lora) on an anychip W4A8 model" in proc.stdout + proc.stderr
+    assert "LoRA adapters" in json.loads(cov.read_text())["refused"]

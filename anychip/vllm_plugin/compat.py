@@ -82,7 +82,7 @@ __all__ = [
     "GroupQuantScaleParameter", "ModelWeightParameter", "PackedvLLMParameter", "VocabParallelEmbedding",
     "get_forward_context", "is_forward_context_available", "register_quantization_config",
     "verify_group_size_divides_partition", "vllm_version", "current_phase", "attention_backend_name",
-    "head_gemm_route", "install_cpu_model_hook", "install_cpu_seeded_sampling_fix", "install_logits_hook",
+    "current_vllm_config", "engine_model_name", "head_gemm_route", "install_cpu_model_hook", "install_cpu_seeded_sampling_fix", "install_logits_hook",
     "install_step_hook", "on_cpu", "release_cpu_gemm", "runner_model",
     "ParallelLMHead", "UnquantizedEmbeddingMethod", "step_phase",
     "tensor_parallel", "tp_device_group", "LinearBase", "UnquantizedLinearMethod", "should_ignore_layer",
@@ -415,6 +415,22 @@ def on_cpu() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
+
+
+def current_vllm_config() -> Any | None:
+    """The config of the engine whose model is being built (vLLM sets it around model loading), None outside."""
+    from vllm.config import get_current_vllm_config
+
+    try:
+        return get_current_vllm_config()
+    except AssertionError:
+        return None
+
+
+def engine_model_name(vllm_config: Any) -> str | None:
+    """The model (folder or name) an engine config loads."""
+    model = getattr(getattr(vllm_config, "model_config", None), "model", None)
+    return str(model) if model is not None else None
 
 
 def pooling_runner() -> bool:

@@ -20,6 +20,10 @@ from anychip.vllm_plugin.scheme import AnychipW4A8Scheme, ForeignScheme
 NAME = "anychip-w4a8"
 
 
+class UnsupportedFeature(EngineRefusal):
+    """A vLLM feature the W4A8 model cannot run with, refused when the model is built (not at its first use)."""
+
+
 class StrictModeError(EngineRefusal):
     """Strict mode refuses a layer no anychip kernel serves."""
 
@@ -83,6 +87,13 @@ class AnychipW4A8Config(compat.CompressedTensorsConfig):
         return NAME if claimed else None
 
     def get_quant_method(self, layer: Any, prefix: str) -> Any:
+        engine = compat.current_vllm_config()
+        if getattr(engine, "lora_config", None) is not None:
+            get_recorder()  # the refusal goes into this engine's report
+            raise UnsupportedFeature("LoRA adapters (enable_lora) on an anychip W4A8 model: vLLM's LoRA layers "
+                                     "wrap its own linear weights, which the anychip kernels' layout replaces; "
+                                     "serve the adapter on the BF16 model, or merge it into the BF16 weights and "
+                                     "quantize that (`anychip quantize`)")
         method = super().get_quant_method(layer, prefix)
         if isinstance(layer, compat.Attention):
             cpu_attention.check_head_size(layer, prefix)

@@ -13,6 +13,7 @@ Python, per call, through hooks.notify.
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import threading
 import time
@@ -44,8 +45,15 @@ KERNEL_TABLE_ROWS = 256  # first size of the C++ routes' table (layer ids); doub
 
 
 class Recorder:
-    def __init__(self, path: Path | None, policy: KernelPolicy, rank: int = 0, world_size: int = 1) -> None:
+    """The coverage of one engine: the one whose model it saw built (`engine`, its vLLM config; a later engine in
+    the same process, as vLLM runs them with VLLM_ENABLE_V1_MULTIPROCESSING=0, gets a recorder of its own, and the
+    steps of an engine anychip does not serve are not counted here)."""
+
+    def __init__(self, path: Path | None, policy: KernelPolicy, rank: int = 0, world_size: int = 1,
+                 engine: Any = None) -> None:
         self.path = path
+        self._engine: weakref.ref | None = None
+        self._active = True  # the last step was this engine's (on_step): logits then are its head's
         self.policy = policy  # built once for the engine process, passed to every layer's prepare
         strict = not policy.allow_fallback
         self.coverage = Coverage(strict=strict, fallback_allowed=not strict, platform_info=platform_summary())
@@ -76,12 +84,45 @@ class Recorder:
         self._write_error: str | None = None  # the last failed write's error, logged once
         self._last_step = self._last_write = float("-inf")  # time.monotonic() of the last model step, write
         self._heap_trimmed = False
+        self.adopt(engine)
         hooks.install(self.on_call)
         compat.install_logits_hook(self.on_logits)
         if path is not None:
             thread = threading.Thread(target=self._flush_loop, name="anychip-coverage", daemon=True)
             thread.start()
             atexit.register(self.flush)
+
+    def adopt(self, engine: Any) -> bool:
+        """Whether this recorder is `engine`'s (a vLLM config; None: unknown, as outside vLLM), taking it when it
+        has none yet."""
+        if engine is None:
+            return True
+        if self._engine is None:
+            try:
+                self._engine = weakref.ref(engine)
+            except TypeError:
+                self._engine = lambda engine=engine: engine  # type: ignore[assignment]
+            self.coverage.model = compat.engine_model_name(engine)
+            return True
+        return self._engine() is engine
+
+    def engine_alive(self) -> bool:
+        """Whether the engine this recorder is for still exists (collecting what a deleted engine left in cycles
+        first); True when it is unknown. Another engine's config while this one lives (a draft model's, a second
+        engine of the process) joins this report."""
+        if self._engine is None:
+            return True
+        if self._engine() is not None:
+            gc.collect()
+        return self._engine() is not None
+
+    def retire(self) -> None:
+        """Another engine of this process builds its model: this report is final (written now, not at exit, where
+        it would overwrite a later engine's at the same path)."""
+        self._stop.set()
+        if self.path is not None:
+            atexit.unregister(self.flush)
+        self.flush()
 
     # -- filled while the model is built and loaded --
     def add_layer(self, route: LayerRoute) -> int:
@@ -130,7 +171,8 @@ class Recorder:
         """Before vLLM computes logits with `lm_head` (compat.install_logits_hook): at its first time, an unquantized
         CPU head that the quantization config never saw gets an anychip head route (adopt_head), and the
         module is kept as the head the report names when none was noted while the model was built."""
-        if getattr(lm_head, "_anychip_logits_seen", False):
+        if getattr(lm_head, "_anychip_logits_seen", False) or not self._active or (
+                self._engine is not None and self._engine() is None):  # another engine's, or this one is gone
             return
         lm_head._anychip_logits_seen = True
         if adopt_head(lm_head, self.policy):
@@ -248,6 +290,10 @@ class Recorder:
     def on_step(self, phase: str, tokens: int, runner: Any = None) -> None:
         """Before every model-runner step (compat.install_step_hook): the phase slot the kernels count at. An
         "idle" step (nothing scheduled: no forward pass) is not counted."""
+        if runner is not None and self._engine is not None:
+            self._active = self._engine() is getattr(runner, "vllm_config", None)
+            if not self._active:  # an engine of this process that anychip does not serve
+                return
         if phase == "idle":
             return
         counts = self._steps.get(phase)
@@ -395,6 +441,11 @@ class EngineRefusal(AnychipError, RuntimeError):
 def get_recorder() -> Recorder:
     global _recorder
     with _lock:
+        engine = compat.current_vllm_config()
+        if _recorder is not None and not _recorder.adopt(engine) and not _recorder.engine_alive():
+            # a later engine of this process, the earlier one gone: a report of its own
+            _recorder.retire()
+            _recorder = None
         if _recorder is None:
             path = envs.coverage_path()
             rank, world = compat.tensor_parallel()  # the model is built after vLLM set up its groups
@@ -402,5 +453,5 @@ def get_recorder() -> Recorder:
                 if rank == 0:  # the file the user named lists every rank's report
                     write_rank_index(path, world)
                 path = rank_path(path, rank)
-            _recorder = Recorder(path, envs.kernel_policy(), rank, world)
+            _recorder = Recorder(path, envs.kernel_policy(), rank, world, engine)
         return _recorder
