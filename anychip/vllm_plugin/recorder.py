@@ -53,6 +53,7 @@ class Recorder:
                  engine: Any = None) -> None:
         self.path = path
         self._engine: weakref.ref | None = None
+        self._joined: list[weakref.ref] = []  # other engine configs built while this engine lived (a draft model's)
         self._active = True  # the last step was this engine's (on_step): logits then are its head's
         self.policy = policy  # built once for the engine process, passed to every layer's prepare
         strict = not policy.allow_fallback
@@ -104,7 +105,14 @@ class Recorder:
                 self._engine = lambda engine=engine: engine  # type: ignore[assignment]
             self.coverage.model = compat.engine_model_name(engine)
             return True
-        return self._engine() is engine
+        return self._engine() is engine or any(ref() is engine for ref in self._joined)
+
+    def join(self, engine: Any) -> None:
+        """`engine` (another config) builds layers while this recorder's engine lives: they join this report."""
+        try:
+            self._joined.append(weakref.ref(engine))
+        except TypeError:
+            self._joined.append(lambda engine=engine: engine)  # type: ignore[arg-type]
 
     def engine_alive(self) -> bool:
         """Whether the engine this recorder is for still exists (collecting what a deleted engine left in cycles
@@ -442,10 +450,12 @@ def get_recorder() -> Recorder:
     global _recorder
     with _lock:
         engine = compat.current_vllm_config()
-        if _recorder is not None and not _recorder.adopt(engine) and not _recorder.engine_alive():
-            # a later engine of this process, the earlier one gone: a report of its own
-            _recorder.retire()
-            _recorder = None
+        if _recorder is not None and not _recorder.adopt(engine):
+            if _recorder.engine_alive():  # a draft model's config, or a second live engine: this report
+                _recorder.join(engine)
+            else:  # a later engine of this process, the earlier one gone: a report of its own
+                _recorder.retire()
+                _recorder = None
         if _recorder is None:
             path = envs.coverage_path()
             rank, world = compat.tensor_parallel()  # the model is built after vLLM set up its groups
