@@ -184,7 +184,8 @@ def precompile_threads() -> int:
 def kernel_policy(allow_fallback: bool | None = None) -> KernelPolicy:
     """The kernel policy from the environment (ANYCHIP_KERNEL_ISA, ANYCHIP_ALLOW_FALLBACK / ANYCHIP_STRICT,
     ANYCHIP_BUILD_DIR, ANYCHIP_HEAD, ANYCHIP_GPU_TUNE, ANYCHIP_GPU_TUNING_DIR, ANYCHIP_GPU_PRECOMPILE,
-    ANYCHIP_DIRECT_LAUNCH, ANYCHIP_GPU_PDL, ANYCHIP_GPU_WGMMA, ANYCHIP_CPU_AMX); `allow_fallback` overrides the environment's answer (a CLI flag)."""
+    ANYCHIP_DIRECT_LAUNCH, ANYCHIP_GPU_PDL, ANYCHIP_GPU_WGMMA, ANYCHIP_CPU_AMX); `allow_fallback` overrides the
+    environment's answer (a CLI flag)."""
     return KernelPolicy(route=forced_isa(), build_dir=build_dir(), head=os.environ.get(ANYCHIP_HEAD) or "bf16",
                         gpu_tuning=os.environ.get(ANYCHIP_GPU_TUNE) or "load", tuning_dir=tuning_dir(),
                         gpu_precompile=precompile_threads(), gpu_direct_launch=_flag(ANYCHIP_DIRECT_LAUNCH, True),

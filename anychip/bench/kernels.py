@@ -367,7 +367,8 @@ def markdown_run(run: dict[str, object]) -> list[str]:
         )
     if run.get("decode_rows"):
         lines += ["", "M=1, every linear of a decode step at the model's group size (the op called from Python, as a "
-                  "graph with Inductor's Python wrapper calls it: a few µs a call more than from the C++ wrapper):", "",
+                  "graph with Inductor's Python wrapper calls it: a few µs a call more than from the C++ "
+                  "wrapper):", "",
                   "| model | layer | K | N | G | anychip | w4a16 | bf16 | xw4a16 | xbf16 | weight GB/s "
                   "| of read bandwidth |",
                   "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
