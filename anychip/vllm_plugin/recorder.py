@@ -299,7 +299,9 @@ class Recorder:
         """Before every model-runner step (compat.install_step_hook): the phase slot the kernels count at. An
         "idle" step (nothing scheduled: no forward pass) is not counted."""
         if runner is not None and self._engine is not None:
-            self._active = self._engine() is getattr(runner, "vllm_config", None)
+            config = getattr(runner, "vllm_config", None)  # the config object the model was built under, or a copy
+            self._active = config is None or config is self._engine() or (
+                compat.engine_model_name(config) == self.coverage.model)
             if not self._active:  # an engine of this process that anychip does not serve
                 return
         if phase == "idle":
