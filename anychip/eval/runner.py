@@ -103,6 +103,11 @@ def as_target(model: Path | Target) -> Target:
     return model if isinstance(model, Target) else Target(Path(model).name, Path(model))
 
 
+def given_bf16(compare_bf16: bool | Path) -> Path | None:
+    """The BF16 source's folder --bf16 named (compare_bf16 is then that path), None to use the recorded one."""
+    return compare_bf16 if isinstance(compare_bf16, Path) else None
+
+
 def bf16_source(model_dir: Path, given: Path | None = None) -> Path:
     """The BF16 directory a W4A8 checkpoint was quantized from (recorded by `anychip quantize`, or `given`: --bf16)."""
     try:
@@ -355,7 +360,7 @@ def models_to_evaluate(model: Path, compare_bf16: bool | Path) -> dict[str, Path
              or md.quant_method or "quantized")
     models = {label: model}  # a model quantized some other way is labelled by its quant_method, not as W4A8
     if compare_bf16:
-        models["bf16"] = bf16_source(model, compare_bf16 if isinstance(compare_bf16, Path) else None)
+        models["bf16"] = bf16_source(model, given_bf16(compare_bf16))
     return models
 
 
@@ -370,7 +375,7 @@ def targets_to_evaluate(model: Path, compare_bf16: bool | Path, head_int8: bool 
     if llama_cpp:
         from anychip.eval.llama_cpp_engine import gguf_for
 
-        bf16 = model if own == "bf16" else bf16_source(model, compare_bf16 if isinstance(compare_bf16, Path) else None)
+        bf16 = model if own == "bf16" else bf16_source(model, given_bf16(compare_bf16))
         for ftype in llama_cpp:
             targets.append(Target(f"{LLAMA_CPP}-{ftype}", gguf_for(bf16, ftype), engine=LLAMA_CPP, tokenizer=bf16,
                                   baseline="bf16"))
