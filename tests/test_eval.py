@@ -357,8 +357,11 @@ def test_bf16_names_a_moved_source(tiny_llama, tmp_path, capsys):
     with pytest.raises(AnychipError, match="--bf16 .*no model directory"):
         runner.bf16_source(w4a8, tmp_path / "nothing")
     other = tiny_llama(hidden_size=128, intermediate_size=256)
-    with pytest.raises(AnychipError, match=r"another model now: hidden_size 128"):
+    with pytest.raises(AnychipError, match=r"^--bf16 .*another model than .*: hidden_size 128") as info:
         runner.bf16_source(w4a8, other)
+    assert "--compare-bf16" not in str(info.value) and "recorded in" not in str(info.value)
+    with pytest.raises(AnychipError, match=r"^--compare-bf16: the BF16 source .* is gone"):
+        runner.bf16_source(w4a8)
     shard = next(moved.glob("*.safetensors"))
     shard.write_bytes(shard.read_bytes() + b"\0")
     with pytest.raises(AnychipError, match="names or sizes differ"):

@@ -151,6 +151,9 @@ class ModelDir:
         source = ModelDir.open(path)
         differ = [f"{key} {source.get(key)!r} (this checkpoint: {self.get(key)!r})" for key in SHAPE_KEYS
                   if source.get(key) != self.get(key)]
+        if differ and given is not None:
+            raise ModelDirError(f"--bf16 {path}: another model than the one {self.path} was quantized from: "
+                                f"{'; '.join(differ)}")
         if differ:
             raise ModelDirError(f"the BF16 source {path} recorded in {self.path / CONFIG} is another model now: "
                                 f"{'; '.join(differ)}. Point quantization_config.anychip.source at the model it "

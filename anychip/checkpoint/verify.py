@@ -147,8 +147,13 @@ def tokenizer_json_size(tok: Any, path: Path) -> int:
 def _expect(infos: dict[str, TensorInfo], spec: TensorSpec, where: str) -> TensorInfo:
     info = infos.get(spec.name)
     if info is None:
+        hint = ""
+        if spec.name.endswith("lm_head.weight"):  # config.json says untied (or its architecture's default does)
+            hint = (". config.json reads as an untied output head (tie_word_embeddings false, or absent where the "
+                    "architecture's default is false); if this model shares its head with the embedding, set "
+                    '"tie_word_embeddings": true')
         raise ContractError(f"{spec.name} is missing from the weights ({where}) that config.json describes: the "
-                            "checkpoint is incomplete, or config.json belongs to another model")
+                            f"checkpoint is incomplete, or config.json belongs to another model{hint}")
     if info.dtype != ST_CODES[spec.dtype] or info.shape != spec.shape:
         raise ContractError(f"{info.file}: {spec.name}: stored {info.dtype}{list(info.shape)}, the contract wants "
                             f"{ST_CODES[spec.dtype]}{list(spec.shape)} (from config.json: are config and weights "

@@ -113,7 +113,9 @@ def bf16_source(model_dir: Path, given: Path | None = None) -> Path:
     try:
         return ModelDir.open(model_dir).bf16_source(given)
     except ModelDirError as exc:
-        raise ModelDirError(f"--compare-bf16: {exc}") from None
+        msg = str(exc)
+        raise ModelDirError(msg if msg.startswith("--bf16") else
+                            f"{'--bf16' if given is not None else '--compare-bf16'}: {msg}") from None
 
 
 def make_engine(target: Target, settings: EvalSettings):
