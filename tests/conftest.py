@@ -82,6 +82,8 @@ def write_tiny_llama(directory: Path, seed: int = 0, tokenizer_size: int = 100,
             p.mul_(torch.empty_like(p).uniform_(0.5, 2.0))
             if name.endswith("norm.weight") and not p.any():  # Gemma's norms apply 1 + w, initialized w = 0
                 p.uniform_(-0.5, 0.5)
+            if name.endswith(".bias") and not p.any():  # initialized 0: a bias dropped anywhere would not show
+                p.uniform_(-0.5, 0.5)
     model.save_pretrained(directory)
     _tiny_tokenizer(directory, tokenizer_size)
     return directory

@@ -51,7 +51,10 @@ def read_quantized_linears(model_dir: str | Path) -> tuple[dict[str, tuple[torch
         else:
             wq = tensors[f"{prefix}.weight"]
         linears[prefix] = (wq, tensors[f"{prefix}.weight_scale"])
-    dense = {k: v for k, v in tensors.items() if k.rsplit(".", 1)[0] not in quantized}
+    # a quantized linear's own tensors are weight_packed / weight_shape / weight_scale (or weight); its bias, which
+    # shares the prefix, stays BF16 and dense
+    dense = {k: v for k, v in tensors.items()
+             if not (k.rsplit(".", 1)[0] in quantized and k.rsplit(".", 1)[1].startswith("weight"))}
     return linears, dense
 
 
