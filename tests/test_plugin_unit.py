@@ -418,11 +418,48 @@ def test_the_report_is_not_rewritten_while_the_engine_steps(tmp_path):
     recorder.path = tmp_path / "coverage.json"  # no report thread: the test decides when to write
     recorder.flush()
     recorder.on_step("decode", 1)
+    started = recorder._last_step
+    assert not recorder.write_due(started + 2 * recorder_mod.IDLE_SECONDS)  # the step is still running
+    recorder.on_step_end()
     stepped = recorder._last_step
     assert not recorder.write_due(stepped + 0.01)
     assert recorder.write_due(stepped + 2 * recorder_mod.IDLE_SECONDS)  # idle
+    recorder.on_step("decode", 1)
     recorder._last_step = recorder._last_write + recorder_mod.BUSY_FLUSH_SECONDS  # still stepping, 10 s on
     assert recorder.write_due(recorder._last_step + 0.01)
+
+
+def test_a_report_written_during_a_step_is_written_again_when_it_ends(tmp_path):
+    """A step longer than IDLE_SECONDS (a long prefill, a loaded machine) must not leave a torn report: one written
+    while the step ran counts its pass but only some of its layers' calls (`coverage check` then fails on a healthy
+    server), so the report stays pending until the step has ended and its calls are in. Calls counted with no step
+    hook at all (warm-up) make a written report pending again."""
+    from anychip.kernels.policy import KernelPolicy
+    from anychip.vllm_plugin import recorder as recorder_mod
+
+    recorder = recorder_mod.Recorder(None, KernelPolicy())
+    recorder.path = tmp_path / "coverage.json"
+    name = "model.layers.0.mlp.down_proj"
+    scheme, layer = _prepared_g64_layer(recorder, name)
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    recorder.flush()
+    assert not recorder._device_dirty and not recorder.counts_changed()
+    scheme.apply_weights(layer, x)  # warm-up's call: no step hook ran
+    assert recorder.counts_changed()
+    recorder.flush()
+    assert not recorder.counts_changed()
+    recorder.on_step("prefill", 3)
+    recorder.flush()  # mid-step (a BUSY_FLUSH_SECONDS write): the pass counted, the call not yet
+    torn = json.loads(recorder.path.read_text())
+    assert torn["phases"]["prefill"]["forward_passes"] == 1 and "prefill" not in torn["layers"][name]["calls"]
+    assert recorder._device_dirty  # still pending
+    scheme.apply_weights(layer, x)
+    recorder.on_step_end()
+    assert recorder._device_dirty and recorder.write_due(recorder._last_step + 2 * recorder_mod.IDLE_SECONDS)
+    recorder.flush()
+    doc = json.loads(recorder.path.read_text())
+    assert doc["layers"][name]["calls"] == {"warmup": 1, "prefill": 1}
+    assert not recorder._device_dirty and not recorder.counts_changed()
 
 
 def test_the_heap_is_trimmed_once_when_serving_starts(monkeypatch):

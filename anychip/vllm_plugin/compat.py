@@ -176,14 +176,16 @@ def install_config_hook(on_config: Callable[[Any], None]) -> bool:
     return True
 
 
-def install_step_hook(on_step: Callable[[str, int, Any], None]) -> bool:
+def install_step_hook(on_step: Callable[[str, int, Any], None], on_step_end: Callable[[], None] | None = None
+                      ) -> bool:
     """Call on_step(phase, tokens, model_runner) before every step of vLLM's GPU model runners (V1 and V2), in
-    Python, also when the step replays CUDA graphs. vLLM's CPU model runners (0.32: vllm.v1.worker.cpu_model_runner
-    and vllm.v1.worker.cpu.model_runner) subclass them without overriding execute_model, so the hook fires on CPUs
+    Python, also when the step replays CUDA graphs, and on_step_end() when the step's execute_model returns (or
+    raises; on a GPU its kernels may still run). vLLM's CPU model runners (0.32: vllm.v1.worker.cpu_model_runner
+    and vllm.v1.worker.cpu.model_runner) subclass them without overriding execute_model, so the hooks fire on CPUs
     too. Once a process; False when this vLLM has neither runner."""
-    global _step_hook
+    global _step_hook, _step_end_hook
     if _step_hook is not None:
-        _step_hook = on_step
+        _step_hook, _step_end_hook = on_step, on_step_end
         return True
     runners = _classes("GPUModelRunner", "vllm.v1.worker.gpu.model_runner", "vllm.v1.worker.gpu_model_runner")
     for runner in runners:
@@ -193,15 +195,20 @@ def install_step_hook(on_step: Callable[[str, int, Any], None]) -> bool:
                           **kwargs: Any) -> Any:
             if _step_hook is not None:
                 _step_hook(*step_phase(scheduler_output, bool(kwargs.get("dummy_run", False))), self)
-            return _original(self, scheduler_output, *args, **kwargs)
+            try:
+                return _original(self, scheduler_output, *args, **kwargs)
+            finally:
+                if _step_end_hook is not None:
+                    _step_end_hook()
 
         runner.execute_model = functools.wraps(original)(execute_model)
     if runners:
-        _step_hook = on_step
+        _step_hook, _step_end_hook = on_step, on_step_end
     return bool(runners)
 
 
 _step_hook: Callable[[str, int, Any], None] | None = None
+_step_end_hook: Callable[[], None] | None = None
 
 
 def install_cpu_model_hook(on_model: Callable[[Any, Any], None]) -> bool:

@@ -79,6 +79,8 @@ class Recorder:
         self._in_kernel: set[int] = set()  # layer ids counted in it
         self._steps: dict[str, Counter] = {}  # phase -> forward passes, tokens (device-counted engines)
         self._device_dirty = False
+        self._step_running = False  # between on_step and on_step_end of a counted step
+        self._written_counts: tuple | None = None  # _count_totals of the last report written
         # registration (model build, possibly on another thread than the report's) and document() hold it, so that
         # a report never pairs a snapshot of the layers with counters of layers the snapshot does not hold
         self._lock = threading.RLock()
@@ -152,7 +154,7 @@ class Recorder:
                 grown.slot.copy_(table.slot)
             hooks.install_kernel_counts(grown)
             self._kernel_counts = grown
-            if table is None and not compat.install_step_hook(self.on_step):
+            if table is None and not compat.install_step_hook(self.on_step, self.on_step_end):
                 logger.warning("anychip: this vLLM has no model runner to hook: coverage phases are all counted "
                                "as warmup")
         self._in_kernel.add(layer_id)
@@ -284,7 +286,7 @@ class Recorder:
                 table = self._tables.get(device)
                 if table is None and not torch.cuda.is_current_stream_capturing():
                     table = self._tables[device] = _DeviceTable(len(self.coverage.layers), device)
-                    if not compat.install_step_hook(self.on_step):
+                    if not compat.install_step_hook(self.on_step, self.on_step_end):
                         logger.warning("anychip: this vLLM has no GPU model runner to hook: coverage phases on %s "
                                        "are all counted as warmup", device)
                 if table is not None and layer_id < table.layers:
@@ -325,7 +327,17 @@ class Recorder:
         if not self._heap_trimmed and phase != "warmup" and self._kernel_counts is not None:
             self._trim_after_start()
         self._device_dirty = True
+        self._step_running = True
         self._last_step = time.monotonic()
+
+    def on_step_end(self) -> None:
+        """After each model-runner step (compat.install_step_hook): the idle time that lets a report out counts
+        from here, so a report is not written in the middle of a long step (a long prefill, a loaded machine),
+        with that step's pass counted and only part of its layers' calls, and then left so."""
+        if self._step_running:
+            self._step_running = False
+            self._device_dirty = True
+            self._last_step = time.monotonic()
 
     def _trim_after_start(self) -> None:
         """Once, at the first step that serves a request (loading, compiling and warm-up are over): the freed heap
@@ -351,12 +363,31 @@ class Recorder:
             if calls and calls.get("prefill_kernel"):  # the C++ op counts the layer calls its kernel served
                 doc["attention_calls"] = {**calls, "prefill_kernel_calls": int(torch.ops.anychip.attn_prefill_calls())}
             if self._tables or self._kernel_counts is not None:
-                self._device_dirty = False
-                self._merge_device_counts(doc)
+                self._device_dirty = self._step_running  # a step in flight: its calls go out with the next write
+                self._written_counts = self._merge_device_counts(doc)
             return doc
 
-    def _merge_device_counts(self, doc: dict[str, Any]) -> None:
-        """Kernel-counted layers' calls and rows, and the step hook's passes and tokens per phase, into `doc`."""
+    def _count_totals(self, tables: dict | None = None, in_kernel: torch.Tensor | None = None) -> tuple:
+        """What the kernel-counted layers and the step hook have counted, in sums: a report whose totals differ is
+        out of date (calls that landed after it was written: a GPU step's kernels after execute_model returned, the
+        warm-up's calls counted before the first step hook)."""
+        if tables is None:
+            tables = {device: table.read() for device, table in self._tables.items()}
+        if in_kernel is None and self._kernel_counts is not None:
+            in_kernel = self._kernel_counts.counts
+        sums = [int(t.sum()) for t in tables.values()] + ([int(in_kernel.sum())] if in_kernel is not None else [])
+        return tuple(sums), tuple((p, c["forward_passes"]) for p, c in list(self._steps.items()))
+
+    def counts_changed(self) -> bool:
+        """Whether kernel counts moved since the report was last written (the report thread asks when nothing
+        marked the report dirty)."""
+        if not (self._tables or self._kernel_counts is not None) or self._written_counts is None:
+            return False
+        return self._count_totals() != self._written_counts
+
+    def _merge_device_counts(self, doc: dict[str, Any]) -> tuple:
+        """Kernel-counted layers' calls and rows, and the step hook's passes and tokens per phase, into `doc`;
+        returns their totals (_count_totals)."""
         tables = {device: table.read() for device, table in self._tables.items()}
         in_kernel = self._kernel_counts.counts.clone() if self._kernel_counts is not None else None
         rows = {layer_id: tables[counter.cell.device][layer_id]
@@ -368,11 +399,13 @@ class Recorder:
             entry["tokens"] = {p: int(counts[i, 1]) for i, p in enumerate(hooks.SLOTS) if counts[i, 0]}
         doc["phases"] = {p: {"forward_passes": c["forward_passes"], "tokens": c["tokens"]}
                          for p, c in self._steps.items()}
+        return self._count_totals(tables, in_kernel)
 
     def write_due(self, now: float) -> bool:
         """Whether a pending report goes out at time.monotonic() `now`: the engine is idle, or has been stepping
         for BUSY_FLUSH_SECONDS since the last write."""
-        return now - self._last_step >= IDLE_SECONDS or now - self._last_write >= BUSY_FLUSH_SECONDS
+        idle = not self._step_running and now - self._last_step >= IDLE_SECONDS
+        return idle or now - self._last_write >= BUSY_FLUSH_SECONDS
 
     def note_refusal(self, message: str) -> None:
         """The engine is refused (EngineRefusal): recorded in the report, written now."""
@@ -396,7 +429,10 @@ class Recorder:
 
     def _flush_loop(self) -> None:
         while not self._stop.wait(FLUSH_SECONDS):
-            if (self.coverage.dirty or self._device_dirty) and self.write_due(time.monotonic()):
+            now = time.monotonic()
+            if not (self.coverage.dirty or self._device_dirty) and not self._step_running and self.counts_changed():
+                self._device_dirty = True
+            if (self.coverage.dirty or self._device_dirty) and self.write_due(now):
                 self.flush()
 
 
