@@ -220,8 +220,8 @@ def check(document: dict[str, Any], expect_linears: int | None = None, group_siz
         problems.append(f"field 'head_route' is {type(document['head_route']).__name__}, not an object")
     if problems:
         return problems
-    if document.get("refused"):
-        return [f"the engine refused to start: {document['refused']}"]
+    if document.get("refused") is not None:  # the recorder writes null or the refusal's message
+        return [f"the engine refused to start: {document['refused'] or '(no reason given)'}"]
     if document["schema_version"] != SCHEMA_VERSION:
         problems.append(f"schema_version {document['schema_version']} != {SCHEMA_VERSION}")
     if not allow_fallback:
@@ -308,6 +308,13 @@ def _route_problems(layers: dict[str, dict[str, Any]], stats: dict[str, Any], he
     by_route = dict(Counter(str(layer.get("route")) for layer in layers.values()))
     if stats.get("by_route") != by_route:
         problems.append(f"route_stats.by_route={stats.get('by_route')} but the layers add up to {by_route}")
+    from anychip.kernels.routes.head import HEAD_ROUTES
+
+    head_id = head.get("route")
+    if head_id and (not isinstance(head_id, str) or (head_id not in {r.id for r in HEAD_ROUTES}
+                                                      and not head_id.startswith("vllm."))):
+        problems.append(f"head_route names no known route ({head_id!r}; anychip's head routes: "
+                        f"{', '.join(r.id for r in HEAD_ROUTES)}, or one of vLLM's, vllm.*)")
     if not allow_fallback and str(head.get("route") or "").startswith(routes.REFERENCE.id):
         problems.append(f"the output head ran on {head['route']}, the reference, in a strict report")
     return problems

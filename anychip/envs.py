@@ -133,7 +133,11 @@ def coverage_path() -> Path | None:
 
 
 def fallback_allowed() -> bool:
-    return _flag(ANYCHIP_ALLOW_FALLBACK, False) or not _flag(ANYCHIP_STRICT, True)
+    allow, strict = _flag(ANYCHIP_ALLOW_FALLBACK, False), _flag(ANYCHIP_STRICT, True)
+    if allow and strict and os.environ.get(ANYCHIP_STRICT, "") != "":  # both said, and they disagree
+        raise ValueError(f"{ANYCHIP_STRICT}={os.environ[ANYCHIP_STRICT]!r} and {ANYCHIP_ALLOW_FALLBACK}="
+                         f"{os.environ[ANYCHIP_ALLOW_FALLBACK]!r} contradict each other: unset one")
+    return allow or not strict
 
 
 def forced_isa() -> str | None:

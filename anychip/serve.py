@@ -83,6 +83,9 @@ GUARD = "anychip.vllm_plugin.guard.KeyOnEveryRoute"  # vLLM --middleware: the AP
 def port_free(host: str, port: int) -> None:
     """Refuse at once a port something already listens on: the server would fail to bind only after loading the
     model, and until then another server's answers would pass for this one's readiness."""
+    if not 0 < port < 65536:
+        raise AnychipError(f"--port {port}: give a TCP port from 1 to 65535 (0, any free port, is not taken: the "
+                           "server's address must be known to say when it is ready)")
     try:
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
@@ -136,7 +139,7 @@ def served_name(model: Path, extra: list[str]) -> str:
     return model.name
 
 
-def ready_message(url: str, name: str, key_source: str, coverage: Path) -> str:
+def ready_message(url: str, name: str, key_source: str, coverage: Path | None) -> str:
     auth = ""
     if key_source:
         key = f"${key_source}" if key_source != "--api-key" else "KEY"  # never print the key itself
@@ -144,12 +147,15 @@ def ready_message(url: str, name: str, key_source: str, coverage: Path) -> str:
     return (f"\nanychip serve: ready at {url}/v1 (model name {name!r})\n"
             f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d "
             f"'{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
-            f"\"max_tokens\": 64}}'\n  coverage report: {coverage}\n")
+            f"\"max_tokens\": 64}}'\n" + (f"  coverage report: {coverage}\n" if coverage is not None else ""))
 
 
-def exit_reason(rc: int, asked_to_stop: bool) -> str | None:
-    """What to tell the user when the server exits: None for a stop they asked for."""
+def exit_reason(rc: int, asked_to_stop: bool, escalated: bool = False) -> str | None:
+    """What to tell the user when the server exits: None for a stop they asked for (escalated: anychip serve
+    signalled the server's process group itself after the stop, escalate_stop)."""
     if asked_to_stop and rc in (0, -signal.SIGTERM, -signal.SIGINT, -signal.SIGHUP):
+        return None
+    if asked_to_stop and escalated and rc in (-signal.SIGKILL, 128 + signal.SIGKILL, 128 + signal.SIGTERM):
         return None
     if rc < 0:
         how = f"was killed by {signal.Signals(-rc).name}" if -rc in signal.valid_signals() else f"died ({rc})"
@@ -183,10 +189,11 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout: float, key: str | Non
 STOP_GRACE_S = 30.0
 
 
-def escalate_stop(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
+def escalate_stop(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S, sent: list[int] | None = None) -> None:
     """After a forwarded stop: vLLM's server ignores a SIGTERM that arrives while its engine starts (seen 7-10 s
-    into start-up, with or without anychip), so a server still running `grace_s` later gets SIGTERM again, to its
-    whole process group (the engine core with it), and SIGKILL after another `grace_s`."""
+    into start-up, with or without anychip), and waits without end for open connections (unfinished streams) to
+    close, so a server still running `grace_s` later gets SIGTERM again, to its whole process group (the engine
+    core with it), and SIGKILL after another `grace_s`. `sent`: the signals sent here are appended to it."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             proc.wait(timeout=grace_s)
@@ -195,6 +202,8 @@ def escalate_stop(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None
             pass
         print(f"\nanychip serve: the server is still running {grace_s:.0f} s after the stop; sending "
               f"{signal.Signals(sig).name} to its process group", file=sys.stderr, flush=True)
+        if sent is not None:
+            sent.append(sig)
         try:
             os.killpg(proc.pid, sig)
         except (ProcessLookupError, PermissionError):
@@ -213,7 +222,7 @@ def _env_checked(read):
     try:
         return read()
     except (ValueError, NoKernelRoute) as exc:
-        raise AnychipError(f"anychip serve: {exc}") from None
+        raise AnychipError(str(exc)) from None
 
 
 def cmd_serve(args) -> int:
@@ -271,7 +280,10 @@ def cmd_serve(args) -> int:
     for key, value in env.items():
         print(f"env       {key}={value}")
     print(f"strict    {'on: the engine refuses to start if any quantized linear lacks a fast kernel' if strict else 'off: reference route allowed, counted in coverage'}")
-    print(f"coverage  {coverage}")
+    if is_w4a8:
+        print(f"coverage  {coverage}")
+    else:  # the plugin serves none of its layers: no recorder, no report
+        print("coverage  none: anychip's kernels serve no layer of this model, so no coverage report is written")
     if secret:  # vLLM reads VLLM_API_KEY itself: the key stays out of the process list and of this output
         print(f"api key   required on every route but {' and '.join(OPEN)} (from {secret_source}; passed to vLLM "
               "as VLLM_API_KEY)")
@@ -292,22 +304,28 @@ def cmd_serve(args) -> int:
 
     def announce() -> None:
         if _wait_ready(url, proc, timeout=900, key=secret):
-            print(ready_message(url, served_name(model, args.extra), secret_source, coverage), flush=True)
+            print(ready_message(url, served_name(model, args.extra), secret_source, coverage if is_w4a8 else None),
+                  flush=True)
 
     threading.Thread(target=announce, daemon=True).start()
     stop_requested: list[int] = []
+    escalated: list[int] = []
 
     def forward(signum: int, frame: object) -> None:  # stopping anychip serve stops the server it started
         stop_requested.append(signum)
         proc.send_signal(signum)
         if len(stop_requested) == 1:
-            threading.Thread(target=escalate_stop, args=(proc,), daemon=True).start()
+            threading.Thread(target=escalate_stop, args=(proc, STOP_GRACE_S, escalated), daemon=True).start()
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
         try:
             rc = proc.wait()
-            reason = exit_reason(rc, bool(stop_requested))
+            reason = exit_reason(rc, bool(stop_requested), bool(escalated))
+            if stop_requested and escalated and reason is None:
+                print(f"\nanychip serve: stopped; the server did not exit by itself within {STOP_GRACE_S:.0f} s of the "
+                      "stop (vLLM's server waits for open connections, such as unfinished streams, to close) and "
+                      f"was ended with {signal.Signals(escalated[-1]).name}", file=sys.stderr, flush=True)
             if reason:
                 print(f"\nanychip serve: error: {reason}", file=sys.stderr, flush=True)
                 return rc if rc > 0 else 128 - rc if rc < 0 else 1

@@ -112,6 +112,17 @@ def _damaged(w4a8: Path, tmp_path: Path) -> Path:
     return d
 
 
+def test_coverage_is_promised_only_where_anychip_serves(w4a8, bf16, capsys):
+    """A model the plugin serves no layer of (BF16, another quantization) gets no recorder, so no report: serve
+    must not name a path that will never be written."""
+    assert main(["serve", str(w4a8), "--dry-run", "--coverage", "/tmp/x.json"]) == 0
+    assert "coverage  /tmp/x.json" in capsys.readouterr().out
+    assert main(["serve", str(bf16), "--dry-run", "--coverage", "/tmp/x.json"]) == 0
+    out = capsys.readouterr().out
+    assert "coverage  none: " in out and "/tmp/x.json" not in out.split("coverage  ")[1].splitlines()[0]
+    assert "coverage report" not in serve.ready_message("http://h:1", "m", "", None)
+
+
 def test_verify_modes(w4a8, tmp_path, capsys):
     assert main(["serve", str(w4a8), "--dry-run"]) == 0
     assert "checksums OK, values OK" in capsys.readouterr().out
@@ -186,8 +197,10 @@ def test_a_server_that_ignores_the_stop_is_stopped_with_its_group(tmp_path):
         child = int(pid_file.read_text())
         proc.send_signal(signal.SIGTERM)  # ignored, as vLLM does during start-up
         t0 = time.monotonic()
-        serve.escalate_stop(proc, grace_s=1.0)
+        sent: list[int] = []
+        serve.escalate_stop(proc, grace_s=1.0, sent=sent)
         assert proc.poll() is not None and time.monotonic() - t0 < 10
+        assert sent == [signal.SIGTERM, signal.SIGKILL]
         for _ in range(50):  # the child went with the group (and was reaped by init)
             try:
                 os.kill(child, 0)  # ProcessLookupError once it is gone
@@ -231,6 +244,17 @@ def test_exit_after_a_requested_stop_is_quiet():
     assert serve.exit_reason(0, asked_to_stop=True) is None
     assert serve.exit_reason(-signal.SIGTERM, asked_to_stop=True) is None
     assert serve.exit_reason(1, asked_to_stop=True) is not None  # a failed shutdown is still reported
+    # a server that kept waiting on open streams after the stop, ended by anychip serve itself: a stop, not a death
+    assert serve.exit_reason(-signal.SIGKILL, asked_to_stop=True, escalated=True) is None
+    assert "killed by SIGKILL" in serve.exit_reason(-signal.SIGKILL, asked_to_stop=True)  # killed by someone else
+
+
+@pytest.mark.parametrize("port", [0, -1, 65536, 99999])
+def test_a_port_out_of_range_is_refused_before_the_server_starts(port):
+    from anychip.errors import AnychipError
+
+    with pytest.raises(AnychipError, match=f"--port {port}: give a TCP port from 1 to 65535"):
+        serve.port_free("127.0.0.1", port)
 
 
 def test_cache_directories_are_user_only(bf16, tmp_path, monkeypatch):
@@ -331,11 +355,15 @@ def test_the_strict_line_is_what_the_engine_will_do(w4a8, capsys, monkeypatch, e
 @pytest.mark.parametrize("name, value, says", [("ANYCHIP_HEAD", "int4", "head='int4'"),
                                                ("ANYCHIP_KERNEL_ISA", "avx-512", "unknown kernel route 'avx-512'"),
                                                ("ANYCHIP_ALLOW_FALLBACK", "maybe", "is not a boolean"),
-                                               ("ANYCHIP_GPU_TUNE", "always", "ANYCHIP_GPU_TUNE")])
+                                               ("ANYCHIP_GPU_TUNE", "always", "ANYCHIP_GPU_TUNE"),
+                                               ("ANYCHIP_STRICT", "1", "contradict each other")])
 def test_a_bad_anychip_variable_is_named_before_the_server_starts(w4a8, capsys, monkeypatch, name, value, says):
+    if name == "ANYCHIP_STRICT":  # strict said on, and the fallback allowed: which one did the user mean?
+        monkeypatch.setenv("ANYCHIP_ALLOW_FALLBACK", "1")
     monkeypatch.setenv(name, value)
     assert main(["serve", str(w4a8), "--verify", "none", "--dry-run"]) == 2
-    assert says in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert says in err and err.count("anychip serve:") == 1, err
 
 
 def test_a_forced_route_this_machine_lacks_is_named_before_the_server_starts(w4a8, capsys, monkeypatch):
