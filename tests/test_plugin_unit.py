@@ -317,6 +317,31 @@ def test_a_head_tied_to_an_embedding_the_config_never_saw_is_reported_tied():
     assert other.document()["head_route"]["tied_to"] is None
 
 
+def test_a_tied_embedding_noted_without_its_full_prefix_is_named_as_the_served_model_names_it():
+    """vLLM's Llama hands its input embedding over with no prefix (noted as "embed_tokens"): the report names it
+    model.embed_tokens, as a report of another route or family does for the same module (probe 49)."""
+    from types import SimpleNamespace
+
+    from anychip.kernels.policy import KernelPolicy
+    from anychip.vllm_plugin.recorder import Recorder
+
+    recorder = Recorder(None, KernelPolicy())
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    embed = model.model.embed_tokens = torch.nn.Module()
+    embed.weight = torch.nn.Parameter(torch.zeros(8, 4, dtype=torch.bfloat16), requires_grad=False)
+    head = model.lm_head = torch.nn.Module()
+    head.weight = embed.weight
+    recorder.note_embedding("", embed, is_head=False)
+    recorder.note_embedding("lm_head", head, is_head=True)
+    assert recorder.head_route()["tied_to"] == "embed_tokens"  # before a step names it from the served model
+    recorder.on_logits(head)
+    recorder.coverage.attention_backend = "CPUAttentionBackend"
+    recorder.on_step("prefill", 3, SimpleNamespace(get_model=lambda: model))
+    route = recorder.document()["head_route"]
+    assert route["tied_to"] == "model.embed_tokens" and route["layer"] == "lm_head"
+
+
 def test_a_head_built_without_the_quantization_config_is_served_and_reported():
     """vLLM 0.32's Gemma 2 computes its logits with an input embedding built with no quantization config, so the
     plugin never sees it while the model is built. At the first logits (compat.install_logits_hook) the plugin

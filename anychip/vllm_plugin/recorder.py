@@ -81,6 +81,7 @@ class Recorder:
         self._device_dirty = False
         self._step_running = False  # between on_step and on_step_end of a counted step
         self._written_counts: tuple | None = None  # _count_totals of the last report written
+        self._full_names: dict[str, str] = {}  # embedding prefix as noted -> its name in the served model
         # registration (model build, possibly on another thread than the report's) and document() hold it, so that
         # a report never pairs a snapshot of the layers with counters of layers the snapshot does not hold
         self._lock = threading.RLock()
@@ -230,8 +231,9 @@ class Recorder:
         route = prepared.route.id if prepared is not None else compat.head_gemm_route(head)
         quantized = prepared is not None and prepared.route.kind != "bf16"
         dtype = str(getattr(weight, "dtype", "unknown")).replace("torch.", "")
-        return {"layer": layer_name, "dtype": dtype,
-                "tied_to": tied_to, "quantized": quantized, "route": route,
+        full = self._full_names
+        return {"layer": full.get(layer_name, layer_name), "dtype": dtype,
+                "tied_to": full.get(tied_to, tied_to) if tied_to else tied_to, "quantized": quantized, "route": route,
                 "head": prepared.route.kind if prepared is not None else "bf16"}
 
     # -- at run time, from inside the anychip ops --
@@ -263,9 +265,14 @@ class Recorder:
         weight = getattr(used, "weight", None)
         tied = next((n for n, m in modules if m is not used and weight is not None
                      and getattr(m, "weight", None) is weight), "")
+        # the embeddings as the served model names them: vLLM hands some of them over with a shorter prefix
+        # (Llama's input embedding: none), which made one module two names in reports of different routes
+        full = {key: next((n for n, m in modules if m is ref()), key) for key, ref in self._embeddings.items()
+                if ref() is not None}
         with self._lock:
             self._used_name = name
             self._tied_name = tied
+            self._full_names = full
             self.coverage.head_route = None  # read again, with the name
 
     def _remember_head(self) -> None:
