@@ -286,6 +286,13 @@ def test_quantize_refuses_before_any_work_what_it_could_only_fail_on_later(tiny_
     said = capsys.readouterr().err
     assert "not carried into e" in said and "README.md" in said and "onnx/" in said and "weights.zip" in said
     assert "additional_chat_templates" not in said
+    mistral = Path(shutil.copytree(src, tmp_path / "mistral"))  # a repo in Mistral's own format too
+    save_file({"tok_embeddings.weight": torch.zeros(4, 4)}, mistral / "consolidated.safetensors")
+    (mistral / "params.json").write_text('{"dim": 64}')
+    dst = quantize_checkpoint(mistral, tmp_path / "m", W4A8Scheme(group_size=32))
+    assert not {"params.json", "consolidated.safetensors"} & {p.name for p in dst.iterdir()}
+    said = capsys.readouterr().err
+    assert "params.json" in said and "--config-format hf --load-format safetensors --tokenizer-mode hf" in said
 
 
 def test_cli_gptq_dispatches_to_gptq_quantizer(tiny_llama, tmp_path, monkeypatch, capsys):

@@ -317,6 +317,8 @@ def copy_side_files(src: Path, dst: Path, skip: set[str] = frozenset()) -> list[
     a copy of them, an archive, config, index, manifest, README or a marker, and the named chat templates' folder)
     from src to dst; returns the names copied."""
     copied = []
+    if is_mistral_format(src):  # params.json describes consolidated*.safetensors, which no copy gets
+        skip = set(skip) | {MISTRAL_PARAMS}
     for path in sorted(src.iterdir()):
         name = path.name
         if name in _SIDE_FOLDERS and path.is_dir():
@@ -332,6 +334,22 @@ def copy_side_files(src: Path, dst: Path, skip: set[str] = frozenset()) -> list[
     return copied
 
 
+#: Mistral's own format beside the Hugging Face one in a repo: its config, next to consolidated*.safetensors.
+MISTRAL_PARAMS = "params.json"
+
+
+def is_mistral_format(src: Path) -> bool:
+    """Whether src also holds Mistral's own format (params.json and consolidated*.safetensors), which vLLM then
+    prefers: its config format and, with a tokenizer.model.v* or tekken.json, the mistral_common tokenizer."""
+    return (src / MISTRAL_PARAMS).is_file() and any(src.glob("consolidated*.safetensors"))
+
+
+MISTRAL_NOTE = ("{src} also holds Mistral's own format (params.json, consolidated*.safetensors), which vLLM serves "
+                "with Mistral's config and tokenizer; the W4A8 copy is Hugging Face format only (config.json, the "
+                "HF tokenizer files), so vLLM serves it the Hugging Face way. To compare the two alike, serve the "
+                "source with --config-format hf --load-format safetensors --tokenizer-mode hf")
+
+
 def not_carried(src: Path) -> list[str]:
     """What of a source folder a converted checkpoint does not get beside its weights and config (copy_side_files'
     rules): subfolders, the model card, archives and backup copies; for the converter to say so."""
@@ -343,5 +361,7 @@ def not_carried(src: Path) -> list[str]:
         if path.is_dir() and name not in _SIDE_FOLDERS:
             left.append(name + "/")
         elif name == "README.md" or (name.endswith(_NOT_COPIED_SUFFIXES) and not name.endswith(_WEIGHT_SUFFIXES)):
+            left.append(name)
+        elif name == MISTRAL_PARAMS and is_mistral_format(src):
             left.append(name)
     return left

@@ -23,10 +23,12 @@ from tqdm import tqdm
 from anychip import __version__
 from anychip.checkpoint.io import (
     MAX_SHARD_BYTES,
+    MISTRAL_NOTE,
     ShardedWriter,
     TensorInfo,
     atomic_directory,
     copy_side_files,
+    is_mistral_format,
     not_carried,
     read_tensor_infos,
 )
@@ -238,6 +240,8 @@ def quantize_checkpoint(src: Path, dst: Path, scheme: W4A8Scheme, quantizer: Wei
         if left := not_carried(src):
             print(f"anychip quantize: not carried into {dst.name} (only top-level tokenizer, chat and generation "
                   f"files are): {', '.join(left)}", file=sys.stderr)
+        if is_mistral_format(src):
+            print(f"anychip quantize: note: {MISTRAL_NOTE.format(src=src.name)}", file=sys.stderr)
         write_manifest(tmp)
         verify_checkpoint(tmp, checksums=False)
     return dst
