@@ -819,3 +819,21 @@ def test_an_engine_refusal_is_in_the_report_and_fails_the_check(tmp_path, monkey
     assert check(doc) == [f"the engine refused to start: {error}"]
     StrictModeError("layer x: no anychip kernel serves it")
     assert json.loads(path.read_text())["refused"] == "layer x: no anychip kernel serves it"
+
+
+def test_bench_and_eval_engines_read_a_mistral_format_source_the_hugging_face_way(tmp_path, monkeypatch):
+    """A repo also in Mistral's own format is served by vLLM with Mistral's config and tokenizer, its W4A8 copy the
+    Hugging Face way: anychip's runners read both the Hugging Face way, so BF16 against W4A8 compares weights."""
+    from anychip.vllm_plugin import offline
+
+    seen = []
+    monkeypatch.setattr(offline, "LLM", lambda **kwargs: seen.append(kwargs))
+    (tmp_path / "params.json").write_text("{}")
+    offline.make_llm(model=str(tmp_path))
+    (tmp_path / "consolidated.safetensors").write_bytes(b"")
+    offline.make_llm(model=str(tmp_path))
+    offline.make_llm(model=str(tmp_path), tokenizer_mode="mistral")
+    assert "config_format" not in seen[0]
+    assert seen[1] == {"model": str(tmp_path), "config_format": "hf", "load_format": "safetensors",
+                       "tokenizer_mode": "hf"}
+    assert seen[2]["tokenizer_mode"] == "mistral" and seen[2]["config_format"] == "hf"

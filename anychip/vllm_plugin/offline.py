@@ -3,19 +3,28 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import vllm
 from vllm import LLM, SamplingParams
 
+from anychip.checkpoint.io import is_mistral_format
 from anychip.kernels.machine import request_amx_tiles
 
 
 def make_llm(**kwargs: Any) -> LLM:
     """vllm.LLM(**kwargs); the anychip plugin joins through vLLM's entry point unless VLLM_PLUGINS leaves it out.
     The AMX tile state is requested here too, so that stock vLLM peers (without the plugin) run as they would in
-    a process where oneDNN asked for it, instead of stopping with SIGILL (machine.request_amx_tiles)."""
+    a process where oneDNN asked for it, instead of stopping with SIGILL (machine.request_amx_tiles). A model folder
+    also in Mistral's own format is read the Hugging Face way unless the caller says otherwise."""
     request_amx_tiles()
+    model = kwargs.get("model")
+    if model is not None and is_mistral_format(Path(model)):
+        # a repo in Mistral's own format too: read the Hugging Face way, as its W4A8 copy (HF format only) is, so
+        # that a comparison of the two compares weights, not two config and tokenizer paths
+        for key, value in (("config_format", "hf"), ("load_format", "safetensors"), ("tokenizer_mode", "hf")):
+            kwargs.setdefault(key, value)
     return LLM(**kwargs)
 
 
