@@ -288,6 +288,17 @@ def test_a_head_that_is_the_input_embedding_is_reported_tied():
     assert route["quantized"] is False and route["dtype"] == "bfloat16"
 
 
+def _tied_model() -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module]:
+    """(model, model.model.embed_tokens, model.lm_head), the head sharing the embedding's weight."""
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    embed = model.model.embed_tokens = torch.nn.Module()
+    embed.weight = torch.nn.Parameter(torch.zeros(8, 4, dtype=torch.bfloat16), requires_grad=False)
+    head = model.lm_head = torch.nn.Module()
+    head.weight = embed.weight
+    return model, embed, head
+
+
 def test_a_head_tied_to_an_embedding_the_config_never_saw_is_reported_tied():
     """vLLM 0.32's Gemma builds its input embedding with no quantization config (never noted) and its head with one,
     tied by sharing the embedding's weight: the report names the embedding, found in the served model."""
@@ -297,12 +308,7 @@ def test_a_head_tied_to_an_embedding_the_config_never_saw_is_reported_tied():
     from anychip.vllm_plugin.recorder import Recorder
 
     recorder = Recorder(None, KernelPolicy())
-    model = torch.nn.Module()
-    model.model = torch.nn.Module()
-    embed = model.model.embed_tokens = torch.nn.Module()
-    embed.weight = torch.nn.Parameter(torch.zeros(8, 4, dtype=torch.bfloat16), requires_grad=False)
-    head = model.lm_head = torch.nn.Module()
-    head.weight = embed.weight
+    model, embed, head = _tied_model()
     recorder.note_embedding("lm_head", head, is_head=True)
     recorder.on_logits(head)
     recorder.coverage.attention_backend = "CPUAttentionBackend"  # the stub runner has no vLLM config to read
@@ -326,12 +332,7 @@ def test_a_tied_embedding_noted_without_its_full_prefix_is_named_as_the_served_m
     from anychip.vllm_plugin.recorder import Recorder
 
     recorder = Recorder(None, KernelPolicy())
-    model = torch.nn.Module()
-    model.model = torch.nn.Module()
-    embed = model.model.embed_tokens = torch.nn.Module()
-    embed.weight = torch.nn.Parameter(torch.zeros(8, 4, dtype=torch.bfloat16), requires_grad=False)
-    head = model.lm_head = torch.nn.Module()
-    head.weight = embed.weight
+    model, embed, head = _tied_model()
     recorder.note_embedding("", embed, is_head=False)
     recorder.note_embedding("lm_head", head, is_head=True)
     assert recorder.head_route()["tied_to"] == "embed_tokens"  # before a step names it from the served model

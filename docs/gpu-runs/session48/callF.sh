@@ -1,5 +1,6 @@
-# Session 48, call F (same warm machine as E): the llama-2b latency bench, anychip against vLLM BF16, to see whether
-# session 47's NaN-propagating amax and rounding (GEMV, quantize kernels) cost anything against session 46's run.
+# Prepared in session 48 (no GPU was lent then) for the machine that runs docs/gpu-runs/session47/callE.sh: the
+# llama-2b latency bench, anychip against vLLM BF16, to see whether session 47's NaN-propagating amax and rounding
+# (GEMV, quantize kernels) cost anything against session 46's run.
 source .gpu/scripts/stage.sh > /dev/null 2>&1
 export PYTHONUNBUFFERED=1
 mkdir -p /root/keep/cache
