@@ -129,6 +129,20 @@ def test_the_reference_model_applies_the_checkpoints_biases(family, name):
     assert (after - before).abs().gather(-1, ids[:, 1:, None]).mean() > 0.1
 
 
+def test_the_reference_model_is_built_in_the_dtype_asked_for(family):
+    """load_reference_model(dtype=float32) once gave BF16 (load_state_dict(assign=True) put the checkpoint's
+    tensors in place); the W4A8 arithmetic's scales stay fp32 either way."""
+    from anychip.checkpoint.torch_model import ReferenceW4A8Linear, load_reference_model
+
+    _, dst = family("qwen2")
+    for dtype in (torch.float32, torch.bfloat16):
+        model = load_reference_model(dst, dtype=dtype)
+        floats = {p.dtype for n, p in model.named_parameters()}
+        assert floats == {dtype}, floats
+        linears = [m for m in model.modules() if isinstance(m, ReferenceW4A8Linear)]
+        assert linears and all(m.scales.dtype == torch.float32 and m.wq.dtype == torch.int8 for m in linears)
+
+
 @pytest.mark.parametrize("name", ["gemma", "gemma2", "gemma3", "qwen2"])
 def test_a_config_without_tie_word_embeddings_takes_the_architectures_default(family, name, tmp_path):
     """transformers 4 leaves tie_word_embeddings out of a Gemma config.json (google/gemma-2b's has none), and

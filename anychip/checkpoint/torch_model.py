@@ -81,4 +81,8 @@ def load_reference_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloa
     if missing or unexpected:
         raise ValueError(f"{model_dir}: weights do not match the config: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}")
+    model.to(dtype)  # assign=True put the checkpoint's BF16 tensors in place of the model's `dtype` ones
+    for module in model.modules():
+        if isinstance(module, ReferenceW4A8Linear):
+            module.scales = module.scales.float()  # the W4A8 arithmetic's own, whatever the rest's dtype
     return model.eval()
