@@ -343,6 +343,33 @@ def test_a_tied_embedding_noted_without_its_full_prefix_is_named_as_the_served_m
     assert route["tied_to"] == "model.embed_tokens" and route["layer"] == "lm_head"
 
 
+def test_a_head_tied_by_the_config_is_reported_tied_when_its_weight_is_a_copy():
+    """A route that serves the head from a copy of its weight (the reference head) breaks the weights' identity
+    that tying shows in: the loaded model's config says tied, and the report names the embedding as the served
+    model names it, from the load hook, before any step (probe 49: null or "embed_tokens" on the reference route,
+    "model.embed_tokens" on the fast ones)."""
+    from types import SimpleNamespace
+
+    from anychip.kernels.policy import KernelPolicy
+    from anychip.vllm_plugin.recorder import Recorder
+
+    model, embed, head = _tied_model()
+    head.weight = torch.nn.Parameter(embed.weight.clone(), requires_grad=False)
+    config = SimpleNamespace(model_config=SimpleNamespace(hf_text_config=SimpleNamespace(tie_word_embeddings=True)))
+    recorder = Recorder(None, KernelPolicy())
+    recorder.note_embedding("", embed, is_head=False)
+    recorder.note_embedding("lm_head", head, is_head=True)
+    assert recorder.head_route()["tied_to"] is None
+    recorder.note_model(model, config)
+    assert recorder.head_route()["tied_to"] == "model.embed_tokens"
+    untied = Recorder(None, KernelPolicy())
+    untied.note_embedding("", embed, is_head=False)
+    untied.note_embedding("lm_head", head, is_head=True)
+    config.model_config.hf_text_config.tie_word_embeddings = False
+    untied.note_model(model, config)
+    assert untied.head_route()["tied_to"] is None
+
+
 def test_a_head_built_without_the_quantization_config_is_served_and_reported():
     """vLLM 0.32's Gemma 2 computes its logits with an input embedding built with no quantization config, so the
     plugin never sees it while the model is built. At the first logits (compat.install_logits_hook) the plugin

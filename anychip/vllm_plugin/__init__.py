@@ -53,6 +53,7 @@ def register() -> None:
             from anychip.vllm_plugin.scheme import check_float_weights
 
             check_float_weights(model)
+            cpu_attention.note_model(model, vllm_config)
 
     compat.install_gpu_model_hook(check_gpu_model)
     graphs.install(serves)  # on a GPU, CUDA graphs for prefill steps too

@@ -441,6 +441,12 @@ def engine_model_name(vllm_config: Any) -> str | None:
     return str(model) if model is not None else None
 
 
+def ties_word_embeddings(vllm_config: Any) -> bool:
+    """Whether the engine's model config ties the output head to the input embedding."""
+    hf_config = getattr(getattr(vllm_config, "model_config", None), "hf_text_config", None)
+    return bool(getattr(hf_config, "tie_word_embeddings", False))
+
+
 def pooling_runner() -> bool:
     """Whether the engine being built is a pooling runner (`runner="pooling"`: embeddings, no logits)."""
     from vllm.config import get_current_vllm_config

@@ -82,6 +82,7 @@ class Recorder:
         self._step_running = False  # between on_step and on_step_end of a counted step
         self._written_counts: tuple | None = None  # _count_totals of the last report written
         self._full_names: dict[str, str] = {}  # embedding prefix as noted -> its name in the served model
+        self._tied_config = False  # the loaded model's config ties its head (note_model)
         # registration (model build, possibly on another thread than the report's) and document() hold it, so that
         # a report never pairs a snapshot of the layers with counters of layers the snapshot does not hold
         self._lock = threading.RLock()
@@ -232,6 +233,8 @@ class Recorder:
         quantized = prepared is not None and prepared.route.kind != "bf16"
         dtype = str(getattr(weight, "dtype", "unknown")).replace("torch.", "")
         full = self._full_names
+        if tied_to is None and self._tied_config:  # tied by the config, the head's weight a copy of its own
+            tied_to = next((name for name, _ in others), None)
         return {"layer": full.get(layer_name, layer_name), "dtype": dtype,
                 "tied_to": full.get(tied_to, tied_to) if tied_to else tied_to, "quantized": quantized, "route": route,
                 "head": prepared.route.kind if prepared is not None else "bf16"}
@@ -272,7 +275,7 @@ class Recorder:
         with self._lock:
             self._used_name = name
             self._tied_name = tied
-            self._full_names = full
+            self._full_names.update(full)
             self.coverage.head_route = None  # read again, with the name
 
     def _remember_head(self) -> None:
@@ -345,6 +348,23 @@ class Recorder:
             self._step_running = False
             self._device_dirty = True
             self._last_step = time.monotonic()
+
+    def note_model(self, model: Any, vllm_config: Any) -> None:
+        """The loaded model (the model runners' load hooks): the noted embeddings named as the served model names
+        them (vLLM hands Llama's input embedding over with no prefix), and whether the config ties the head, which
+        the report then says also where the head's weight is not the embedding's object (a route's own copy)."""
+        modules = list(model.named_modules())
+        head_ref = self._embeddings.get(self._head_name) if self._head_name else None
+        head = head_ref() if head_ref is not None else None
+        weight = getattr(head, "weight", None)
+        tied = next((n for n, m in modules if m is not head and weight is not None
+                     and getattr(m, "weight", None) is weight), "")  # an embedding the config never saw (Gemma)
+        with self._lock:
+            self._full_names.update({key: next((n for n, m in modules if m is ref()), key)
+                                     for key, ref in self._embeddings.items() if ref() is not None})
+            self._tied_config = compat.ties_word_embeddings(vllm_config)
+            self._tied_name = self._tied_name or tied
+            self.coverage.dirty = True
 
     def _trim_after_start(self) -> None:
         """Once, at the first step that serves a request (loading, compiling and warm-up are over): the freed heap
