@@ -65,7 +65,9 @@ def server_command(model: Path, host: str, port: int, extra: list[str]) -> tuple
     profile = build_profile(tensor_parallel=tensor_parallel_size(extra),
                             max_num_batched_tokens=_positive(extra, "--max-num-batched-tokens"))
     user = _user_flags(extra)
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+    # -P: the current folder stays off the server's sys.path, where a folder named like a package (a clone of this
+    # repository, ~/anychip) would shadow the editable install's anychip and the plugin would fail to import
+    cmd = [sys.executable, "-P", "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--host", host, "--port", str(port)]
     if "--served-model-name" not in user:
         cmd += ["--served-model-name", model.name, str(model)]

@@ -376,3 +376,17 @@ def test_a_forced_route_this_machine_lacks_is_named_before_the_server_starts(w4a
     assert main(["serve", str(w4a8), "--verify", "none", "--dry-run"]) == 2
     assert f"kernel route {missing.id!r} is not available on this machine" in capsys.readouterr().err
     assert main(["serve", str(w4a8), "--verify", "none", "--dry-run", "--allow-fallback"]) == 0
+
+
+def test_the_server_imports_anychip_from_a_folder_holding_a_clone_of_it(tmp_path):
+    """probe 49: `anychip serve` run from the folder that holds the clone (~ with ~/anychip) started vLLM in that
+    folder, whose `anychip/` directory shadowed the editable install as an empty namespace package, and vLLM died
+    importing the plugin. The server's interpreter keeps the current folder off sys.path (-P)."""
+    import subprocess
+
+    (tmp_path / "anychip").mkdir()  # a clone's root: no __init__.py at its top
+    cmd, _ = serve.server_command(Path("/m"), "127.0.0.1", 8000, [])
+    python = cmd[:cmd.index("-m")]
+    out = subprocess.run(python + ["-c", "import anychip; print(anychip.__version__)"], cwd=tmp_path,
+                         capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip(), out.stderr[-500:]
