@@ -249,7 +249,11 @@ def check(document: dict[str, Any], expect_linears: int | None = None, group_siz
                         "(anychip quantize) or add them to quantization_config.ignore")
     problems += _route_problems(layers, stats, head, allow_fallback)
     if expect_linears is not None and len(layers) != expect_linears:
-        problems.append(f"{len(layers)} quantized linears in the report, expected {expect_linears}")
+        merged = sum(1 for name in layers if name.endswith(("qkv_proj", "gate_up_proj")))
+        hint = (" (the report counts the linears vLLM runs: its qkv_proj and gate_up_proj each stand for several of "
+                "the checkpoint's, which `anychip verify` and `anychip routes` count one by one)"
+                if merged and expect_linears > len(layers) else "")
+        problems.append(f"{len(layers)} quantized linears in the report, expected {expect_linears}{hint}")
     if group_size is not None:
         wrong = [name for name, layer in layers.items() if layer.get("group_size") != group_size]
         if wrong:
@@ -393,7 +397,9 @@ def cmd_check(args) -> int:
     stats = docs[0].get("route_stats", {})
     routes = sorted({r for doc in docs for r in doc["route_stats"].get("by_route", {})})
     ranks = f" on each of {len(docs)} tensor-parallel ranks" if len(docs) > 1 else ""
-    print(f"coverage check PASSED for {path}: {stats.get('prepared_linears')} linears{ranks} on "
-          f"{', '.join(routes)}; phases {', '.join(sorted(docs[0]['phases']))}; "
+    fallback = stats.get("fallback_linears") or 0
+    linears = (stats.get("prepared_linears") or 0) + fallback
+    print(f"coverage check PASSED for {path}: {linears} linears{ranks} on "
+          f"{', '.join(routes)}{f' ({fallback} as fallback)' if fallback else ''}; phases {', '.join(sorted(docs[0]['phases']))}; "
           f"head {docs[0]['head_route'].get('route') or docs[0]['head_route'].get('head')}")
     return 0

@@ -290,8 +290,10 @@ def build_profile(cpu: CpuInfo | None = None, tensor_parallel: int = 1, device: 
         Setting("VLLM_CPU_KVCACHE_SPACE", str(kv_gib),
                 f"KV cache of {kv_gib} GiB (a quarter of {cpu.memory_gib} GiB RAM, at most 16): vLLM otherwise "
                 "sizes it from NUMA node memory", "env"),
-        *(Setting(name, value, "engine core in the server process: no IPC hop per step (doubled decode speed on "
-                  "2 cores)", "env") for name, value in VLLM_STARTUP.items()),
+        *(Setting(name, value, "no process hop a step: offline LLM(...) keeps its engine in the calling process "
+                  "(doubled decode speed on 2 cores); the OpenAI server, whose engine has a process of its own "
+                  "anyway, runs the model in that process instead of one more worker", "env")
+          for name, value in VLLM_STARTUP.items()),
         executor,
         Setting("--max-num-batched-tokens", str(budget),
                 "prefill chunk that keeps the W4A8 GEMM in its tiled path without starving decode"),

@@ -219,7 +219,8 @@ def test_check_fails_hand_edited_reports_that_passed_on_their_stats(tmp_path, ca
 
     qkv = "model.layers.0.self_attn.qkv_proj"
     cases = {
-        "1 quantized linears in the report, expected 2": lambda d: d["layers"].pop("model.layers.0.mlp.down_proj"),
+        "1 quantized linears in the report, expected 2 (the report counts the linears vLLM runs":
+            lambda d: d["layers"].pop("model.layers.0.mlp.down_proj"),
         "reference route or vLLM's own scheme": lambda d: d["layers"][qkv].update(route="reference"),
         "vllm.compressed_tensors": lambda d: d["layers"][qkv].update(route="vllm.compressed_tensors"),
         "name no known route": lambda d: d["layers"][qkv].update(route=None),
@@ -256,3 +257,24 @@ def test_a_fallback_report_passes_with_allow_fallback_and_its_count():
     doc = cov.snapshot()
     assert check(doc, expect_linears=1, allow_fallback=True) == []
     assert any("reference route" in p for p in check(doc, expect_linears=1))
+
+
+def test_the_passed_line_counts_the_fallback_linears_too(tmp_path, capsys):
+    """probe 49: a report whose linears all ran on the reference passed with "0 linears on reference"."""
+    import json
+
+    from anychip.cli import main
+
+    cov = Coverage(strict=False, fallback_allowed=True, platform_info={})
+    cov.vllm_version = "test"
+    for i in range(2):
+        layer = cov.add_layer(LayerRoute(name=f"model.layers.{i}.mlp.down_proj", route="reference", kernel="torch",
+                                         isa="none", group_size=32, n=64, k=64, checkpoint_format="pack-quantized",
+                                         bit_exact=True, fallback=True, reason="forced"))
+        for phase in ("prefill", "decode"):
+            cov.record(layer, phase, 3, 3 if i == 0 else None)  # one forward pass of each phase
+    cov.head_route = {"route": "reference.head_bf16"}
+    path = tmp_path / "cov.json"
+    path.write_text(json.dumps(cov.snapshot()))
+    assert main(["coverage", "check", str(path), "--allow-fallback", "--expect-linears", "2"]) == 0
+    assert "PASSED" in (out := capsys.readouterr().out) and "2 linears on reference (2 as fallback)" in out, out
