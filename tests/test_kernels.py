@@ -263,8 +263,10 @@ def test_unavailable_isa_is_an_error() -> None:
     for isa in missing:
         with pytest.raises(NoKernelRoute, match="not available"):
             prepare_w4a8(wq, sw, 32, packed=False, route=isa)
-    with pytest.raises(NoKernelRoute, match="serves cuda tensors"):
+    with pytest.raises(NoKernelRoute, match="serves cuda tensors") as info:
         prepare_w4a8(wq, sw, 32, packed=False, route="cuda.triton")
+    offered = str(info.value).split("one of (")[1].split(")")[0].split(", ")
+    assert offered and all(routes.get(r).unavailable() is None for r in offered), offered  # routes this CPU has
 
 
 def test_no_fast_route_errors_say_how_to_fix(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -85,7 +85,7 @@ def _forced(problem: LinearProblem, route: Route) -> Route:
     if route.fallback_only:
         return route
     if route.device != problem.device:
-        others = ", ".join(r.id for r in preferred(problem.device)) or "none"
+        others = ", ".join(r.id for r in available(problem.device)) or "none"  # those this machine has
         raise NoKernelRoute(f"kernel route {route.id!r} serves {route.device} tensors but the weights are on "
                             f"{problem.device}: set {envs.ANYCHIP_KERNEL_ISA} to one of ({others}) or unset it")
     if why := route.unavailable():
