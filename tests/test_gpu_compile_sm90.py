@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("triton", reason="triton is not installed: pip install triton (`make install` does)")
+pytest.importorskip("triton", reason="triton is not installed: pip install triton (`make test` does)")
 
 from anychip.kernels.gpu import launch  # noqa: E402
 from anychip.kernels.gpu import triton_w4a8 as kern  # noqa: E402

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-triton = pytest.importorskip("triton", reason="triton is not installed: pip install triton (`make install` does)")
+triton = pytest.importorskip("triton", reason="triton is not installed: pip install triton (`make test` does)")
 
 from anychip.kernels.gpu import gluon_w4a8 as gw  # noqa: E402
 

@@ -16,7 +16,7 @@ import re
 import pytest
 import torch
 
-triton = pytest.importorskip("triton", reason="triton is not installed: pip install triton (`make install` does)")
+triton = pytest.importorskip("triton", reason="triton is not installed: pip install triton (`make test` does)")
 
 from anychip.kernels.gpu import launch  # noqa: E402
 from anychip.kernels.gpu import triton_w4a8 as kern  # noqa: E402

@@ -262,7 +262,7 @@ def test_direct_launch_fills_the_signature_and_keys_like_the_jit(monkeypatch) ->
     """direct.py's half that needs no GPU: the arguments after the runtime ones are the constexprs in signature
     order (given, else their defaults), the specialization key separates what Triton's JIT separates, and
     ANYCHIP_DIRECT_LAUNCH=0 reaches the policy."""
-    pytest.importorskip("triton", reason="triton is not installed: pip install triton (`make install` does)")
+    pytest.importorskip("triton", reason="triton is not installed: pip install triton (`make test` does)")
     from anychip.kernels.gpu import launch, triton_w4a8
     from anychip.kernels.gpu.direct import Direct, _spec
 
@@ -304,7 +304,7 @@ def test_direct_launch_fills_the_signature_and_keys_like_the_jit(monkeypatch) ->
 def test_streaming_split_gives_each_program_two_steps_and_splits_past_the_wave_cutoff() -> None:
     """The decode rows flagged "s" split K by split_for's streaming rule (the sweep of docs/gpu-notes.md, session
     35): about per_sm programs a multiprocessor, each at least two K steps, also where the plain rule gives up."""
-    pytest.importorskip("triton", reason="triton is not installed: pip install triton (`make install` does)")
+    pytest.importorskip("triton", reason="triton is not installed: pip install triton (`make test` does)")
     from anychip.kernels.gpu import launch
 
     args = (16, 32, 256, 4, 132)  # block_m, block_n, block_k, per_sm, multiprocessors

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-triton = pytest.importorskip("triton", reason="triton is not installed: pip install triton (`make install` does)")
+triton = pytest.importorskip("triton", reason="triton is not installed: pip install triton (`make test` does)")
 if tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 9):
     # seen on an H200 host (triton 3.6, numpy 2.5): its interpreter cannot run `range` over a kernel argument
     pytest.skip(f"triton {triton.__version__}: the interpreter cases are checked with triton >= 3.9 (3.6's "
