@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
+import os
+import signal
 import sys
 from typing import Any, Callable
 
@@ -305,6 +307,12 @@ def main(argv: list[str] | None = None) -> int:
         rc = _handler(args.target)(args)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader went away (`anychip profile --json | head`): stop quietly, as cat does
+        try:  # no second error when Python flushes stdout at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # stdout is no file (captured)
+            pass
+        return 128 + signal.SIGPIPE
     except Exception as exc:  # errors from our rooms carry the fix in their message
         from anychip.errors import AnychipError
 

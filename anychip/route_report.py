@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -21,11 +22,16 @@ from anychip.kernels.routes import LinearProblem, NoKernelRoute
 from anychip.kernels.routes.head import HEAD_ROUTES, select_head
 
 
+def _natural(name: str) -> list:
+    """Sort key of a tensor name with its numbers compared as numbers."""
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", name)]
+
+
 def quantized_linears(md: ModelDir) -> list[tuple[str, int, int]]:
     """(name, N, K) of every quantized linear as the checkpoint stores it, in file order of names."""
     infos = read_tensor_infos(md.path)
     out = []
-    for name in sorted(infos):
+    for name in sorted(infos, key=_natural):  # layers.2 before layers.10
         if not name.endswith(".weight_scale"):
             continue
         prefix = name.removesuffix(".weight_scale")

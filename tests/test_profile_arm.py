@@ -159,3 +159,16 @@ def test_gpu_capture_sizes_step_aside_for_the_users_graph_flags(monkeypatch):
         cmd, _ = server_command(Path("/m"), "127.0.0.1", 8000, user)
         assert not any("cudagraph_capture_sizes" in arg for arg in cmd), user
         assert cmd[-len(user):] == user
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly():
+    """`anychip profile --json | head -c 100`: the pipe closes while the command still writes; it stops with the
+    usual SIGPIPE status and no traceback (probe 49)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "anychip.cli", "profile", "--json"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()  # before the command has written anything: its first write fails
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 141 and b"Traceback" not in err and b"BrokenPipe" not in err, err[-800:]
