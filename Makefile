@@ -28,8 +28,9 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import anychip, vllm, torch; print('anychip', anychip.__version__, 'vllm', vllm.__version__, 'torch', torch.__version__)"
 	@touch $(STAMP)
 
+PORT ?= 8000
 serve: $(STAMP)
-	$(VENV)/bin/anychip serve
+	$(VENV)/bin/anychip serve --port $(PORT)
 
 # triton (no dependencies; leaves the CPU torch alone) runs the CUDA route's kernels in its interpreter and compiles
 # them for sm_90 in the tests. Not for serving on a CPU: vLLM imports it there, says it lacks a CPU backend, and

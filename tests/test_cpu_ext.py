@@ -61,3 +61,15 @@ def test_the_loaded_extension_was_built_from_the_staged_copy():
     build = cpu_ext.build_folder(envs.build_dir())
     assert (build / "src" / "w4a8_cpu.cpp").read_bytes() == cpu_ext.SOURCE.read_bytes()
     assert any(build.glob("*.so"))
+
+
+def test_a_first_build_says_so_before_its_minute_of_compiling(tmp_path, monkeypatch, capsys):
+    """probe 49: a first engine start sat silent for a minute while the kernels compiled."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: "module")
+    assert cpu_ext._build(tmp_path) == "module"
+    assert "compiling the CPU kernels for this machine" in capsys.readouterr().err
+    (cpu_ext.build_folder(tmp_path) / "anychip_w4a8_cpu.so").write_bytes(b"")
+    cpu_ext._build(tmp_path)
+    assert "compiling" not in capsys.readouterr().err

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
@@ -549,6 +550,7 @@ def run_gptq(src: str | Path, scheme: W4A8Scheme, calibration: str | Path | None
         xs = [torch.cat(xs[i:i + LAYER_BATCH]).float() for i in range(0, len(xs), LAYER_BATCH)]
         # The float model's hidden states: block tuning's targets, asymmetric calibration's reference inputs.
         floats = list(xs) if config.tune_steps or config.asymmetric else None
+        started = time.monotonic()
         for li, layer in enumerate(layers):
             kwargs = layer_kwargs[li]
             layer.to(dev, torch.float32)
@@ -582,7 +584,11 @@ def run_gptq(src: str | Path, scheme: W4A8Scheme, calibration: str | Path | None
                     t = result.tuning[-1]
                     tuned = (f" (block tuning: output error {100 * (t['mse_tuned'] / t['mse_gptq'] - 1):+.1f}%, "
                              f"{'kept' if t['kept'] else 'GPTQ kept'})") if t["mse_gptq"] > 0 else ""
-                log(f"layer {li + 1}/{len(layers)} quantized{tuned}")
+                took = time.monotonic() - started
+                left = took / (li + 1) * (len(layers) - li - 1)
+                eta = (f", about {left / 60:.0f} min left" if left >= 60 else f", about {left:.0f} s left" if left
+                       else "")
+                log(f"layer {li + 1}/{len(layers)} quantized{tuned} ({took / 60:.1f} min{eta})")
     if config.e2e_steps:
         teacher = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16, local_files_only=True,
                                                        attn_implementation="sdpa").eval().to(dev)

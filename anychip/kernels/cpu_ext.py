@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -88,6 +89,9 @@ def _build(build_dir: Path) -> ModuleType:
 
     build = build_folder(build_dir)
     src = stage_sources(build)
+    if not (build / "anychip_w4a8_cpu.so").exists():  # a minute of silence otherwise, at a first engine start
+        print(f"anychip: compiling the CPU kernels for this machine into {build} (about a minute, once per CPU kind "
+              "and torch)", file=sys.stderr, flush=True)
     try:
         return cpp_extension.load(
             name="anychip_w4a8_cpu",
