@@ -397,3 +397,23 @@ def test_gptq_settings_with_rtn_are_refused_not_ignored(tmp_path, capsys):
     assert "--samples 3, --refit 2: GPTQ's calibration settings, which --method rtn would ignore" in \
         capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_a_nan_in_a_source_linear_is_refused_not_zeroed(tiny_llama, tmp_path, capsys, method):
+    """probe 49: a NaN in a linear's BF16 weight gave its group scale 1 and codes 0, and the checkpoint verified."""
+    from safetensors.torch import load_file, save_file
+
+    from anychip.cli import main
+
+    src = Path(shutil.copytree(tiny_llama(), tmp_path / "nan"))
+    tensors = load_file(src / "model.safetensors")
+    tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = float("nan")
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    text = tmp_path / "calib.txt"  # the tiny tokenizer's words
+    text.write_text(" ".join(f"w{(i * 7) % 97}" for i in range(400)))
+    extra = ["--samples", "2", "--seq-len", "16", "--calibration", str(text)] if method == "gptq" else []
+    capsys.readouterr()
+    assert main(["quantize", str(src), str(tmp_path / "q"), "--group-size", "32", "--method", method, *extra]) == 2
+    assert "model.layers.1.mlp.up_proj.weight of the source holds nan at [3, 5]" in capsys.readouterr().err
+    assert not (tmp_path / "q").exists()

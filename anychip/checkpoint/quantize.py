@@ -178,6 +178,10 @@ def _plan(infos: dict[str, TensorInfo], scheme: W4A8Scheme) -> list[tuple[Tensor
 def _quantized_tensors(prefix: str, w: torch.Tensor, quantizer: WeightQuantizer,
                        scheme: W4A8Scheme) -> list[torch.Tensor]:
     n, k = w.shape
+    if not (finite := torch.isfinite(w)).all():  # the quantizers would give its group scale 1 and codes 0: silently
+        bad = (~finite).nonzero()[0].tolist()
+        raise AnychipError(f"{prefix}.weight of the source holds {w[bad[0], bad[1]].item()} at {bad}: the BF16 source "
+                           "is damaged; re-create or re-download it")
     wq, scales = quantizer(prefix, w)
     groups = k // scheme.group_size
     if wq.dtype != torch.int8 or tuple(wq.shape) != (n, k):

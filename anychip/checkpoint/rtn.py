@@ -40,6 +40,8 @@ def rtn_quantize(w: torch.Tensor, group_size: int, name: str = "weight") -> tupl
     """(N, K) weight -> (wq (N, K) int8 in [-8, 7], scales (N, K // G) bf16)."""
     if w.dim() != 2 or w.shape[1] % group_size:
         raise ValueError(f"{name}: rtn_quantize wants (N, K) with K divisible by {group_size}, got {tuple(w.shape)}")
+    if not torch.isfinite(w).all():  # before the scales: a NaN group's scale would read as zero and become 1
+        raise AnychipError(f"{name}: weights contain inf or nan; the BF16 source is damaged, re-create it")
     scales = group_scales(w, group_size)
     if not torch.isfinite(scales).all():
         raise AnychipError(f"{name}: weights contain inf or nan; the BF16 source is damaged, re-create it")
