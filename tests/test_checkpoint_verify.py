@@ -79,6 +79,23 @@ def test_unlisted_file(good, copy_dir):
 
 
 
+def test_a_stray_safetensors_file_that_vllm_would_load_is_refused(good, copy_dir):
+    """probe 49: with no index vLLM loads every *.safetensors of the folder; one beside model.safetensors (listed
+    in a rewritten SHA256SUMS) passed verify while vLLM would have served its tensors too."""
+    import shutil
+
+    d = copy_dir(good)
+    shutil.copyfile(d / "model.safetensors", d / "model-extra.safetensors")
+    rehash(d)
+    with pytest.raises(CheckpointFileError, match="model-extra.safetensors beside model.safetensors, with no "
+                                                  "index: vLLM would load every"):
+        verify_checkpoint(d)
+    (d / "model.safetensors").rename(d / "model-00001-of-00002.safetensors")  # shards without their index
+    rehash(d)
+    with pytest.raises(CheckpointFileError, match="without the index that names the shards"):
+        verify_checkpoint(d)
+
+
 def test_download_and_vcs_metadata_is_neither_listed_nor_required(good, copy_dir):
     """`hf download --local-dir` writes .cache/huggingface/, the Hub adds .gitattributes to every repo, a git clone
     has .git/, Finder leaves .DS_Store: a pristine checkpoint fetched those ways still verifies."""

@@ -146,6 +146,16 @@ def weight_files(directory: Path) -> list[Path]:
         files = [directory / f for f in sorted(set(_weight_map(index).values()))]
     else:
         files = [directory / SINGLE]
+        # vLLM loads every *.safetensors of a folder without an index: one beside model.safetensors would be served
+        # unchecked (Mistral's consolidated*.safetensors aside, which vLLM reads in Mistral's format instead)
+        mistral = is_mistral_format(directory)
+        stray = sorted(p.name for p in directory.glob("*.safetensors") if p.name != SINGLE
+                       and not (mistral and p.name.startswith("consolidated")))
+        if stray:
+            why = ("without the index that names the shards (model.safetensors.index.json)"
+                   if not (directory / SINGLE).exists() else "beside model.safetensors, with no index")
+            raise CheckpointFileError(f"{directory}: {', '.join(stray[:4])} {why}: vLLM would load every "
+                                      "*.safetensors file here; remove the stray files or restore the index")
     missing = [f.name for f in files if not f.is_file()]
     if missing:
         pickled = sorted(p.name for p in directory.glob("*.bin") if p.is_file())
