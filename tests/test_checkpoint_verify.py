@@ -274,3 +274,22 @@ def test_cli_verify_failure_exits_nonzero(good, copy_dir, capsys):
     assert main(["verify", str(d)]) == 2
     assert "SHA256SUMS is missing" in capsys.readouterr().err
     assert main(["verify", str(d / "nope")]) == 2
+
+
+@pytest.mark.parametrize("edit", [
+    lambda qc: qc.update(config_groups=[qc["config_groups"]["group_0"]]),
+    lambda qc: qc["config_groups"].update(group_0="W4A8"),
+    lambda qc: qc["config_groups"]["group_0"].update(weights="int4"),
+    lambda qc: qc["config_groups"]["group_0"]["weights"].update(group_size=None),
+], ids=["groups-list", "group-string", "weights-string", "group-size-null"])
+def test_a_malformed_quantization_config_is_an_error_not_a_traceback(good, copy_dir, capsys, edit):
+    """probe 49: verify named these, but routes, serve --dry-run and eval died with AttributeError / TypeError."""
+    d = copy_dir(good)
+    config = json.loads((d / "config.json").read_text())
+    edit(config["quantization_config"])
+    (d / "config.json").write_text(json.dumps(config))
+    rehash(d)
+    for argv in (["verify", str(d)], ["routes", str(d)], ["serve", str(d), "--dry-run"]):
+        rc = main(argv)
+        err = capsys.readouterr().err
+        assert rc != 0 and "Traceback" not in err and "error:" in err, (argv, err)

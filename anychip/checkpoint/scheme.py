@@ -90,19 +90,31 @@ class W4A8Scheme:
         return cfg
 
 
+def _require_object(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ContractError(f"{where} is a JSON {type(value).__name__}, not an object: config.json is damaged")
+    return value
+
+
 def scheme_from_config(config: dict[str, Any]) -> W4A8Scheme:
     """Read the W4A8 scheme back from a model's config.json dict; ContractError if it is not W4A8."""
     qc = config.get("quantization_config")
     if not qc:
         raise ContractError("config.json has no quantization_config: this is not a W4A8 checkpoint "
                             "(make one with `anychip quantize SRC DST`)")
+    _require_object(qc, "quantization_config")
     if qc.get("quant_method") != "compressed-tensors":
         raise ContractError(f"quant_method is {qc.get('quant_method')!r}, expected 'compressed-tensors'")
-    groups = qc.get("config_groups") or {}
+    groups = _require_object(qc.get("config_groups") or {}, "quantization_config.config_groups")
     if len(groups) != 1:
         raise ContractError(f"expected one config group, found {len(groups)}")
-    (group,) = groups.values()
-    w, a = group.get("weights") or {}, group.get("input_activations") or {}
+    ((name, group),) = groups.items()
+    _require_object(group, f"config_groups.{name}")
+    w = _require_object(group.get("weights") or {}, f"config_groups.{name}.weights")
+    a = _require_object(group.get("input_activations") or {}, f"config_groups.{name}.input_activations")
+    if type(w.get("group_size")) is not int:
+        raise ContractError(f"quantization_config is not W4A8: weights group_size={w.get('group_size')!r}, "
+                            "expected a whole number (32, 64 or 128)")
     checks = [
         (w.get("num_bits") == 4, f"weights num_bits={w.get('num_bits')}, expected 4"),
         (w.get("type") == "int", f"weights type={w.get('type')!r}, expected 'int'"),
