@@ -188,6 +188,25 @@ def test_header_gap_is_caught(packed, copy_dir):
         verify_checkpoint(d)
 
 
+def test_a_header_the_safetensors_library_refuses_is_refused(packed, copy_dir):
+    """probe 49: a header starting with a UTF-8 byte-order mark passed verify (json.loads skips it) while the
+    safetensors library, which vLLM loads with, refuses the file."""
+    from safetensors import safe_open
+
+    d = copy_dir(packed)
+    path = d / "model.safetensors"
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    raw = b"\xef\xbb\xbf" + data[8:8 + n]
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
+    write_manifest(d)
+    with pytest.raises(Exception):
+        safe_open(str(path), framework="pt")
+    with pytest.raises(CheckpointFileError, match="does not start with '{'"):
+        verify_checkpoint(d)
+
+
 def test_header_in_another_key_order_passes(packed, copy_dir):
     """safetensors does not order the JSON keys: only the byte ranges must tile the data."""
     d = copy_dir(packed)

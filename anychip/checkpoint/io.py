@@ -75,7 +75,11 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             (n,) = struct.unpack("<Q", raw)
             if n > min(_MAX_HEADER, size - 8):
                 raise CheckpointFileError(f"{path}: header length {n} exceeds the file ({size} bytes): truncated?")
-            header = json.loads(f.read(n))
+            text = f.read(n)
+            if not text.startswith(b"{"):  # as the safetensors library requires (json.loads would skip a BOM)
+                raise CheckpointFileError(f"{path}: the safetensors header does not start with '{{' "
+                                          f"(starts {text[:8]!r}): the safetensors library refuses it")
+            header = json.loads(text.decode("utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise CheckpointFileError(f"{path}: unreadable safetensors header ({exc})") from exc
     if not isinstance(header, dict):
