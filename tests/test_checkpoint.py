@@ -417,3 +417,24 @@ def test_a_nan_in_a_source_linear_is_refused_not_zeroed(tiny_llama, tmp_path, ca
     assert main(["quantize", str(src), str(tmp_path / "q"), "--group-size", "32", "--method", method, *extra]) == 2
     assert "model.layers.1.mlp.up_proj.weight of the source holds nan at [3, 5]" in capsys.readouterr().err
     assert not (tmp_path / "q").exists()
+
+
+@pytest.mark.parametrize("key, value", [("hidden_size", "64"), ("hidden_size", 64.0), ("num_attention_heads", 0),
+                                        ("num_hidden_layers", -1), ("quantization_config", "gptq"),
+                                        ("quantization_config", [1])])
+def test_a_damaged_source_config_is_named_before_any_work(tiny_llama, tmp_path, capsys, key, value):
+    """probe 49: these gave a ZeroDivisionError or AttributeError traceback, or an error after every tensor was
+    written naming the deleted temporary folder."""
+    import json
+
+    from anychip.cli import main
+
+    src = Path(shutil.copytree(tiny_llama(), tmp_path / "src"))
+    config = json.loads((src / "config.json").read_text())
+    config[key] = value
+    (src / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    assert main(["quantize", str(src), str(tmp_path / "q"), "--group-size", "32"]) == 2
+    err = capsys.readouterr().err
+    assert (key in err or "already quantized" in err) and "Traceback" not in err and ".tmp" not in err, err
+    assert not (tmp_path / "q").exists()

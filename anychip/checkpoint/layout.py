@@ -170,17 +170,28 @@ class DecoderDims:
     @classmethod
     def from_config(cls, config: dict[str, Any], where: str = "config.json") -> DecoderDims:
         family = family_of(config)
+
+        def whole(key: str, default: int | None = None) -> int:
+            """config[key], a whole number >= 1 (a string, float, bool, 0 or a negative number is a damaged config,
+            which would otherwise surface as a division by zero or a wrong shape after every tensor was written)."""
+            value = config.get(key) if default is not None else config[key]
+            if value is None and default is not None:
+                return default
+            if type(value) is not int or value < 1:
+                raise ContractError(f"{key} is {value!r}: a whole number of at least 1 is expected")
+            return value
+
         try:
-            hidden = int(config["hidden_size"])
-            heads = int(config["num_attention_heads"])
+            hidden = whole("hidden_size")
+            heads = whole("num_attention_heads")
             dims = cls(
-                layers=int(config["num_hidden_layers"]),
+                layers=whole("num_hidden_layers"),
                 hidden=hidden,
-                intermediate=int(config["intermediate_size"]),
+                intermediate=whole("intermediate_size"),
                 heads=heads,
-                kv_heads=int(config.get("num_key_value_heads") or heads),
-                head_dim=int(config.get("head_dim") or hidden // heads),
-                vocab=int(config["vocab_size"]),
+                kv_heads=whole("num_key_value_heads", heads),
+                head_dim=whole("head_dim", hidden // heads),
+                vocab=whole("vocab_size"),
                 tied=is_tied(config),
                 biased=family.biases(config),
                 head_norms=family.head_norms,

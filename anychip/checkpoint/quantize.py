@@ -88,8 +88,8 @@ def check_source(src: Path, scheme: W4A8Scheme) -> tuple[dict[str, Any], list[tu
     config = ModelDir.open(src).config
     check_architecture(config, f"{src}/config.json")
     dims = DecoderDims.from_config(config, f"{src}/config.json")  # the family's refusals (e.g. Qwen3 with biases)
-    if config.get("quantization_config"):
-        method = config["quantization_config"].get("quant_method")
+    if qc := config.get("quantization_config"):
+        method = qc.get("quant_method") if isinstance(qc, dict) else qc
         raise ContractError(f"{src} is already quantized ({method}): quantize from the BF16 model")
     infos = read_tensor_infos(src)
     _check_not_quantized(src, infos)
