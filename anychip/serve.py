@@ -21,6 +21,7 @@ import urllib.request
 from pathlib import Path
 
 from anychip import envs
+from anychip.checkpoint.manifest import MANIFEST
 from anychip.checkpoint.model_dir import ModelDir
 from anychip.errors import AnychipError
 from anychip.profile import build_profile
@@ -250,6 +251,16 @@ def cmd_serve(args) -> int:
 
         report = report or verify_checkpoint(model, values=args.verify == "full")
         print(report.one_line())
+    elif (model / MANIFEST).is_file() and args.verify != "none":
+        # not W4A8 by its config, but shipped with checksums: a W4A8 folder whose config.json was swapped for
+        # another must not pass for a plain model, and a BF16 release is checked as cheaply
+        from anychip.checkpoint.manifest import check_manifest
+
+        check_manifest(model)
+        print(f"verify    {MANIFEST} OK; {model} is "
+              + ("not quantized (no quantization_config): served by stock vLLM routes"
+                 if model_dir.quantization_config is None else
+                 f"quantized as {model_dir.quant_method!r}, not as anychip's W4A8: served by stock vLLM routes"))
     elif model_dir.quantization_config is None:
         print(f"note      {model} is not quantized (no quantization_config): served by stock vLLM routes")
     else:

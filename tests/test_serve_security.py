@@ -390,3 +390,20 @@ def test_the_server_imports_anychip_from_a_folder_holding_a_clone_of_it(tmp_path
     out = subprocess.run(python + ["-c", "import anychip; print(anychip.__version__)"], cwd=tmp_path,
                          capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip(), out.stderr[-500:]
+
+
+def test_a_w4a8_folder_with_another_config_fails_its_checksums_at_serve(w4a8, bf16, tmp_path, capsys):
+    """probe 49: a W4A8 folder whose config.json was replaced by the BF16 one read as a plain model: serve skipped
+    every check and would have started vLLM on it. A folder with SHA256SUMS has it checked whatever its config."""
+    import shutil
+
+    swapped = Path(shutil.copytree(w4a8, tmp_path / "swapped"))
+    shutil.copyfile(bf16 / "config.json", swapped / "config.json")
+    assert main(["serve", str(swapped), "--dry-run"]) == 2
+    assert "config.json" in capsys.readouterr().err
+    from anychip.checkpoint.manifest import write_manifest
+
+    release = Path(shutil.copytree(bf16, tmp_path / "bf16-release"))
+    write_manifest(release)  # an intact BF16 release passes the same check
+    assert main(["serve", str(release), "--dry-run"]) == 0
+    assert "SHA256SUMS OK" in capsys.readouterr().out
