@@ -88,6 +88,9 @@ def test_task_files_as_editors_write_them(tmp_path):
     path.write_text(item + "\n" + '{"id": "y", "label": 0}\n')
     with pytest.raises(EvalDataError, match=re.escape(f"{path}:2")):
         load_task(path, limit=1)
+    path.write_text(item + "\n" + "[" * 100_000 + "]" * 100_000 + "\n")  # probe 49: a RecursionError traceback
+    with pytest.raises(EvalDataError, match=re.escape(f"{path}:2: JSON nested too deep")):
+        load_task(path)
 
 
 def test_data_a_user_gets_wrong_is_named_before_any_engine_starts(tmp_path, monkeypatch, capsys):

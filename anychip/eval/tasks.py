@@ -128,6 +128,8 @@ def load_task(path: Path, limit: int | None = None) -> Task:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
             raise EvalDataError(f"{path}:{lineno}: not JSON ({exc.msg})") from exc
+        except RecursionError:  # nesting deeper than Python's parser goes: no item is shaped so
+            raise EvalDataError(f"{path}:{lineno}: JSON nested too deep to be an item") from None
         items.append(parse_item(obj, f"{path}:{lineno}"))
     items = items[:limit] if limit is not None else items
     if not items:
