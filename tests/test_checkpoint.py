@@ -438,3 +438,21 @@ def test_a_damaged_source_config_is_named_before_any_work(tiny_llama, tmp_path, 
     err = capsys.readouterr().err
     assert (key in err or "already quantized" in err) and "Traceback" not in err and ".tmp" not in err, err
     assert not (tmp_path / "q").exists()
+
+
+def test_a_group_too_small_for_a_normal_scale_is_named_with_its_place(tiny_llama, tmp_path, capsys):
+    """probe 49: weights of 1e-38 give a subnormal BF16 scale; the error said "zero, negative or not finite" with
+    no place. It names the group, the scale and the weights' magnitude there."""
+    from safetensors.torch import load_file, save_file
+
+    from anychip.cli import main
+
+    src = Path(shutil.copytree(tiny_llama(), tmp_path / "tiny"))
+    tensors = load_file(src / "model.safetensors")
+    tensors["model.layers.0.mlp.up_proj.weight"][2, :32] = 1e-38
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    capsys.readouterr()
+    assert main(["quantize", str(src), str(tmp_path / "q"), "--group-size", "32"]) == 2
+    err = capsys.readouterr().err
+    assert "model.layers.0.mlp.up_proj: quantizer returned group scale" in err and "at [2, 0]" in err, err
+    assert "subnormal" in err

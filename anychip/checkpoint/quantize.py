@@ -190,8 +190,10 @@ def _quantized_tensors(prefix: str, w: torch.Tensor, quantizer: WeightQuantizer,
         raise AnychipError(f"{prefix}: quantizer returned scales {list(scales.shape)}, expected [{n}, {groups}]")
     scales = scales.to(torch.bfloat16)
     if SCALE.any_bad(scales):  # the contract's rule (values.py), as `anychip verify` applies it
-        raise AnychipError(f"{prefix}: quantizer returned a group scale that is zero, negative or not finite; the "
-                           "W4A8 contract wants finite scales > 0")
+        row, group = SCALE.bad(scales).nonzero()[0].tolist()
+        amax = w[row, group * scheme.group_size:(group + 1) * scheme.group_size].float().abs().max().item()
+        raise AnychipError(f"{prefix}: quantizer returned group scale {scales[row, group].item():.4g} at [{row}, "
+                           f"{group}], where the weights' largest magnitude is {amax:.4g}: {SCALE.what}")
     if scheme.format == "pack-quantized":
         return [pack_int4(wq), scales, torch.tensor([n, k], dtype=torch.int64)]
     if int(wq.min()) < -8 or int(wq.max()) > 7:
