@@ -22,6 +22,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from anychip import envs
@@ -394,14 +395,16 @@ class Recorder:
                 self._written_counts = self._merge_device_counts(doc)
             return doc
 
-    def _count_totals(self, tables: dict | None = None, in_kernel: torch.Tensor | None = None) -> tuple:
+    def _count_totals(self, tables: dict | None = None, in_kernel: np.ndarray | None = None) -> tuple:
         """What the kernel-counted layers and the step hook have counted, in sums: a report whose totals differ is
         out of date (calls that landed after it was written: a GPU step's kernels after execute_model returned, the
-        warm-up's calls counted before the first step hook)."""
+        warm-up's calls counted before the first step hook). In numpy: this runs on the report thread, where a
+        torch op can leave an OpenMP team that aborts the process at exit ("terminate called without an active
+        exception": 4 of 40 exits of a script summing a tensor on a daemon thread, none with numpy)."""
         if tables is None:
             tables = {device: table.read() for device, table in self._tables.items()}
         if in_kernel is None and self._kernel_counts is not None:
-            in_kernel = self._kernel_counts.counts
+            in_kernel = self._kernel_counts.counts.numpy()
         sums = [int(t.sum()) for t in tables.values()] + ([int(in_kernel.sum())] if in_kernel is not None else [])
         return tuple(sums), tuple((p, c["forward_passes"]) for p, c in list(self._steps.items()))
 
@@ -416,7 +419,7 @@ class Recorder:
         """Kernel-counted layers' calls and rows, and the step hook's passes and tokens per phase, into `doc`;
         returns their totals (_count_totals)."""
         tables = {device: table.read() for device, table in self._tables.items()}
-        in_kernel = self._kernel_counts.counts.clone() if self._kernel_counts is not None else None
+        in_kernel = self._kernel_counts.counts.numpy().copy() if self._kernel_counts is not None else None
         rows = {layer_id: tables[counter.cell.device][layer_id]
                 for layer_id, counter in self._counters.items() if counter is not None}
         rows |= {layer_id: in_kernel[layer_id] for layer_id in self._in_kernel}
@@ -485,7 +488,7 @@ class _DeviceTable:
             self.slot.fill_(hooks.SLOTS.index(phase))
             self._phase = phase
 
-    def read(self) -> torch.Tensor:
+    def read(self) -> np.ndarray:
         """A host copy of counts, made on a side stream so that the engine's stream never waits for it."""
         with self._read_lock:
             if self._stream is None:
@@ -493,7 +496,7 @@ class _DeviceTable:
             with torch.cuda.stream(self._stream):
                 self._host.copy_(self.counts, non_blocking=True)
             self._stream.synchronize()
-            return self._host.clone()
+            return self._host.numpy().copy()  # numpy from here on: see Recorder._count_totals
 
 
 _recorder: Recorder | None = None
