@@ -399,7 +399,8 @@ def cmd_check(args) -> int:
     ranks = f" on each of {len(docs)} tensor-parallel ranks" if len(docs) > 1 else ""
     fallback = stats.get("fallback_linears") or 0
     linears = (stats.get("prepared_linears") or 0) + fallback
-    print(f"coverage check PASSED for {path}: {linears} linears{ranks} on "
-          f"{', '.join(routes)}{f' ({fallback} as fallback)' if fallback else ''}; phases {', '.join(sorted(docs[0]['phases']))}; "
+    as_fallback = f" ({fallback} as fallback)" if fallback else ""
+    print(f"coverage check PASSED for {path}: {linears} linears{ranks} on {', '.join(routes)}{as_fallback}; "
+          f"phases {', '.join(sorted(docs[0]['phases']))}; "
           f"head {docs[0]['head_route'].get('route') or docs[0]['head_route'].get('head')}")
     return 0

@@ -4,7 +4,6 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 from vllm import LLM, SamplingParams
 model, mode, out = sys.argv[1:4]
-text = open("/work/main/anychip/data/" + [f for f in os.listdir("/work/main/anychip/data") if f.endswith(".txt")][0]).read() if False else None
 prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "In the beginning God created the heaven and the earth. And the earth was without form, and void; " * 6]
 llm = LLM(model, enforce_eager=(mode == "eager"), max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=1024,
