@@ -257,13 +257,10 @@ def cmd_serve(args) -> int:
         from anychip.checkpoint.manifest import check_manifest
 
         check_manifest(model)
-        print(f"verify    {MANIFEST} OK; {model} is "
-              + ("not quantized (no quantization_config): served by stock vLLM routes"
-                 if model_dir.quantization_config is None else
-                 f"quantized as {model_dir.quant_method!r}, not as anychip's W4A8: served by stock vLLM routes"))
-    elif model_dir.quantization_config is None:
+        print(f"verify    {MANIFEST} OK")
+    if not is_w4a8 and model_dir.quantization_config is None:
         print(f"note      {model} is not quantized (no quantization_config): served by stock vLLM routes")
-    else:
+    elif not is_w4a8:
         print(f"note      {model} is quantized as {model_dir.quant_method!r}, not as anychip's W4A8: served by stock "
               "vLLM routes; anychip's kernels, strict mode and coverage do not apply to it")
     # the port in the default name: two servers of one model, or of two folders of one name, keep two reports

@@ -42,7 +42,5 @@ def rtn_quantize(w: torch.Tensor, group_size: int, name: str = "weight") -> tupl
         raise ValueError(f"{name}: rtn_quantize wants (N, K) with K divisible by {group_size}, got {tuple(w.shape)}")
     if not torch.isfinite(w).all():  # before the scales: a NaN group's scale would read as zero and become 1
         raise AnychipError(f"{name}: weights contain inf or nan; the BF16 source is damaged, re-create it")
-    scales = group_scales(w, group_size)
-    if not torch.isfinite(scales).all():
-        raise AnychipError(f"{name}: weights contain inf or nan; the BF16 source is damaged, re-create it")
+    scales = group_scales(w, group_size)  # finite: amax / 7 of finite weights
     return quantize_with_scales(w, scales), scales

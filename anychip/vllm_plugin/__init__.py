@@ -50,10 +50,11 @@ def register() -> None:
 
     def check_gpu_model(model, vllm_config) -> None:  # what cpu_attention's load hook checks on a CPU
         if serves(vllm_config):
+            from anychip.vllm_plugin import recorder
             from anychip.vllm_plugin.scheme import check_float_weights
 
             check_float_weights(model)
-            cpu_attention.note_model(model, vllm_config)
+            recorder.note_model(model, vllm_config)
 
     compat.install_gpu_model_hook(check_gpu_model)
     graphs.install(serves)  # on a GPU, CUDA graphs for prefill steps too

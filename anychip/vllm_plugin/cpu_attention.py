@@ -83,22 +83,15 @@ def install(serves: Callable[[Any], bool]) -> bool:
 
     def on_model(model: torch.nn.Module, vllm_config: Any) -> None:
         if serves(vllm_config):
+            from anychip.vllm_plugin import recorder
             from anychip.vllm_plugin.scheme import check_float_weights
 
             check_float_weights(model)
-            note_model(model, vllm_config)
+            recorder.note_model(model, vllm_config)
             adopt(model, vllm_config)
 
     _model_hook = compat.install_cpu_model_hook(on_model)
     return _model_hook
-
-
-def note_model(model: torch.nn.Module, vllm_config: Any) -> None:
-    """The loaded model to the engine's coverage recorder (its module names; whether the config ties the head)."""
-    from anychip.vllm_plugin import recorder
-
-    if recorder._recorder is not None:
-        recorder._recorder.note_model(model, vllm_config)
 
 
 def ineligible(layer: Any, vllm_config: Any) -> str | None:

@@ -269,10 +269,7 @@ class Recorder:
         weight = getattr(used, "weight", None)
         tied = next((n for n, m in modules if m is not used and weight is not None
                      and getattr(m, "weight", None) is weight), "")
-        # the embeddings as the served model names them: vLLM hands some of them over with a shorter prefix
-        # (Llama's input embedding: none), which made one module two names in reports of different routes
-        full = {key: next((n for n, m in modules if m is ref()), key) for key, ref in self._embeddings.items()
-                if ref() is not None}
+        full = self._served_names(modules)
         with self._lock:
             self._used_name = name
             self._tied_name = tied
@@ -350,6 +347,12 @@ class Recorder:
             self._device_dirty = True
             self._last_step = time.monotonic()
 
+    def _served_names(self, modules: list[tuple[str, Any]]) -> dict[str, str]:
+        """The noted embeddings as the served model names them: vLLM hands some over with a shorter prefix (Llama's
+        input embedding: none), which made one module two names in reports of different routes."""
+        return {key: next((n for n, m in modules if m is ref()), key) for key, ref in self._embeddings.items()
+                if ref() is not None}
+
     def note_model(self, model: Any, vllm_config: Any) -> None:
         """The loaded model (the model runners' load hooks): the noted embeddings named as the served model names
         them (vLLM hands Llama's input embedding over with no prefix), and whether the config ties the head, which
@@ -360,9 +363,9 @@ class Recorder:
         weight = getattr(head, "weight", None)
         tied = next((n for n, m in modules if m is not head and weight is not None
                      and getattr(m, "weight", None) is weight), "")  # an embedding the config never saw (Gemma)
+        full = self._served_names(modules)
         with self._lock:
-            self._full_names.update({key: next((n for n, m in modules if m is ref()), key)
-                                     for key, ref in self._embeddings.items() if ref() is not None})
+            self._full_names.update(full)
             self._tied_config = compat.ties_word_embeddings(vllm_config)
             self._tied_name = self._tied_name or tied
             self.coverage.dirty = True
@@ -512,6 +515,12 @@ class EngineRefusal(AnychipError, RuntimeError):
         super().__init__(message)
         if _recorder is not None:
             _recorder.note_refusal(message)
+
+
+def note_model(model: torch.nn.Module, vllm_config: Any) -> None:
+    """The model runners' load hooks: the loaded model to this process's recorder, if any (Recorder.note_model)."""
+    if _recorder is not None:
+        _recorder.note_model(model, vllm_config)
 
 
 def get_recorder() -> Recorder:
